@@ -1,0 +1,224 @@
+// HoldTable: one P worker's hold on the KV of transfers that D will pull (SPEC §2, §4).
+//
+// Sans-IO: no sockets, threads or clock reads; every call takes `now`, and the caller drains
+// the decisions with TakeEvents() and acts on them (free blocks, abort a prefill, answer pulls).
+// Not thread-safe: one owner (the P worker's control thread) drives it.
+//
+// An entry's life:
+//
+//   (pull before admit) kPlaceholder ──Admit──▶ kPrefilling ──PrefillDone──▶ kReady
+//                              │                     │                          │
+//                              └──── wait deadline, dead decoder, abort ───────┴── sent ==
+//                              need_send,
+//                                                                                   lease/timeout
+//                                                                                   expiry
+//   Every way out removes the entry and leaves a tombstone, so a later pull fails at once.
+//
+// Deadlines (all in this process's clock):
+//   kReady:       expire = prefill_done + (lease or abort_request_timeout); a renewal sets
+//                 expire = max(expire, now + 2/3·lease). A send in flight defers expiry.
+//   wait:         a pull that waits for an unfinished prefill fails at first_wait + abort_timeout.
+//   dead decoder: with a lease, an entry renewed at least once and not prefilled is dropped
+//                 (its prefill aborted) at last_renewal + lease.
+//
+// The expiry pass uses a min-heap whose key never exceeds the entry's real deadline: renewals
+// only lengthen deadlines and do not touch the heap; a popped entry whose real deadline moved is
+// pushed back. So no entry is stranded behind a renewed one (vLLM #58222), and a pass costs
+// O((expired + moved) · log n) instead of a scan of every entry.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "kvferry/core/ids.h"
+#include "kvferry/core/time.h"
+#include "kvferry/status.h"
+
+namespace kvferry::core {
+
+struct HoldConfig {
+  // kv_connector_extra_config.kv_lease_duration. Zero: the lease is off and P keeps today's
+  // fixed timeout (abort_request_timeout) and rejects renewals.
+  Duration lease{0};
+  // abort_request_timeout: the fixed hold without a lease, the bound on waiting for an unfinished
+  // prefill, and how long freed ids are remembered (tombstones).
+  Duration abort_request_timeout = std::chrono::seconds(480);
+  // Tombstones beyond this are evicted oldest first (counted in stats).
+  std::size_t max_tombstones = 1 << 20;
+
+  bool lease_enabled() const { return lease.count() > 0; }
+  Duration renewal_extension() const { return lease * 2 / 3; }
+};
+
+enum class HoldPhase : std::uint8_t {
+  kPlaceholder,  // a pull arrived before P admitted the request
+  kPrefilling,   // admitted, prefill not finished
+  kReady,        // blocks final, D may pull
+};
+
+// Why an entry left the table. Each is terminal and reached exactly once per entry.
+enum class ReleaseReason : std::uint8_t {
+  kSent,             // every paired D rank pulled it
+  kExpired,          // lease (or fixed timeout) ran out on a ready entry
+  kDeadDecoder,      // renewed, then not renewed for a whole lease, before prefill finished
+  kWaitTimeout,      // a pull waited abort_request_timeout for a prefill that never finished
+  kLeaseMismatch,    // a pull declared a different lease; D failed the request
+  kAbortedByEngine,  // P's engine aborted or finished the request without a send
+};
+const char* ToString(ReleaseReason reason);
+
+struct HoldEvent {
+  enum class Kind : std::uint8_t {
+    kFreeBlocks,    // phase was kReady: return the request's blocks to the pool
+    kAbortPrefill,  // phase was kPrefilling: stop the request; nobody will pull it
+    kPullsReady,    // pulls waiting on this transfer can send now
+    kPullsFailed,   // pulls waiting on this transfer fail with `status`
+  };
+  Kind kind;
+  TransferId id;
+  std::uint64_t handle = 0;  // the engine's cookie given to Admit (0 for placeholders)
+  ReleaseReason reason = ReleaseReason::kSent;
+  Status status;  // for kPullsFailed
+};
+
+// What a pull should do now.
+struct PullAdmission {
+  enum class Verdict : std::uint8_t { kReady, kWait, kFail };
+  Verdict verdict;
+  Status error;            // for kFail: the reason listed in the pull's `err`
+  TimePoint wait_until{};  // for kWait: when the wait fails (also reported as kPullsFailed)
+};
+
+struct HoldStats {
+  std::size_t entries[3] = {0, 0, 0};  // by HoldPhase
+  std::uint64_t blocks_ready = 0;      // blocks held by kReady entries
+  std::uint64_t sending = 0;           // sends in flight
+  std::size_t tombstones = 0;
+  std::uint64_t released[6] = {};  // by ReleaseReason
+  std::uint64_t renewals_extended = 0;
+  std::uint64_t renewals_unknown = 0;
+  std::uint64_t renewals_rejected = 0;
+  std::uint64_t late_pulls_rejected = 0;  // pulls for a tombstoned id
+  std::uint64_t tombstone_hits = 0;       // any call that found a tombstone
+  std::uint64_t tombstones_evicted = 0;
+};
+
+class HoldTable {
+ public:
+  explicit HoldTable(HoldConfig config);
+  HoldTable(const HoldTable&) = delete;
+  HoldTable& operator=(const HoldTable&) = delete;
+
+  const HoldConfig& config() const { return config_; }
+
+  // P's engine admitted the request. `handle` is echoed in events (the engine's request cookie).
+  // A placeholder created by an earlier pull is adopted. Errors: kTombstoned (the transfer was
+  // already freed: the engine should not spend compute on it), kAlreadyExists.
+  Status Admit(const TransferId& id, std::uint64_t handle, TimePoint now);
+
+  // Prefill finished; `num_blocks` blocks are now held for D. Starts the lease (or timeout) and
+  // releases waiting pulls (kPullsReady). Errors: kTombstoned / kNotFound, meaning nobody will
+  // pull this KV: the caller frees the blocks at once.
+  Status PrefillDone(const TransferId& id, std::uint32_t num_blocks, TimePoint now);
+
+  // P's engine aborted the request or finished it without KV to send. Releases the entry
+  // (kAbortedByEngine; waiting pulls fail) without emitting kFreeBlocks/kAbortPrefill, since
+  // the engine already owns that cleanup. Unknown ids are ignored.
+  void EngineFinished(const TransferId& id, TimePoint now);
+
+  // Renewal of the transfers named by fingerprints. Only known transfers are extended, never
+  // shortened. Error kRejected when this P has no lease (D then warns once and keeps pulling).
+  struct RenewResult {
+    std::uint32_t extended = 0;
+    std::uint32_t unknown = 0;
+  };
+  Result<RenewResult> Renew(std::span<const Fingerprint> ids, TimePoint now);
+
+  // A pull for `id` from the D rank `d_rank`, which expects `need_send` D ranks in total to pull
+  // this transfer from this P worker. `d_lease` is the lease D declared (nullopt: D did not
+  // say). Unknown ids get a placeholder and wait. Fails at once for tombstoned ids and lease
+  // mismatches (which also release the entry: D fails the request and will not pull it again).
+  PullAdmission AdmitPull(const TransferId& id, std::uint32_t d_rank, std::uint32_t need_send,
+                          std::optional<Duration> d_lease, TimePoint now);
+
+  // The pull of `d_rank` starts writing (entry must be kReady). A send in flight defers expiry.
+  Status BeginSend(const TransferId& id, std::uint32_t d_rank, TimePoint now);
+  // The write of `d_rank` ended. A failed send does not count; once every paired D rank has
+  // succeeded the entry is released (kSent) and kFreeBlocks emitted.
+  Status EndSend(const TransferId& id, std::uint32_t d_rank, bool ok, TimePoint now);
+
+  // The expiry pass: releases every entry whose deadline is <= now and drops old tombstones.
+  void Expire(TimePoint now);
+  // The earliest time at which Expire has work (kNever if none). A runtime sleeps until then.
+  TimePoint NextDeadline() const;
+
+  // Decisions made since the last call, in order.
+  std::vector<HoldEvent> TakeEvents();
+
+  bool Contains(const TransferId& id) const;
+  std::optional<HoldPhase> PhaseOf(const TransferId& id) const;
+  // The deadline the entry is held to now (kNever while a send is in flight), for tests.
+  std::optional<TimePoint> DeadlineOf(const TransferId& id) const;
+  bool IsTombstoned(const TransferId& id) const;
+  const HoldStats& stats() const { return stats_; }
+  std::size_t size() const { return entries_.size(); }
+
+ private:
+  static constexpr std::uint32_t kNotInHeap = UINT32_MAX;
+
+  struct Entry {
+    TransferId id;
+    std::uint64_t handle = 0;
+    TimePoint expire = kNever;         // kReady only
+    TimePoint wait_deadline = kNever;  // while pulls wait for the prefill
+    TimePoint last_renewal = kNever;   // kNever: never renewed
+    std::uint64_t sent_mask = 0;       // D ranks that pulled successfully (ranks < 64)
+    std::uint32_t heap_pos = kNotInHeap;
+    std::uint32_t num_blocks = 0;
+    std::uint16_t need_send = 0;  // 0 until the first pull says
+    std::uint16_t sending = 0;
+    std::uint16_t waiting_pulls = 0;
+    HoldPhase phase = HoldPhase::kPlaceholder;
+  };
+  struct HeapItem {
+    TimePoint key;
+    Entry* entry;
+  };
+  struct Tombstone {
+    TimePoint until;
+    Fingerprint fp;
+  };
+  using Map = std::unordered_map<Fingerprint, Entry>;
+
+  Entry* Find(const TransferId& id);
+  const Entry* Find(const TransferId& id) const;
+  TimePoint RealDeadline(const Entry& e) const;
+  // Moves the entry's heap key down to its real deadline if that is earlier (never up).
+  void Rearm(Entry& e);
+  void Release(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now);
+  void AddTombstone(Fingerprint fp, TimePoint now);
+  void ExpireTombstones(TimePoint now);
+
+  void HeapPush(Entry& e, TimePoint key);
+  void HeapRemove(Entry& e);
+  void HeapUpdateKey(Entry& e, TimePoint key);
+  void SiftUp(std::uint32_t pos);
+  void SiftDown(std::uint32_t pos);
+  void HeapSet(std::uint32_t pos, HeapItem item);
+
+  HoldConfig config_;
+  Map entries_;
+  std::vector<HeapItem> heap_;
+  std::deque<Tombstone> tombstone_order_;
+  std::unordered_set<Fingerprint> tombstones_;
+  std::vector<HoldEvent> events_;
+  HoldStats stats_;
+};
+
+}  // namespace kvferry::core

@@ -1,0 +1,101 @@
+// kvferry's one error model: a Status (code + human-readable reason) and Result<T>, which is
+// either a T or the Status that explains why there is none.
+//
+// Every fallible call in kvferry returns one of these; none throws across a module boundary.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <tl/expected.hpp>
+#include <utility>
+
+namespace kvferry {
+
+enum class ErrorCode : std::uint8_t {
+  kOk = 0,
+  kInvalidArgument,    // malformed input; nothing was changed
+  kNotFound,           // unknown id
+  kAlreadyExists,      // a conflicting registration or a second terminal event
+  kOutOfRange,         // a size, id or address outside what is registered or allowed
+  kTimeout,            // a deadline passed
+  kUnavailable,        // a peer cannot be reached (or died)
+  kRejected,           // a peer understood the request and refused it (e.g. renewals without lease)
+  kLeaseMismatch,      // P and D disagree on kv_lease_duration
+  kTombstoned,         // the transfer was freed earlier: a late pull
+  kProtocol,           // the wire message violates the protocol (version, type, limits)
+  kResourceExhausted,  // a bounded structure is full
+  kCancelled,          // shut down or aborted before completion
+  kInternal,           // a bug: an invariant failed
+};
+
+constexpr std::string_view ToString(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kOk:
+      return "OK";
+    case ErrorCode::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case ErrorCode::kNotFound:
+      return "NOT_FOUND";
+    case ErrorCode::kAlreadyExists:
+      return "ALREADY_EXISTS";
+    case ErrorCode::kOutOfRange:
+      return "OUT_OF_RANGE";
+    case ErrorCode::kTimeout:
+      return "TIMEOUT";
+    case ErrorCode::kUnavailable:
+      return "UNAVAILABLE";
+    case ErrorCode::kRejected:
+      return "REJECTED";
+    case ErrorCode::kLeaseMismatch:
+      return "LEASE_MISMATCH";
+    case ErrorCode::kTombstoned:
+      return "TOMBSTONED";
+    case ErrorCode::kProtocol:
+      return "PROTOCOL";
+    case ErrorCode::kResourceExhausted:
+      return "RESOURCE_EXHAUSTED";
+    case ErrorCode::kCancelled:
+      return "CANCELLED";
+    case ErrorCode::kInternal:
+      return "INTERNAL";
+  }
+  return "UNKNOWN";
+}
+
+class [[nodiscard]] Status {
+ public:
+  Status() = default;  // OK
+  Status(ErrorCode code, std::string message) : code_(code), message_(std::move(message)) {}
+
+  static Status Ok() { return Status(); }
+
+  bool ok() const { return code_ == ErrorCode::kOk; }
+  ErrorCode code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+  // "TIMEOUT: prefill of xfer-1 not done within 480 s"
+  std::string ToString() const {
+    if (ok()) return "OK";
+    std::string out(kvferry::ToString(code_));
+    if (!message_.empty()) out.append(": ").append(message_);
+    return out;
+  }
+
+  friend bool operator==(const Status& a, const Status& b) {
+    return a.code_ == b.code_ && a.message_ == b.message_;
+  }
+
+ private:
+  ErrorCode code_ = ErrorCode::kOk;
+  std::string message_;
+};
+
+template <typename T>
+using Result = tl::expected<T, Status>;
+
+inline tl::unexpected<Status> Err(ErrorCode code, std::string message) {
+  return tl::unexpected<Status>(Status(code, std::move(message)));
+}
+
+}  // namespace kvferry
