@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds kvferry and runs every test. The README's test command; CI runs it too (.ci/run).
+#
+#   scripts/test.sh            install packages, build (build/), run ctest, then the core and
+#                              wire tests again under AddressSanitizer + UndefinedBehaviorSanitizer
+#                              (build-asan/), and a bounded fuzz run when clang is present.
+#
+# Environment: JOBS (default: nproc), KVFERRY_SKIP_ASAN=1, KVFERRY_SKIP_FUZZ=1, FUZZ_SECONDS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/install-deps.sh
+
+jobs=${JOBS:-$(nproc)}
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+
+echo "== build (build/)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build -j "$jobs"
+
+echo "== tests"
+(cd build && ctest --output-on-failure -j "$jobs" --timeout 300)
+
+if [ "${KVFERRY_SKIP_ASAN:-0}" != 1 ]; then
+  echo "== sanitizers: core and wire tests under ASan + UBSan (build-asan/)"
+  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=ON \
+    -DKVFERRY_BENCH=OFF -DKVFERRY_MODULES="core;wire" >/dev/null
+  cmake --build build-asan -j "$jobs"
+  (cd build-asan && ctest --output-on-failure -j "$jobs" --timeout 300)
+fi
+
+if [ "${KVFERRY_SKIP_FUZZ:-0}" != 1 ] && command -v clang++ >/dev/null && [ -x scripts/fuzz.sh ]; then
+  echo "== bounded fuzzing of every decoder"
+  scripts/fuzz.sh
+fi
+echo "== all tests passed"
