@@ -67,7 +67,7 @@ bool HoldTable::IsTombstoned(const TransferId& id) const {
 }
 
 TimePoint HoldTable::RealDeadline(const Entry& e) const {
-  if (e.phase == HoldPhase::kReady) return e.sending > 0 ? kNever : e.expire;
+  if (e.phase == HoldPhase::kReady) return e.sending_mask != 0 ? kNever : e.expire;
   TimePoint deadline = e.waiting_pulls > 0 ? e.wait_deadline : kNever;
   if (config_.lease_enabled() && e.last_renewal != kNever) {
     deadline = std::min(deadline, e.last_renewal + config_.lease);
@@ -133,8 +133,19 @@ Status HoldTable::PrefillDone(const TransferId& id, std::uint32_t num_blocks, Ti
 void HoldTable::EngineFinished(const TransferId& id, TimePoint now) {
   Entry* e = Find(id);
   if (e == nullptr) return;
-  Release(*e, ReleaseReason::kAbortedByEngine,
-          Status(ErrorCode::kCancelled, fmt::format("transfer {} was aborted on P", id)), now);
+  ReleaseOrDoom(*e, ReleaseReason::kAbortedByEngine,
+                Status(ErrorCode::kCancelled, fmt::format("transfer {} was aborted on P", id)),
+                now);
+}
+
+void HoldTable::ReleaseOrDoom(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now) {
+  if (e.sending_mask == 0) {
+    Release(e, reason, std::move(pull_error), now);
+    return;
+  }
+  // A write is reading the blocks: release when it ends (EndSend), whatever it reports.
+  e.doomed = true;
+  e.doom_reason = reason;
 }
 
 Result<HoldTable::RenewResult> HoldTable::Renew(std::span<const Fingerprint> ids, TimePoint now) {
@@ -192,7 +203,7 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
     Status error(ErrorCode::kLeaseMismatch,
                  fmt::format("kv_lease_duration mismatch for {}: decoder has {}, prefiller has {}",
                              id, LeaseText(d_lease), LeaseText(config_.lease)));
-    if (Entry* e = Find(id)) Release(*e, ReleaseReason::kLeaseMismatch, error, now);
+    if (Entry* e = Find(id)) ReleaseOrDoom(*e, ReleaseReason::kLeaseMismatch, error, now);
     return {V::kFail, error, {}};
   }
   auto [it, inserted] = entries_.try_emplace(fp);
@@ -207,8 +218,13 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
                    fmt::format("transfer {} collides with live transfer {}", id, e.id)),
             {}};
   }
+  if (e.doomed) {
+    return {V::kFail,
+            Status(ErrorCode::kCancelled, fmt::format("transfer {} is being released", id)),
+            {}};
+  }
   if (e.need_send == 0) e.need_send = static_cast<std::uint16_t>(need_send);
-  if ((e.sent_mask >> d_rank) & 1) {
+  if (((e.sent_mask | e.sending_mask) >> d_rank) & 1) {
     return {V::kFail,
             Status(ErrorCode::kAlreadyExists,
                    fmt::format("transfer {} already sent to decoder rank {}", id, d_rank)),
@@ -231,11 +247,15 @@ Status HoldTable::BeginSend(const TransferId& id, std::uint32_t d_rank, TimePoin
   if (e->phase != HoldPhase::kReady) {
     return Status(ErrorCode::kInvalidArgument, fmt::format("transfer {} is not ready", id));
   }
-  if (d_rank >= 64 || ((e->sent_mask >> d_rank) & 1)) {
-    return Status(ErrorCode::kAlreadyExists,
-                  fmt::format("transfer {} already sent to decoder rank {}", id, d_rank));
+  if (d_rank >= 64 || (((e->sent_mask | e->sending_mask) >> d_rank) & 1)) {
+    return Status(
+        ErrorCode::kAlreadyExists,
+        fmt::format("transfer {} already sent or sending to decoder rank {}", id, d_rank));
   }
-  ++e->sending;
+  if (e->doomed) {
+    return Status(ErrorCode::kCancelled, fmt::format("transfer {} is being released", id));
+  }
+  e->sending_mask |= std::uint64_t{1} << d_rank;
   ++stats_.sending;
   // With a send in flight the deadline is kNever: the heap key stays a valid lower bound.
   return Status::Ok();
@@ -243,18 +263,24 @@ Status HoldTable::BeginSend(const TransferId& id, std::uint32_t d_rank, TimePoin
 
 Status HoldTable::EndSend(const TransferId& id, std::uint32_t d_rank, bool ok, TimePoint now) {
   Entry* e = Find(id);
-  if (e == nullptr || e->phase != HoldPhase::kReady || e->sending == 0 || d_rank >= 64) {
+  const std::uint64_t bit = d_rank < 64 ? std::uint64_t{1} << d_rank : 0;
+  if (e == nullptr || (e->sending_mask & bit) == 0) {
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("transfer {}: no send in flight for decoder rank {}", id, d_rank));
   }
-  --e->sending;
+  e->sending_mask &= ~bit;
   --stats_.sending;
-  if (ok) e->sent_mask |= std::uint64_t{1} << d_rank;
+  if (ok) e->sent_mask |= bit;
   if (e->need_send > 0 && std::popcount(e->sent_mask) >= e->need_send) {
     Release(*e, ReleaseReason::kSent, {}, now);
     return Status::Ok();
   }
-  if (e->sending == 0) Rearm(*e);  // expiry was deferred while sending
+  if (e->sending_mask != 0) return Status::Ok();
+  if (e->doomed) {
+    Release(*e, e->doom_reason, Status(ErrorCode::kCancelled, "transfer released"), now);
+    return Status::Ok();
+  }
+  Rearm(*e);  // expiry was deferred while sending
   return Status::Ok();
 }
 
@@ -318,17 +344,15 @@ void HoldTable::Release(Entry& e, ReleaseReason reason, Status pull_error, TimeP
   if (e.waiting_pulls > 0) {
     events_.push_back({HoldEvent::Kind::kPullsFailed, e.id, e.handle, reason, pull_error});
   }
-  if (reason != ReleaseReason::kAbortedByEngine) {
-    if (e.phase == HoldPhase::kReady) {
-      events_.push_back({HoldEvent::Kind::kFreeBlocks, e.id, e.handle, reason, {}});
-    } else if (e.phase == HoldPhase::kPrefilling) {
-      events_.push_back({HoldEvent::Kind::kAbortPrefill, e.id, e.handle, reason, {}});
-    }
+  if (e.phase == HoldPhase::kReady) {
+    events_.push_back({HoldEvent::Kind::kFreeBlocks, e.id, e.handle, reason, {}});
+  } else if (e.phase == HoldPhase::kPrefilling && reason != ReleaseReason::kAbortedByEngine) {
+    events_.push_back({HoldEvent::Kind::kAbortPrefill, e.id, e.handle, reason, {}});
   }
   ++stats_.released[static_cast<int>(reason)];
   --stats_.entries[static_cast<int>(e.phase)];
   if (e.phase == HoldPhase::kReady) stats_.blocks_ready -= e.num_blocks;
-  stats_.sending -= e.sending;
+  stats_.sending -= static_cast<std::uint64_t>(std::popcount(e.sending_mask));
   if (e.heap_pos != kNotInHeap) HeapRemove(e);
   const Fingerprint fp = FingerprintOf(e.id);
   entries_.erase(fp);

@@ -342,15 +342,53 @@ TEST(HoldTableRules, LeaseMismatchDecoderOnPrefillerOff) {
   EXPECT_EQ(t.AdmitPull("y", 0, 1, std::nullopt, t0).verdict, Verdict::kReady);
 }
 
-TEST(HoldTableRules, EngineAbortReleasesWithoutDoubleFree) {
+TEST(HoldTableRules, EngineAbortBeforePrefillLeavesCleanupToEngine) {
   HoldTable t(LeaseConfig(30));
-  MakeReady(t, "x", t0);
+  ASSERT_TRUE(t.Admit("x", 1, t0).ok());
+  ASSERT_EQ(t.AdmitPull("x", 0, 1, seconds(30), t0).verdict, Verdict::kWait);
   t.EngineFinished("x", t0 + seconds(1));
   EXPECT_FALSE(t.Contains("x"));
-  EXPECT_TRUE(t.TakeEvents().empty()) << "the engine frees its own blocks on abort";
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 1u) << "only the waiting pull is answered; the engine owns the blocks";
+  EXPECT_EQ(events[0].kind, Kind::kPullsFailed);
   t.Expire(t0 + seconds(100));
   EXPECT_TRUE(t.TakeEvents().empty()) << "terminal exactly once";
   EXPECT_TRUE(t.IsTombstoned("x"));
+}
+
+TEST(HoldTableRules, EngineAbortOfReadyEntryFreesOnlyAfterSendEnds) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 0, t0).ok());
+  t.EngineFinished("x", t0 + seconds(1));
+  EXPECT_TRUE(t.TakeEvents().empty()) << "a write is reading the blocks";
+  EXPECT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0 + seconds(1)).verdict, Verdict::kFail);
+  ASSERT_TRUE(t.EndSend("x", 0, true, t0 + seconds(2)).ok());
+  EXPECT_TRUE(HasEvent(t.TakeEvents(), Kind::kFreeBlocks, "x", ReleaseReason::kAbortedByEngine));
+  EXPECT_FALSE(t.Contains("x"));
+}
+
+TEST(HoldTableRules, LeaseMismatchDuringSendDefersTheFree) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, seconds(30), t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 0, t0).ok());
+  EXPECT_EQ(t.AdmitPull("x", 1, 2, seconds(5), t0).error.code(), ErrorCode::kLeaseMismatch);
+  EXPECT_TRUE(t.TakeEvents().empty());
+  ASSERT_TRUE(t.EndSend("x", 0, true, t0).ok());
+  EXPECT_TRUE(HasEvent(t.TakeEvents(), Kind::kFreeBlocks, "x", ReleaseReason::kLeaseMismatch));
+}
+
+TEST(HoldTableRules, OneSendPerDecoderRankAtATime) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 0, t0).ok());
+  EXPECT_EQ(t.BeginSend("x", 0, t0).code(), ErrorCode::kAlreadyExists);
+  EXPECT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, t0).verdict, Verdict::kFail);
+  EXPECT_EQ(t.EndSend("x", 1, true, t0).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(t.stats().sending, 1u);
 }
 
 TEST(HoldTableRules, NextDeadlineIsALowerBound) {

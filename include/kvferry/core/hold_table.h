@@ -127,9 +127,11 @@ class HoldTable {
   // pull this KV: the caller frees the blocks at once.
   Status PrefillDone(const TransferId& id, std::uint32_t num_blocks, TimePoint now);
 
-  // P's engine aborted the request or finished it without KV to send. Releases the entry
-  // (kAbortedByEngine; waiting pulls fail) without emitting kFreeBlocks/kAbortPrefill, since
-  // the engine already owns that cleanup. Unknown ids are ignored.
+  // P's engine aborted the request. Before prefill is done the engine owns the request's
+  // blocks: the entry is released at once (kAbortedByEngine; waiting pulls fail) with no
+  // kAbortPrefill. Once kReady the table owns the blocks (the engine handed them over, like
+  // vLLM's delay-free): kFreeBlocks follows, but only after any send reading them has ended.
+  // Unknown ids are ignored.
   void EngineFinished(const TransferId& id, TimePoint now);
 
   // Renewal of the transfers named by fingerprints. Only known transfers are extended, never
@@ -147,7 +149,8 @@ class HoldTable {
   PullAdmission AdmitPull(const TransferId& id, std::uint32_t d_rank, std::uint32_t need_send,
                           std::optional<Duration> d_lease, TimePoint now);
 
-  // The pull of `d_rank` starts writing (entry must be kReady). A send in flight defers expiry.
+  // The pull of `d_rank` starts writing (entry must be kReady, and no other send of that rank
+  // in flight). A send in flight defers every release of the entry: its blocks are being read.
   Status BeginSend(const TransferId& id, std::uint32_t d_rank, TimePoint now);
   // The write of `d_rank` ended. A failed send does not count; once every paired D rank has
   // succeeded the entry is released (kSent) and kFreeBlocks emitted.
@@ -179,12 +182,16 @@ class HoldTable {
     TimePoint wait_deadline = kNever;  // while pulls wait for the prefill
     TimePoint last_renewal = kNever;   // kNever: never renewed
     std::uint64_t sent_mask = 0;       // D ranks that pulled successfully (ranks < 64)
+    std::uint64_t sending_mask = 0;    // D ranks whose write is in flight
     std::uint32_t heap_pos = kNotInHeap;
     std::uint32_t num_blocks = 0;
     std::uint16_t need_send = 0;  // 0 until the first pull says
-    std::uint16_t sending = 0;
     std::uint16_t waiting_pulls = 0;
     HoldPhase phase = HoldPhase::kPlaceholder;
+    // Set when the entry must go (engine abort, lease mismatch) while a send still reads its
+    // blocks: it is released with this reason as soon as the last send ends.
+    bool doomed = false;
+    ReleaseReason doom_reason = ReleaseReason::kAbortedByEngine;
   };
   struct HeapItem {
     TimePoint key;
@@ -202,6 +209,8 @@ class HoldTable {
   // Moves the entry's heap key down to its real deadline if that is earlier (never up).
   void Rearm(Entry& e);
   void Release(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now);
+  // Release now, or as soon as the sends in flight end.
+  void ReleaseOrDoom(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now);
   void AddTombstone(Fingerprint fp, TimePoint now);
   void ExpireTombstones(TimePoint now);
 
