@@ -11,6 +11,6 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_BENCH=O
 cmake --build build -j "$jobs" --target kvferry
 mkdir -p out
 build/bin/kvferry sim --scenario all --csv out
-if [ -f out/case_a.csv ] && command -v gnuplot >/dev/null; then
+if [ -f out/scenario_a_timeline.csv ] && command -v gnuplot >/dev/null; then
   gnuplot scripts/plot_case_a.gp && echo "plot: out/case_a.png"
 fi

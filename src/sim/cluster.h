@@ -1,0 +1,182 @@
+// The simulated cluster: one P engine and one D engine (each with `tp` ranks), the proxy, the
+// control network and the data plane, in virtual time (SPEC §6, "deterministic simulator").
+//
+// RunCluster(config) is a pure function of `config` (its seed included): the same config gives
+// the same run, event for event (SimResult::trace_hash). The lifetime rules are not modelled
+// here but run for real: every P rank drives a core::HoldTable, the D engine a
+// core::RenewalScheduler, every D rank a core::ReceiveLedger, pairing and slicing come from
+// core/tp_plan.h. What the simulator adds is everything around them: schedulers, block pools
+// with generation counters, a lossy control network, a data plane with WRITE start/end times,
+// faults, and invariant checks (docs/simulation.md lists what is and is not modelled).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "event_loop.h"
+#include "kvferry/core/hold_table.h"
+#include "seams.h"
+
+namespace kvferry::sim {
+
+using namespace std::chrono_literals;
+
+// Side-channel messages (pulls, renewals, renewal replies, pull responses).
+struct NetConfig {
+  Duration latency = 50us;      // one way
+  double bytes_per_s = 1.25e9;  // 10 Gb/s
+  Duration jitter{0};           // uniform extra delay in [0, jitter]
+  double loss = 0;              // a message is dropped
+  double duplicate = 0;         // a message is delivered twice
+  double delay_prob = 0;        // a message is held up by U[0, delay_max]
+  Duration delay_max{0};
+  // Links are FIFO (one TCP connection per D rank/P rank pair), except a message picked with
+  // probability `reorder`, which ignores the order and may overtake or be overtaken.
+  double reorder = 0;
+  // Renewals sent by D in [drop_renewals_from, drop_renewals_until) are lost (scenario D).
+  TimePoint drop_renewals_from = core::kNever;
+  TimePoint drop_renewals_until = core::kNever;
+};
+
+// The data plane: a WRITE lasts latency + bytes / bandwidth; concurrent WRITEs do not share it.
+struct DataPlaneConfig {
+  Duration latency = 10us;
+  double bytes_per_s = 25e9;  // 200 Gb/s
+};
+
+struct ModelConfig {
+  std::uint32_t block_tokens = 16;
+  std::uint32_t kv_heads = 16;                        // 1: MLA (KV replicated over ranks)
+  std::uint64_t kv_bytes_per_token_per_head = 14336;  // 2 (K,V) · layers · head_dim · dtype
+};
+
+struct PrefillConfig {
+  std::uint32_t tp = 1;
+  std::uint32_t blocks = 13250;  // KV capacity of the engine (block ids shared by its ranks)
+  std::uint32_t max_batch_tokens = 8192;
+  Duration step_overhead = 4ms;
+  Duration per_token = 70us;
+  double jitter = 0.1;  // each step's compute time is scaled by U[1-jitter, 1+jitter]
+  core::HoldConfig hold;
+  Duration expiry_pass = 1s;  // how often each P worker runs HoldTable::Expire
+};
+
+struct DecodeConfig {
+  std::uint32_t tp = 1;
+  std::uint32_t blocks = 13333;
+  std::uint32_t max_running = 256;
+  Duration step_base = 20ms;  // one decode step costs step_base + per_seq · batch
+  Duration per_seq = 300us;
+  Duration lease{0};               // the lease D believes in; renews every lease/6 when > 0
+  bool send_lease = true;          // declare the lease with every pull (SPEC §4); false: an old D
+  Duration pull_timeout = 600s;    // D's deadline for each peer's answer to a pull
+  Duration peer_dead_detect = 2s;  // how long D takes to notice a P process died
+};
+
+struct Faults {
+  TimePoint d_crash = core::kNever;  // D (all ranks) killed
+  TimePoint p_crash = core::kNever;  // P (all ranks) killed
+  // Scenario C: P rank 0 lists a request in `err` after its WRITE succeeded.
+  double p0_err_after_write = 0;
+  // Scenario C: P rank 1 waits U[0, p1_write_delay] before each WRITE.
+  Duration p1_write_delay{0};
+  // Exploration: any P rank, per pull: fail it without writing (err), answer the whole pull
+  // with ERROR, send FINISH without listing it (omit), or delay its WRITE by U[0, slow_max].
+  double peer_err = 0;
+  double peer_msg_error = 0;
+  double peer_omit = 0;
+  double slow_write = 0;
+  Duration slow_max{0};
+};
+
+struct RequestSpec {
+  TimePoint arrival = kT0;
+  std::uint32_t prompt = 3000;
+  std::uint32_t output = 1000;
+  TimePoint abort_at = core::kNever;  // the client aborts (proxy tells P and D)
+};
+
+struct Workload {
+  std::vector<RequestSpec> requests;
+  // Probes: prompt-only requests sent straight to P (no transfer), to measure P's queueing.
+  Duration probe_every{0};
+  TimePoint probe_from = kT0;
+  TimePoint probe_until = kT0;
+  std::uint32_t probe_tokens = 512;
+};
+
+struct SimConfig {
+  std::uint64_t seed = 1;
+  ModelConfig model;
+  PrefillConfig p;
+  DecodeConfig d;
+  NetConfig net;
+  DataPlaneConfig dp;
+  Faults faults;
+  Workload load;
+  Duration proxy_latency = 1ms;  // proxy → P and proxy → D (reliable HTTP)
+  // Each hop also takes U[0, proxy_jitter], drawn independently for P and D: requests sent "at
+  // once" reach P and D in different orders, as concurrent HTTP requests do.
+  Duration proxy_jitter{0};
+  TimePoint horizon = kT0 + 3600s;
+  Duration sample_every{0};  // > 0: record KV usage every so often (and run to the horizon)
+  Variants variants;         // which hold / ledger implementations to drive
+};
+
+enum class Outcome : std::uint8_t { kPending, kOk, kFailed, kAborted };
+const char* ToString(Outcome outcome);
+
+struct RequestResult {
+  Outcome outcome = Outcome::kPending;
+  int ends = 0;  // how many times the request ended (the invariant says exactly 1)
+  Status error;
+  TimePoint arrival = kT0;
+  TimePoint end = core::kNever;
+  TimePoint d_admitted = core::kNever;  // D allocated blocks and pulled
+};
+
+struct ProbeResult {
+  TimePoint sent = kT0;
+  TimePoint done = core::kNever;
+};
+
+struct KvSample {
+  double t;
+  double p_pct;
+  double d_pct;
+};
+
+struct SimResult {
+  std::vector<RequestResult> requests;
+  std::vector<ProbeResult> probes;
+  std::vector<KvSample> samples;
+  // Data plane, per P rank (index) and in total. "Start" counts WRITEs that started after a
+  // destination block was freed (generation changed) / reallocated (and owned again).
+  std::uint64_t writes = 0;
+  std::vector<std::uint64_t> writes_after_free;
+  std::vector<std::uint64_t> writes_after_realloc;
+  std::uint64_t p0_injected_failures = 0;
+  std::uint64_t requests_written_by_all_peers = 0;
+  std::uint64_t renewals_sent = 0;
+  std::uint64_t renewal_warnings = 0;
+  std::uint64_t quarantined_completions = 0;
+  core::HoldStats hold_stats;  // P rank 0
+  // Invariant violations, in order of detection (empty: every invariant held).
+  std::vector<std::string> violations;
+  std::uint64_t trace_hash = 0;
+  std::uint64_t events = 0;
+  TimePoint end = kT0;
+  bool quiet = false;  // the event queue drained before the horizon
+  // After faults.d_crash: when P's KV first reached >= 95% and later fell below it, and when
+  // it first fell below 5%.
+  TimePoint p_kv_left_full = core::kNever;
+  TimePoint p_kv_below_5 = core::kNever;
+
+  std::size_t Count(Outcome o) const;
+};
+
+SimResult RunCluster(const SimConfig& config);
+
+}  // namespace kvferry::sim

@@ -1,0 +1,51 @@
+// Randomized fault exploration: many small runs, each with a random topology, workload, lease
+// configuration (matched or not between P and D) and faults, checked against the invariants
+// RunCluster enforces (SimResult::violations):
+//   - no WRITE starts or lands in a D block freed or reallocated since its pull;
+//   - every request ends exactly once, with success or an error that says why;
+//   - once the system is quiet nothing is held on P or D (holds, blocks, receives, renewals);
+//   - after every expiry pass no P entry is held past its deadline — which bounds how long P
+//     keeps a dead decoder's KV to one lease after its last renewal plus one pass.
+// Run `seed` is a pure function of the seed: `kvferry sim --explore 1 --seed S` replays it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cluster.h"
+
+namespace kvferry::sim {
+
+// The random configuration of run `seed` (small: a few requests, a few seconds of traffic).
+SimConfig RandomConfig(std::uint64_t seed);
+// One line naming the configuration's shape and faults, for failure reports.
+std::string Describe(const SimConfig& config);
+
+struct ExploreOptions {
+  std::uint64_t first_seed = 1;
+  std::uint64_t runs = 1000;
+  bool stop_at_first_failure = false;
+  Variants variants;  // tests inject broken holds/ledgers here
+};
+
+struct ExploreFailure {
+  std::uint64_t seed;
+  std::string description;
+  std::vector<std::string> violations;
+};
+
+struct ExploreReport {
+  std::uint64_t runs = 0;
+  std::uint64_t events = 0;
+  std::uint64_t requests = 0;
+  std::uint64_t ok = 0, failed = 0, aborted = 0;
+  std::vector<ExploreFailure> failures;
+};
+
+ExploreReport Explore(const ExploreOptions& options);
+
+// The command that replays `seed` alone.
+std::string ReproCommand(std::uint64_t seed);
+
+}  // namespace kvferry::sim

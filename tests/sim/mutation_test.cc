@@ -1,0 +1,122 @@
+// Mutation checks: exploration must catch a broken ledger or a broken expiry pass within a
+// bounded number of seeds. An invariant suite that cannot fail proves nothing.
+//
+// The broken variants live here, in test code, and reach the simulator through its seam
+// (Variants). LegacyLedger (src/sim/legacy_ledger.h) is the seed's own buggy baseline, shared
+// with scenario C.
+#include <gtest/gtest.h>
+
+#include <deque>
+
+#include "explore.h"
+#include "legacy_ledger.h"
+
+namespace kvferry::sim {
+namespace {
+
+// vLLM #58222's reaper: it walks entries in admission order and stops at the first one that has
+// not expired, so an expired entry behind a renewed (or still waiting) head is stranded. Here:
+// the real expiry pass runs only while the oldest admitted live entry's deadline has passed.
+class OrderedReaperHold final : public Hold {
+ public:
+  explicit OrderedReaperHold(const core::HoldConfig& config) : real_(config) {}
+  const core::HoldConfig& config() const override { return real_.config(); }
+  Status Admit(const core::TransferId& id, std::uint64_t handle, core::TimePoint now) override {
+    const bool had = real_.Contains(id);
+    Status s = real_.Admit(id, handle, now);
+    if (s.ok() && !had) order_.push_back(id);
+    return s;
+  }
+  Status PrefillDone(const core::TransferId& id, std::uint32_t n, core::TimePoint now) override {
+    return real_.PrefillDone(id, n, now);
+  }
+  void EngineFinished(const core::TransferId& id, core::TimePoint now) override {
+    real_.EngineFinished(id, now);
+  }
+  Result<core::HoldTable::RenewResult> Renew(std::span<const core::Fingerprint> ids,
+                                             core::TimePoint now) override {
+    return real_.Renew(ids, now);
+  }
+  core::PullAdmission AdmitPull(const core::TransferId& id, std::uint32_t d_rank,
+                                std::uint32_t need_send, std::optional<core::Duration> d_lease,
+                                core::TimePoint now) override {
+    const bool had = real_.Contains(id);
+    core::PullAdmission a = real_.AdmitPull(id, d_rank, need_send, d_lease, now);
+    if (!had && real_.Contains(id)) order_.push_back(id);
+    return a;
+  }
+  Status BeginSend(const core::TransferId& id, std::uint32_t d_rank, core::TimePoint now) override {
+    return real_.BeginSend(id, d_rank, now);
+  }
+  Status EndSend(const core::TransferId& id, std::uint32_t d_rank, bool ok,
+                 core::TimePoint now) override {
+    return real_.EndSend(id, d_rank, ok, now);
+  }
+  void Expire(core::TimePoint now) override {
+    while (!order_.empty() && !real_.Contains(order_.front())) order_.pop_front();
+    if (!order_.empty()) {
+      const auto head = real_.table().DeadlineOf(order_.front());
+      if (head && *head > now) return;  // the bug: stop at the first unexpired head
+    }
+    real_.Expire(now);
+  }
+  std::vector<core::HoldEvent> TakeEvents() override { return real_.TakeEvents(); }
+  bool Contains(const core::TransferId& id) const override { return real_.Contains(id); }
+  std::size_t size() const override { return real_.size(); }
+  const core::HoldStats& stats() const override { return real_.stats(); }
+
+ private:
+  CoreHold real_;
+  std::deque<core::TransferId> order_;
+};
+
+constexpr std::uint64_t kSeedBudget = 2000;
+
+ExploreFailure FirstFailure(Variants variants) {
+  ExploreOptions options;
+  options.first_seed = 1;
+  options.runs = kSeedBudget;
+  options.stop_at_first_failure = true;
+  options.variants = std::move(variants);
+  ExploreReport report = Explore(options);
+  if (report.failures.empty()) return {0, "", {}};
+  return report.failures.front();
+}
+
+TEST(Mutation, CompleteOnFirstFailureLedgerIsCaught) {
+  Variants v;
+  v.make_ledger = [] { return std::make_unique<LegacyLedger>(); };
+  const ExploreFailure f = FirstFailure(v);
+  ASSERT_NE(f.seed, 0u) << "no violation within " << kSeedBudget << " seeds";
+  bool write_after_free = false;
+  for (const std::string& s : f.violations) {
+    write_after_free |= s.find("after D") != std::string::npos;
+  }
+  EXPECT_TRUE(write_after_free) << f.violations.front();
+  std::printf("legacy ledger caught at seed %llu: %s\n", static_cast<unsigned long long>(f.seed),
+              f.violations.front().c_str());
+}
+
+TEST(Mutation, OrderedReaperIsCaught) {
+  Variants v;
+  v.make_hold = [](const core::HoldConfig& c) { return std::make_unique<OrderedReaperHold>(c); };
+  const ExploreFailure f = FirstFailure(v);
+  ASSERT_NE(f.seed, 0u) << "no violation within " << kSeedBudget << " seeds";
+  bool stranded = false;
+  for (const std::string& s : f.violations) {
+    stranded |= s.find("past its deadline") != std::string::npos;
+  }
+  EXPECT_TRUE(stranded) << f.violations.front();
+  std::printf("ordered reaper caught at seed %llu: %s\n", static_cast<unsigned long long>(f.seed),
+              f.violations.front().c_str());
+}
+
+TEST(Mutation, TheRealCoreIsWhatTheSimulatorDrivesByDefault) {
+  // The seam's defaults are the core classes: exploration without variants tests src/core.
+  Variants v;
+  EXPECT_NE(dynamic_cast<CoreHold*>(v.NewHold(core::HoldConfig{}).get()), nullptr);
+  EXPECT_NE(dynamic_cast<CoreLedger*>(v.NewLedger().get()), nullptr);
+}
+
+}  // namespace
+}  // namespace kvferry::sim
