@@ -1,0 +1,27 @@
+// libFuzzer target: PeekType on arbitrary bytes, cross-checked against every full decoder:
+// at most one decoder accepts an input, and then PeekType names that decoder's type.
+#include "fuzz_common.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  using namespace kvferry::wire;
+  auto peeked = PeekType(data, size);
+  if (!peeked) {
+    KVF_FUZZ_CHECK(!peeked.error().message().empty());
+    KVF_FUZZ_CHECK(fuzz::IsDecodeErrorCode(peeked.error().code()));
+  }
+  int accepted = 0;
+  accepted +=
+      fuzz::CheckDecoder(data, size, MessageType::kPull,
+                         [](const std::uint8_t* d, std::size_t n) { return DecodePull(d, n); });
+  accepted +=
+      fuzz::CheckDecoder(data, size, MessageType::kRenewal,
+                         [](const std::uint8_t* d, std::size_t n) { return DecodeRenewal(d, n); });
+  accepted += fuzz::CheckDecoder(
+      data, size, MessageType::kRenewalReply,
+      [](const std::uint8_t* d, std::size_t n) { return DecodeRenewalReply(d, n); });
+  accepted += fuzz::CheckDecoder(
+      data, size, MessageType::kPullResponse,
+      [](const std::uint8_t* d, std::size_t n) { return DecodePullResponse(d, n); });
+  KVF_FUZZ_CHECK(accepted <= 1);
+  return 0;
+}

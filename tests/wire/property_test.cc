@@ -1,0 +1,176 @@
+// Property tests of the wire codec (rapidcheck):
+//  - every valid message of every type round-trips and PeekType names its type;
+//  - arbitrary bytes, and valid frames with random damage, never crash a decoder, and every
+//    failure carries a reason (kProtocol or kOutOfRange).
+#include <gtest/gtest.h>
+#include <rapidcheck.h>
+#include <rapidcheck/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "wire/messages.h"
+
+namespace kvferry::wire {
+namespace {
+
+using Bytes = std::vector<std::uint8_t>;
+
+// Ids: mostly short, sometimes at the 256-byte limit; never empty.
+std::string GenId() {
+  return *rc::gen::oneOf(
+      rc::gen::nonEmpty(rc::gen::container<std::string>(rc::gen::character<char>())),
+      rc::gen::map(rc::gen::inRange<int>(1, static_cast<int>(kMaxIdBytes) + 1),
+                   [](int n) { return std::string(static_cast<std::size_t>(n), 'i'); }));
+}
+std::string GenText() {
+  return *rc::gen::resize(100, rc::gen::container<std::string>(rc::gen::arbitrary<char>()));
+}
+std::uint64_t GenU64() {
+  return *rc::gen::oneOf(rc::gen::inRange<std::uint64_t>(0, 300),
+                         rc::gen::arbitrary<std::uint64_t>());
+}
+
+Pull GenPull() {
+  Pull p;
+  p.d_engine_id = GenId();
+  p.d_tp_size = *rc::gen::inRange<std::uint32_t>(1, 65);
+  p.d_tp_rank = *rc::gen::inRange<std::uint32_t>(0, p.d_tp_size);
+  if (*rc::gen::arbitrary<bool>()) p.d_lease_ms = GenU64();
+  if (*rc::gen::arbitrary<bool>())
+    p.region_descriptor = *rc::gen::resize(300, rc::gen::arbitrary<Bytes>());
+  p.block_len = *rc::gen::inRange<std::uint64_t>(1, std::uint64_t{1} << 40);
+  p.num_blocks = *rc::gen::arbitrary<std::uint32_t>();
+  const auto n = *rc::gen::inRange<std::size_t>(0, 9);
+  for (std::size_t i = 0; i < n; ++i) {
+    p.requests.push_back(
+        {GenId(), GenId(), *rc::gen::resize(64, rc::gen::arbitrary<std::vector<core::BlockId>>())});
+  }
+  p.id = GenU64();
+  return p;
+}
+
+Renewal GenRenewal() {
+  return {GenId(), GenU64(),
+          *rc::gen::resize(300, rc::gen::container<std::vector<core::Fingerprint>>(rc::gen::map(
+                                    rc::gen::arbitrary<std::uint64_t>(),
+                                    [](auto v) { return v & core::kFingerprintMask; }))),
+          GenU64()};
+}
+
+RenewalReply GenRenewalReply() {
+  return {static_cast<RenewalStatus>(*rc::gen::inRange(0, 3)),
+          GenU64(),
+          GenU64(),
+          GenU64(),
+          GenText(),
+          GenU64()};
+}
+
+ErrorCode GenErrorCode() {
+  return static_cast<ErrorCode>(
+      *rc::gen::inRange<int>(1, static_cast<int>(ErrorCode::kInternal) + 1));
+}
+
+PullResponse GenPullResponse() {
+  PullResponse r;
+  r.id = GenU64();
+  r.status = static_cast<PullStatus>(*rc::gen::inRange(0, 3));
+  if (r.status == PullStatus::kError) {
+    r.code = GenErrorCode();
+    r.message = *rc::gen::nonEmpty(rc::gen::container<std::string>(rc::gen::arbitrary<char>()));
+    return r;
+  }
+  const auto n_ok = *rc::gen::inRange<std::size_t>(0, 10);
+  for (std::size_t i = 0; i < n_ok; ++i) r.ok.push_back(GenId());
+  const auto n_err = *rc::gen::inRange<std::size_t>(0, 10);
+  for (std::size_t i = 0; i < n_err; ++i) r.err.push_back({GenId(), GenErrorCode(), GenText()});
+  r.message = GenText();
+  return r;
+}
+
+bool PeeksAs(const Bytes& bytes, MessageType type) {
+  auto peeked = PeekType(bytes.data(), bytes.size());
+  return peeked.has_value() && *peeked == type;
+}
+
+template <typename T, typename Decode>
+void CheckRoundTrip(const T& msg, MessageType type, Decode decode) {
+  RC_ASSERT(Validate(msg).ok());
+  const Bytes bytes = Encode(msg);
+  auto back = decode(bytes.data(), bytes.size());
+  RC_ASSERT(back.has_value());
+  RC_ASSERT(*back == msg);
+  RC_ASSERT(PeeksAs(bytes, type));
+}
+
+RC_GTEST_PROP(WireProperty, PullRoundTrips, ()) {
+  CheckRoundTrip(GenPull(), MessageType::kPull, [](auto d, auto n) { return DecodePull(d, n); });
+}
+RC_GTEST_PROP(WireProperty, RenewalRoundTrips, ()) {
+  CheckRoundTrip(GenRenewal(), MessageType::kRenewal,
+                 [](auto d, auto n) { return DecodeRenewal(d, n); });
+}
+RC_GTEST_PROP(WireProperty, RenewalReplyRoundTrips, ()) {
+  CheckRoundTrip(GenRenewalReply(), MessageType::kRenewalReply,
+                 [](auto d, auto n) { return DecodeRenewalReply(d, n); });
+}
+RC_GTEST_PROP(WireProperty, PullResponseRoundTrips, ()) {
+  CheckRoundTrip(GenPullResponse(), MessageType::kPullResponse,
+                 [](auto d, auto n) { return DecodePullResponse(d, n); });
+}
+
+// Runs every decoder and PeekType on `bytes`; asserts that failures are explained and that at
+// most one decoder accepts, agreeing with PeekType.
+void CheckAnyBytes(const Bytes& bytes) {
+  int accepted = 0;
+  auto check = [&](auto result, MessageType type) {
+    if (result) {
+      ++accepted;
+      RC_ASSERT(PeeksAs(bytes, type));
+      RC_ASSERT(Validate(*result).ok());
+    } else {
+      RC_ASSERT(!result.error().message().empty());
+      RC_ASSERT(result.error().code() == ErrorCode::kProtocol ||
+                result.error().code() == ErrorCode::kOutOfRange);
+    }
+  };
+  check(DecodePull(bytes.data(), bytes.size()), MessageType::kPull);
+  check(DecodeRenewal(bytes.data(), bytes.size()), MessageType::kRenewal);
+  check(DecodeRenewalReply(bytes.data(), bytes.size()), MessageType::kRenewalReply);
+  check(DecodePullResponse(bytes.data(), bytes.size()), MessageType::kPullResponse);
+  RC_ASSERT(accepted <= 1);
+  auto peeked = PeekType(bytes.data(), bytes.size());
+  RC_ASSERT(peeked.has_value() || !peeked.error().message().empty());
+}
+
+RC_GTEST_PROP(WireProperty, ArbitraryBytesNeverCrash, (const Bytes& bytes)) {
+  CheckAnyBytes(bytes);
+}
+
+// Random bytes are almost never a map; damaging valid frames reaches the field checks.
+RC_GTEST_PROP(WireProperty, DamagedFramesNeverCrash, ()) {
+  Bytes bytes = *rc::gen::oneOf(rc::gen::exec([] { return Encode(GenPull()); }),
+                                rc::gen::exec([] { return Encode(GenRenewal()); }),
+                                rc::gen::exec([] { return Encode(GenRenewalReply()); }),
+                                rc::gen::exec([] { return Encode(GenPullResponse()); }));
+  const auto edits = *rc::gen::inRange(1, 6);
+  for (int i = 0; i < edits && !bytes.empty(); ++i) {
+    const auto at = *rc::gen::inRange<std::size_t>(0, bytes.size());
+    switch (*rc::gen::inRange(0, 3)) {
+      case 0:
+        bytes[at] = *rc::gen::arbitrary<std::uint8_t>();
+        break;  // overwrite
+      case 1:
+        bytes.resize(at);
+        break;  // truncate
+      default:
+        bytes.insert(bytes.begin() + static_cast<std::ptrdiff_t>(at),
+                     *rc::gen::arbitrary<std::uint8_t>());  // insert
+    }
+  }
+  CheckAnyBytes(bytes);
+}
+
+}  // namespace
+}  // namespace kvferry::wire
