@@ -1,0 +1,1307 @@
+// UCX (ucp) backend. See include/kvferry/transport/ucx.h for the contract and
+// docs/transport.md for the design notes and measurements.
+//
+// Threading model: one progress thread owns the ucp worker and makes every UCX call (UCX's
+// single-threaded worker mode is its fastest, and no UCX lock is ever contended). API calls
+// validate what they can under `mu_` on the caller's thread (so range errors come back at once,
+// before anything is posted) and hand the rest to the progress thread as commands. The progress
+// thread spins while it has UCX work in flight and otherwise sleeps on the worker's event fd
+// plus an eventfd that commands poke.
+//
+// Wire protocol between engines (UCX active messages, ids below):
+//   HELLO     sender -> receiver on connect: sender uid + nonce, data = sender worker address.
+//             The receiver opens (or reuses) an endpoint back to the sender for acks.
+//   HELLO_ACK receiver -> sender: nonce + receiver uid. Connect returns only after it.
+//   WRITE     am path only: {sender uid, batch id, region, offset, length, op count} + data.
+//   ACK       receiver -> sender once every WRITE of a batch has landed (or was refused).
+//   BYE       sender -> receiver on ClosePeer: drop one reference on the back endpoint.
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+
+#include "descriptor.h"
+#include "kvferry/transport/ucx.h"
+
+namespace kvferry::transport {
+namespace {
+
+constexpr unsigned kAmHello = 0x4b10;
+constexpr unsigned kAmHelloAck = 0x4b11;
+constexpr unsigned kAmWrite = 0x4b12;
+constexpr unsigned kAmAck = 0x4b13;
+constexpr unsigned kAmBye = 0x4b14;
+
+struct HelloHeader {
+  std::uint64_t sender_uid;
+  std::uint64_t nonce;
+};
+struct HelloAckHeader {
+  std::uint64_t nonce;
+  std::uint64_t receiver_uid;
+};
+struct WriteHeader {
+  std::uint64_t sender_uid;
+  std::uint64_t batch_id;
+  std::uint64_t remote_offset;
+  std::uint64_t length;
+  std::uint32_t remote_region;
+  std::uint32_t op_count;
+};
+struct AckHeader {
+  std::uint64_t batch_id;
+  std::uint32_t code;  // ErrorCode
+  std::uint32_t reserved;
+};
+struct ByeHeader {
+  std::uint64_t sender_uid;
+};
+
+ErrorCode CodeOf(ucs_status_t s) {
+  switch (s) {
+    case UCS_OK:
+      return ErrorCode::kOk;
+    case UCS_ERR_CANCELED:
+      return ErrorCode::kCancelled;
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_IO_ERROR:
+    case UCS_ERR_TIMED_OUT:
+      return ErrorCode::kUnavailable;
+    default:
+      return ErrorCode::kInternal;
+  }
+}
+
+Status FromUcs(ucs_status_t s, const std::string& what) {
+  if (s == UCS_OK) return Status::Ok();
+  return Status(CodeOf(s), what + ": " + ucs_status_string(s));
+}
+
+template <typename T>
+bool ReadHeader(const void* header, std::size_t length, T* out) {
+  if (length != sizeof(T)) return false;
+  std::memcpy(out, header, sizeof(T));
+  return true;
+}
+
+}  // namespace
+
+class UcxEngine final : public Engine {
+ public:
+  explicit UcxEngine(const UcxOptions& options) : options_(options), uid_(internal::RandomUid()) {
+    if (std::getenv("KVFERRY_UCX_BUSY_POLL") != nullptr) options_.busy_poll = true;
+  }
+
+  ~UcxEngine() override { Shutdown(); }
+
+  Status Init();
+
+  std::string_view backend() const override { return "ucx"; }
+  Result<Region> RegisterMemory(void* base, std::size_t length, MemoryKind kind) override;
+  Result<Region> AllocateRegion(std::size_t length) override;
+  Status DeregisterMemory(RegionId id, TimePoint deadline) override;
+  Result<std::vector<std::byte>> ExportDescriptor(std::span<const RegionId> ids) override;
+  Result<PeerId> Connect(std::span<const std::byte> descriptor, TimePoint deadline) override;
+  Result<BatchId> SubmitWrites(PeerId peer, std::span<const WriteOp> ops,
+                               CompletionFn done) override;
+  Status ClosePeer(PeerId peer, TimePoint deadline) override;
+  Result<PeerInfo> DescribePeer(PeerId peer) override;
+
+ private:
+  struct LocalRegion {
+    Region region;
+    ucp_mem_h memh = nullptr;
+    bool ucx_allocated = false;
+    std::vector<std::byte> rkey;
+    int out_in_flight = 0;  // accepted batches that read from it
+    int in_in_flight = 0;   // inbound am writes being received into it (progress thread)
+  };
+
+  enum class PeerState { kConnecting, kOpen, kClosing, kDead, kClosed };
+
+  struct Peer {
+    UcxEngine* engine = nullptr;
+    PeerId id = 0;
+    internal::Descriptor desc;
+    // Guarded by mu_:
+    PeerState state = PeerState::kConnecting;
+    Status error;  // why it is dead
+    std::optional<Status> connect_result;
+    bool abandoned = false;              // Connect gave up waiting
+    std::optional<Status> close_result;  // set when ClosePeer's work is finished
+    int batches = 0;                     // accepted, not completed
+    bool use_put = false;
+    std::string transports;
+    // Progress thread only:
+    ucp_ep_h ep = nullptr;
+    std::vector<ucp_rkey_h> rkeys;  // parallel to desc.regions
+    bool rkeys_ok = false;
+    TimePoint close_deadline = TimePoint::max();
+    TimePoint bye_sent_at{};
+    ucp_ep_h closing_ep = nullptr;
+    bool close_started = false;
+    bool close_timed_out = false;
+  };
+
+  struct Op {
+    const std::byte* local;
+    ucp_mem_h memh;
+    std::uint64_t remote_addr;  // put: absolute address in the peer
+    std::size_t remote_index;   // index of the remote region in the peer's descriptor
+    std::size_t length;
+  };
+
+  struct Batch {
+    BatchId id = 0;
+    std::shared_ptr<Peer> peer;
+    std::vector<WriteOp> ops;
+    std::vector<Op> resolved;          // parallel to ops
+    std::vector<WriteHeader> headers;  // am: must outlive the sends
+    CompletionFn done;
+    int outstanding = 1;  // guard held while posting
+    bool awaiting_ack = false;
+    Status status;
+    void Fail(Status s) {
+      if (status.ok()) status = std::move(s);
+    }
+  };
+
+  // Inbound side (progress thread only).
+  struct Sender {
+    UcxEngine* engine = nullptr;
+    std::uint64_t uid = 0;
+    ucp_ep_h ep = nullptr;
+    int refs = 0;
+    bool dead = false;
+  };
+  struct InboundBatch {
+    std::uint32_t landed = 0;
+    ErrorCode code = ErrorCode::kOk;
+  };
+  struct RecvContext {
+    UcxEngine* engine;
+    std::uint64_t sender_uid;
+    std::uint64_t batch_id;
+    RegionId region;
+    std::uint32_t op_count;
+  };
+
+  // --- command plumbing ---
+  void Post(std::function<void()> fn);
+  void Wake();
+  bool OnProgressThread() const { return std::this_thread::get_id() == thread_id_; }
+  static Status CallbackMisuse(const char* what) {
+    return Status(ErrorCode::kInvalidArgument,
+                  std::string(what) + " must not be called from a completion callback");
+  }
+  // Runs `fn` on the progress thread and waits for it (UCX calls that are quick and local).
+  template <typename T>
+  T RunSync(std::function<T()> fn);
+
+  void Loop();
+  void Shutdown();
+
+  // --- progress-thread work ---
+  void StartConnect(const std::shared_ptr<Peer>& peer);
+  void FinishConnect(const std::shared_ptr<Peer>& peer, Status status);
+  void PostBatch(Batch* b);
+  void OpDone(Batch* b, ucs_status_t status);
+  void MaybeComplete(Batch* b);
+  void PeerFailed(Peer* peer, ucs_status_t status);
+  void DriveCloses();
+  void ForceCloseEp(ucp_ep_h ep);
+  template <typename H>
+  void SendSmall(ucp_ep_h ep, unsigned id, const H& header);
+  void InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id, std::uint32_t op_count,
+                       ErrorCode code);
+  void RecvFinished(RecvContext* c, ucs_status_t status);
+  void RegionReleased(RegionId id);
+  void SenderFailed(std::uint64_t uid);
+  std::string DescribeLanes(ucp_ep_h ep, bool* rma_ok);
+
+  static ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnHelloAck(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnWrite(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAck(void* arg, const void* header, size_t header_length, void* data,
+                            size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnBye(void* arg, const void* header, size_t header_length, void* data,
+                            size_t length, const ucp_am_recv_param_t* param);
+
+  UcxOptions options_;
+  const std::uint64_t uid_;
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::vector<std::byte> worker_address_;
+  int worker_fd_ = -1;
+  int wake_fd_ = -1;
+  std::thread thread_;
+  std::thread::id thread_id_;
+  std::atomic<bool> sleeping_{false};
+  std::atomic<bool> stop_{false};
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // signalled on every state change callers wait for
+  std::deque<std::function<void()>> commands_;
+  std::map<RegionId, LocalRegion> regions_;
+  std::map<PeerId, std::shared_ptr<Peer>> peers_;
+  RegionId next_region_ = 1;
+  PeerId next_peer_ = 1;
+  BatchId next_batch_ = 1;
+
+  // Progress thread only.
+  std::unordered_map<BatchId, Batch*> batches_;
+  std::vector<std::shared_ptr<Peer>> closing_;
+  std::vector<std::shared_ptr<Peer>> graveyard_;  // every peer ever connected (err-handler args)
+  std::unordered_map<std::uint64_t, std::unique_ptr<Sender>> senders_;
+  std::map<std::pair<std::uint64_t, std::uint64_t>, InboundBatch> inbound_;
+  std::vector<ucp_ep_h> eps_to_close_;
+  std::vector<void*> close_requests_;
+  int ucx_work_ = 0;  // UCX requests in flight that need progress (spin while > 0)
+};
+
+// ---------------------------------------------------------------------------------------------
+// Setup and teardown
+
+Status UcxEngine::Init() {
+  {
+    // UCX 1.13 leaves error handling off on its shared-memory transports, which excludes them
+    // from peer-error-mode endpoints ("no peer failure handler"). These two are transport-level
+    // settings that ucp_config_modify does not reach, so they are set in the environment, once,
+    // and only where the user has not chosen.
+    // Skipped when the configured UCX_TLS leaves shared memory out (UCX warns about unused
+    // variables).
+    std::string tls = std::getenv("UCX_TLS") != nullptr ? std::getenv("UCX_TLS") : "all";
+    for (const auto& [name, value] : options_.config) {
+      if (name == "TLS") tls = value;
+    }
+    auto uses = [&](const char* tl) { return tls.find(tl) != std::string::npos; };
+    static std::mutex env_mu;
+    std::lock_guard<std::mutex> lock(env_mu);
+    if (uses("all") || uses("shm") || uses("posix")) setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
+    if (uses("all") || uses("shm") || uses("sysv")) setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
+  }
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) return FromUcs(s, "ucp_config_read");
+  // Defaults that matter for kvferry, unless the environment chose otherwise: a short keepalive
+  // so a dead peer is detected within seconds, and error handling on shared-memory transports
+  // (off by default in UCX, which would exclude them from peer-error-mode endpoints).
+  auto set_default = [&](const char* name, const std::string& value) {
+    std::string env = std::string("UCX_") + name;
+    if (std::getenv(env.c_str()) == nullptr) (void)ucp_config_modify(config, name, value.c_str());
+  };
+  set_default("KEEPALIVE_INTERVAL", std::to_string(options_.keepalive_interval.count()) + "ms");
+  for (const auto& [name, value] : options_.config) {
+    s = ucp_config_modify(config, name.c_str(), value.c_str());
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      return Status(ErrorCode::kInvalidArgument, "bad UCX config " + name + "=" + value);
+    }
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.name = options_.name.c_str();
+  s = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  if (s != UCS_OK) return FromUcs(s, "ucp_init");
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches the worker
+  s = ucp_worker_create(context_, &wp, &worker_);
+  if (s != UCS_OK) return FromUcs(s, "ucp_worker_create");
+  ucp_address_t* address = nullptr;
+  size_t address_length = 0;
+  s = ucp_worker_get_address(worker_, &address, &address_length);
+  if (s != UCS_OK) return FromUcs(s, "ucp_worker_get_address");
+  const auto* a = reinterpret_cast<const std::byte*>(address);
+  worker_address_.assign(a, a + address_length);
+  ucp_worker_release_address(worker_, address);
+  s = ucp_worker_get_efd(worker_, &worker_fd_);
+  if (s != UCS_OK) return FromUcs(s, "ucp_worker_get_efd");
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) return Status(ErrorCode::kInternal, "eventfd failed");
+
+  struct Handler {
+    unsigned id;
+    ucp_am_recv_callback_t cb;
+  };
+  for (Handler h :
+       {Handler{kAmHello, &OnHello}, Handler{kAmHelloAck, &OnHelloAck}, Handler{kAmWrite, &OnWrite},
+        Handler{kAmAck, &OnAck}, Handler{kAmBye, &OnBye}}) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = h.id;
+    hp.cb = h.cb;
+    hp.arg = this;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    s = ucp_worker_set_am_recv_handler(worker_, &hp);
+    if (s != UCS_OK) return FromUcs(s, "ucp_worker_set_am_recv_handler");
+  }
+  thread_ = std::thread([this] { Loop(); });
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return thread_id_ != std::thread::id(); });
+  return Status::Ok();
+}
+
+void UcxEngine::Shutdown() {
+  if (thread_.joinable()) {
+    // Close every peer (draining up to shutdown_drain), then stop the loop.
+    std::vector<PeerId> ids;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [id, p] : peers_) ids.push_back(id);
+    }
+    TimePoint deadline = Clock::now() + options_.shutdown_drain;
+    for (PeerId id : ids) (void)ClosePeer(id, deadline);
+    stop_.store(true);
+    Wake();
+    thread_.join();
+  }
+  for (auto& [id, r] : regions_) {
+    if (r.memh != nullptr) ucp_mem_unmap(context_, r.memh);
+  }
+  regions_.clear();
+  if (wake_fd_ >= 0) close(wake_fd_);
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+void UcxEngine::Post(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    commands_.push_back(std::move(fn));
+  }
+  Wake();
+}
+
+void UcxEngine::Wake() {
+  // Only a sleeping loop needs the syscall; the loop sets `sleeping_` before its last look at
+  // the command queue, so a command pushed after that look always sees sleeping_ == true.
+  if (sleeping_.load()) {
+    std::uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+  }
+}
+
+template <typename T>
+T UcxEngine::RunSync(std::function<T()> fn) {
+  if (OnProgressThread()) return fn();
+  auto done = std::make_shared<std::optional<T>>();
+  Post([this, fn = std::move(fn), done] {
+    T value = fn();
+    std::lock_guard<std::mutex> lock(mu_);
+    done->emplace(std::move(value));
+    cv_.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return done->has_value(); });
+  return std::move(**done);
+}
+
+void UcxEngine::Loop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    thread_id_ = std::this_thread::get_id();
+    cv_.notify_all();
+  }
+  std::deque<std::function<void()>> cmds;
+  TimePoint stop_at = TimePoint::max();
+  TimePoint last_busy = Clock::now();
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cmds.swap(commands_);
+    }
+    for (auto& c : cmds) c();
+    cmds.clear();
+    unsigned progressed = ucp_worker_progress(worker_);
+    DriveCloses();
+    TimePoint now = Clock::now();
+    if (stop_.load()) {
+      if (stop_at == TimePoint::max()) stop_at = now + std::chrono::seconds(2);
+      if ((closing_.empty() && close_requests_.empty() && ucx_work_ == 0) || now > stop_at) break;
+    }
+    bool busy = progressed != 0 || ucx_work_ > 0 || !batches_.empty() || !closing_.empty() ||
+                !close_requests_.empty() || !eps_to_close_.empty();
+    if (busy) last_busy = now;
+    // Keep spinning a little after the last activity: back-to-back messages then cost no
+    // wakeup, and an idle engine still sleeps.
+    if (busy || options_.busy_poll || now - last_busy < std::chrono::microseconds(200)) continue;
+    // Idle: sleep until UCX or a command wakes us, or 100 ms pass (UCX's keepalive runs from
+    // progress, so an idle engine still notices dead peers).
+    sleeping_.store(true);
+    bool have_cmds;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      have_cmds = !commands_.empty();
+    }
+    if (have_cmds || stop_.load() || ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
+      sleeping_.store(false);
+      continue;
+    }
+    pollfd fds[2] = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    (void)poll(fds, 2, 100);
+    sleeping_.store(false);
+    std::uint64_t drained;
+    (void)!read(wake_fd_, &drained, sizeof(drained));
+  }
+  // Final cleanup of endpoints still open (receiver-side back endpoints, failed ones).
+  for (auto& [uid, s] : senders_) {
+    if (s->ep != nullptr) eps_to_close_.push_back(s->ep);
+  }
+  senders_.clear();
+  DriveCloses();
+  auto until = Clock::now() + std::chrono::seconds(2);
+  while (!close_requests_.empty() && Clock::now() < until) {
+    ucp_worker_progress(worker_);
+    DriveCloses();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Regions
+
+Result<Region> UcxEngine::RegisterMemory(void* base, std::size_t length, MemoryKind kind) {
+  if (base == nullptr || length == 0) return Err(ErrorCode::kInvalidArgument, "empty region");
+  if (kind != MemoryKind::kHost) {
+    return Err(ErrorCode::kInvalidArgument, "only host memory (no CUDA in this UCX build)");
+  }
+  if (OnProgressThread()) return tl::unexpected(CallbackMisuse("RegisterMemory"));
+  return RunSync<Result<Region>>([&]() -> Result<Region> {
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address = base;
+    mp.length = length;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t s = ucp_mem_map(context_, &mp, &memh);
+    if (s != UCS_OK) return tl::unexpected(FromUcs(s, "ucp_mem_map"));
+    void* rkey = nullptr;
+    size_t rkey_size = 0;
+    s = ucp_rkey_pack(context_, memh, &rkey, &rkey_size);
+    if (s != UCS_OK) {
+      ucp_mem_unmap(context_, memh);
+      return tl::unexpected(FromUcs(s, "ucp_rkey_pack"));
+    }
+    LocalRegion r;
+    r.memh = memh;
+    r.rkey.assign(static_cast<std::byte*>(rkey), static_cast<std::byte*>(rkey) + rkey_size);
+    ucp_rkey_buffer_release(rkey);
+    std::lock_guard<std::mutex> lock(mu_);
+    r.region = Region{next_region_++, static_cast<std::byte*>(base), length, kind};
+    Region out = r.region;
+    regions_[out.id] = std::move(r);
+    return out;
+  });
+}
+
+Result<Region> UcxEngine::AllocateRegion(std::size_t length) {
+  if (length == 0) return Err(ErrorCode::kInvalidArgument, "empty region");
+  if (OnProgressThread()) return tl::unexpected(CallbackMisuse("AllocateRegion"));
+  auto region = RunSync<Result<Region>>([&]() -> Result<Region> {
+    // UCX allocates from its shared-memory allocators first (UCX_ALLOC_PRIO: sysv, posix, ...),
+    // which is what lets posix/sysv transports put into the region with a single copy.
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = nullptr;
+    mp.length = length;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t s = ucp_mem_map(context_, &mp, &memh);
+    if (s != UCS_OK) return tl::unexpected(FromUcs(s, "ucp_mem_map(allocate)"));
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    s = ucp_mem_query(memh, &attr);
+    void* rkey = nullptr;
+    size_t rkey_size = 0;
+    if (s == UCS_OK) s = ucp_rkey_pack(context_, memh, &rkey, &rkey_size);
+    if (s != UCS_OK) {
+      ucp_mem_unmap(context_, memh);
+      return tl::unexpected(FromUcs(s, "ucp_rkey_pack"));
+    }
+    LocalRegion r;
+    r.memh = memh;
+    r.ucx_allocated = true;
+    r.rkey.assign(static_cast<std::byte*>(rkey), static_cast<std::byte*>(rkey) + rkey_size);
+    ucp_rkey_buffer_release(rkey);
+    std::lock_guard<std::mutex> lock(mu_);
+    r.region =
+        Region{next_region_++, static_cast<std::byte*>(attr.address), length, MemoryKind::kHost};
+    Region out = r.region;
+    regions_[out.id] = std::move(r);
+    return out;
+  });
+  if (region) {
+    // Pre-fault and zero every page now (MAP_POPULATE's effect: first-touch faults during a
+    // transfer cost ~10x in copy bandwidth). Done on the caller's thread, outside UCX.
+    std::memset(region->base, 0, region->length);
+  }
+  return region;
+}
+
+Status UcxEngine::DeregisterMemory(RegionId id, TimePoint deadline) {
+  if (OnProgressThread()) return CallbackMisuse("DeregisterMemory");
+  ucp_mem_h memh = nullptr;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = regions_.find(id);
+    if (it == regions_.end()) return Status(ErrorCode::kNotFound, "unknown region");
+    bool idle = cv_.wait_until(lock, deadline, [&] {
+      auto i = regions_.find(id);
+      return i == regions_.end() || (i->second.out_in_flight == 0 && i->second.in_in_flight == 0);
+    });
+    it = regions_.find(id);
+    if (it == regions_.end()) return Status(ErrorCode::kNotFound, "region deregistered meanwhile");
+    if (!idle) return Status(ErrorCode::kTimeout, "region still used by in-flight writes");
+    memh = it->second.memh;
+    regions_.erase(it);  // from here on, inbound writes to it are refused
+  }
+  return RunSync<Status>([&] {
+    ucp_mem_unmap(context_, memh);
+    return Status::Ok();
+  });
+}
+
+Result<std::vector<std::byte>> UcxEngine::ExportDescriptor(std::span<const RegionId> ids) {
+  internal::Descriptor d;
+  d.backend = "ucx";
+  d.engine_uid = uid_;
+  d.address = worker_address_;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto add = [&](const LocalRegion& r) {
+    d.regions.push_back({RemoteRegion{r.region.id, reinterpret_cast<std::uint64_t>(r.region.base),
+                                      r.region.length, r.region.kind},
+                         r.rkey});
+  };
+  if (ids.empty()) {
+    for (const auto& [id, r] : regions_) add(r);
+  } else {
+    for (RegionId id : ids) {
+      auto it = regions_.find(id);
+      if (it == regions_.end()) return Err(ErrorCode::kNotFound, "unknown region");
+      add(it->second);
+    }
+  }
+  return internal::EncodeDescriptor(d);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connect
+
+Result<PeerId> UcxEngine::Connect(std::span<const std::byte> descriptor, TimePoint deadline) {
+  if (OnProgressThread()) return tl::unexpected(CallbackMisuse("Connect"));
+  auto d = internal::DecodeDescriptor(descriptor);
+  if (!d) return tl::unexpected(d.error());
+  if (d->backend != "ucx") return Err(ErrorCode::kProtocol, "descriptor of another backend");
+  auto peer = std::make_shared<Peer>();
+  peer->engine = this;
+  peer->desc = std::move(*d);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    peer->id = next_peer_++;
+    peers_[peer->id] = peer;
+  }
+  Post([this, peer] { StartConnect(peer); });
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, deadline, [&] { return peer->connect_result.has_value(); });
+  if (!peer->connect_result) {
+    peer->abandoned = true;
+    peer->connect_result = Status(ErrorCode::kTimeout, "peer did not answer before the deadline");
+  }
+  Status result = *peer->connect_result;
+  if (!result.ok()) {
+    peers_.erase(peer->id);
+    // The endpoint (if any) is torn down by the progress thread.
+    lock.unlock();
+    Post([this, peer] {
+      if (peer->ep != nullptr) {
+        for (ucp_rkey_h k : peer->rkeys) {
+          if (k != nullptr) ucp_rkey_destroy(k);
+        }
+        peer->rkeys.clear();
+        eps_to_close_.push_back(peer->ep);
+        peer->ep = nullptr;
+      }
+    });
+    return tl::unexpected(result);
+  }
+  return peer->id;
+}
+
+void UcxEngine::StartConnect(const std::shared_ptr<Peer>& peer) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peer->abandoned) return;
+  }
+  graveyard_.push_back(peer);  // keeps the err-handler argument alive until shutdown
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(peer->desc.address.data());
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* p = static_cast<Peer*>(arg);
+    p->engine->PeerFailed(p, status);
+  };
+  ep.err_handler.arg = peer.get();
+  ucs_status_t s = ucp_ep_create(worker_, &ep, &peer->ep);
+  if (s != UCS_OK) {
+    peer->ep = nullptr;
+    FinishConnect(peer, Status(ErrorCode::kUnavailable,
+                               std::string("cannot reach peer: ") + ucs_status_string(s)));
+    return;
+  }
+  peer->rkeys_ok = true;
+  for (const auto& r : peer->desc.regions) {
+    ucp_rkey_h k = nullptr;
+    if (r.rkey.empty() || ucp_ep_rkey_unpack(peer->ep, r.rkey.data(), &k) != UCS_OK) {
+      peer->rkeys_ok = false;
+      k = nullptr;
+    }
+    peer->rkeys.push_back(k);
+  }
+  struct Ctx {
+    UcxEngine* engine;
+    std::shared_ptr<Peer> peer;
+    HelloHeader header;
+  };
+  auto* ctx = new Ctx{this, peer, HelloHeader{uid_, peer->id}};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.user_data = ctx;
+  rp.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+    auto* c = static_cast<Ctx*>(user_data);
+    --c->engine->ucx_work_;
+    if (status != UCS_OK) c->engine->FinishConnect(c->peer, FromUcs(status, "hello"));
+    ucp_request_free(request);
+    delete c;
+  };
+  ucs_status_ptr_t sp = ucp_am_send_nbx(peer->ep, kAmHello, &ctx->header, sizeof(ctx->header),
+                                        worker_address_.data(), worker_address_.size(), &rp);
+  if (sp == nullptr) {
+    delete ctx;
+  } else if (UCS_PTR_IS_ERR(sp)) {
+    FinishConnect(peer, FromUcs(UCS_PTR_STATUS(sp), "hello"));
+    delete ctx;
+  } else {
+    ++ucx_work_;
+  }
+}
+
+void UcxEngine::FinishConnect(const std::shared_ptr<Peer>& peer, Status status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (peer->connect_result) return;
+  if (status.ok()) peer->state = PeerState::kOpen;
+  peer->connect_result = std::move(status);
+  cv_.notify_all();
+}
+
+std::string UcxEngine::DescribeLanes(ucp_ep_h ep, bool* rma_ok) {
+  // UCX 1.13 has no ucp_ep_query for transports, so parse ucp_ep_print_info, whose lane lines
+  // look like "lane[1]:  2:posix/memory.0 md[2] ... rma_bw#0 ...".
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* f = open_memstream(&text, &size);
+  if (f == nullptr) return "";
+  ucp_ep_print_info(ep, f);
+  fclose(f);
+  std::string info(text, size);
+  free(text);
+  if (std::getenv("KVFERRY_UCX_DEBUG") != nullptr) std::fprintf(stderr, "%s\n", info.c_str());
+  std::vector<std::string> tls;
+  bool any_rma = false, rma_tcp = false, any_tcp = false;
+  std::size_t pos = 0;
+  while ((pos = info.find("lane[", pos)) != std::string::npos) {
+    std::size_t end = info.find('\n', pos);
+    std::string line = info.substr(pos, end - pos);
+    pos = end;
+    std::size_t slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    std::size_t start = line.find_last_of(" :", slash);
+    std::string tl = line.substr(start == std::string::npos ? 0 : start + 1,
+                                 slash - (start == std::string::npos ? 0 : start + 1));
+    if (std::find(tls.begin(), tls.end(), tl) == tls.end()) tls.push_back(tl);
+    any_tcp |= tl == "tcp";
+    if (line.find("rma_bw") != std::string::npos) {
+      any_rma = true;
+      rma_tcp |= tl == "tcp";
+    }
+  }
+  // Dedicated rma_bw lanes (RDMA, or cma beside an AM transport) must not be tcp. Shared memory
+  // has no rma_bw lane: its puts are chosen per remote key ("put[i]: ..." lines) and ride the
+  // posix/sysv lanes, which is fine as long as no lane is tcp.
+  if (any_rma) {
+    *rma_ok = !rma_tcp;
+  } else {
+    *rma_ok = !any_tcp && info.find("put[") != std::string::npos;
+  }
+  std::string out;
+  for (const auto& tl : tls) out += (out.empty() ? "" : "+") + tl;
+  return out;
+}
+
+ucs_status_t UcxEngine::OnHello(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxEngine*>(arg);
+  HelloHeader h;
+  if (!ReadHeader(header, header_length, &h) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
+      length == 0) {
+    return UCS_OK;  // malformed: ignore (the sender's Connect times out)
+  }
+  auto& slot = self->senders_[h.sender_uid];
+  if (!slot || slot->ep == nullptr) {
+    slot = std::make_unique<Sender>();
+    slot->engine = self;
+    slot->uid = h.sender_uid;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = static_cast<const ucp_address_t*>(data);
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = [](void* a, ucp_ep_h, ucs_status_t) {
+      auto* s = static_cast<Sender*>(a);
+      s->engine->SenderFailed(s->uid);
+    };
+    ep.err_handler.arg = slot.get();
+    if (ucp_ep_create(self->worker_, &ep, &slot->ep) != UCS_OK) {
+      self->senders_.erase(h.sender_uid);
+      return UCS_OK;
+    }
+  }
+  ++slot->refs;
+  self->SendSmall(slot->ep, kAmHelloAck, HelloAckHeader{h.nonce, self->uid_});
+  return UCS_OK;
+}
+
+ucs_status_t UcxEngine::OnHelloAck(void* arg, const void* header, size_t header_length, void*,
+                                   size_t, const ucp_am_recv_param_t*) {
+  auto* self = static_cast<UcxEngine*>(arg);
+  HelloAckHeader h;
+  if (!ReadHeader(header, header_length, &h)) return UCS_OK;
+  std::shared_ptr<Peer> peer;
+  {
+    std::lock_guard<std::mutex> lock(self->mu_);
+    auto it = self->peers_.find(h.nonce);
+    if (it == self->peers_.end()) return UCS_OK;
+    peer = it->second;
+  }
+  if (peer->ep == nullptr) return UCS_OK;
+  if (h.receiver_uid != peer->desc.engine_uid) {
+    self->FinishConnect(peer, Status(ErrorCode::kUnavailable,
+                                     "the engine at that address is not the descriptor's"));
+    return UCS_OK;
+  }
+  bool rma_ok = false;
+  std::string tls = self->DescribeLanes(peer->ep, &rma_ok);
+  bool use_put = false;
+  switch (self->options_.mode) {
+    case UcxMode::kPut:
+      if (!peer->rkeys_ok) {
+        self->FinishConnect(peer, Status(ErrorCode::kUnavailable,
+                                         "put mode, but the peer's remote keys are unusable"));
+        return UCS_OK;
+      }
+      use_put = true;
+      break;
+    case UcxMode::kAm:
+      use_put = false;
+      break;
+    case UcxMode::kAuto:
+      use_put = rma_ok && peer->rkeys_ok;
+      break;
+  }
+  {
+    std::lock_guard<std::mutex> lock(self->mu_);
+    peer->use_put = use_put;
+    peer->transports = tls;
+  }
+  self->FinishConnect(peer, Status::Ok());
+  return UCS_OK;
+}
+
+template <typename H>
+void UcxEngine::SendSmall(ucp_ep_h ep, unsigned id, const H& header) {
+  struct Ctx {
+    UcxEngine* engine;
+    H header;
+  };
+  auto* ctx = new Ctx{this, header};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER;
+  rp.user_data = ctx;
+  rp.cb.send = [](void* request, ucs_status_t, void* user_data) {
+    auto* c = static_cast<Ctx*>(user_data);
+    --c->engine->ucx_work_;
+    ucp_request_free(request);
+    delete c;
+  };
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, id, &ctx->header, sizeof(H), nullptr, 0, &rp);
+  if (sp == nullptr || UCS_PTR_IS_ERR(sp)) {
+    delete ctx;
+  } else {
+    ++ucx_work_;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writes: sender side
+
+Result<BatchId> UcxEngine::SubmitWrites(PeerId peer_id, std::span<const WriteOp> ops,
+                                        CompletionFn done) {
+  if (ops.empty()) return Err(ErrorCode::kInvalidArgument, "empty batch");
+  auto b = std::make_unique<Batch>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto pit = peers_.find(peer_id);
+    if (pit == peers_.end()) return Err(ErrorCode::kNotFound, "unknown peer");
+    Peer& p = *pit->second;
+    if (p.state == PeerState::kDead) return tl::unexpected(p.error);
+    if (p.state != PeerState::kOpen) return Err(ErrorCode::kCancelled, "peer is being closed");
+    b->ops.reserve(ops.size());
+    for (const WriteOp& op : ops) {
+      if (op.length == 0) return Err(ErrorCode::kInvalidArgument, "zero-length write");
+      auto lit = regions_.find(op.local_region);
+      if (lit == regions_.end()) return Err(ErrorCode::kNotFound, "unknown local region");
+      const Region& lr = lit->second.region;
+      if (!internal::RangeFits(op.local_offset, op.length, lr.length)) {
+        return Err(ErrorCode::kOutOfRange, "write outside the local region");
+      }
+      std::size_t idx = 0;
+      while (idx < p.desc.regions.size() && p.desc.regions[idx].info.id != op.remote_region) ++idx;
+      if (idx == p.desc.regions.size()) {
+        return Err(ErrorCode::kOutOfRange, "remote region not in the peer's descriptor");
+      }
+      const RemoteRegion& rr = p.desc.regions[idx].info;
+      if (!internal::RangeFits(op.remote_offset, op.length, rr.length)) {
+        return Err(ErrorCode::kOutOfRange, "write outside the remote region");
+      }
+      b->ops.push_back(op);
+      b->resolved.push_back(Op{lr.base + op.local_offset, lit->second.memh,
+                               rr.base + op.remote_offset, idx, op.length});
+    }
+    for (const WriteOp& op : ops) ++regions_[op.local_region].out_in_flight;
+    ++p.batches;
+    b->id = next_batch_++;
+    b->peer = pit->second;
+  }
+  b->done = std::move(done);
+  BatchId id = b->id;
+  Post([this, raw = b.release()] { PostBatch(raw); });
+  return id;
+}
+
+void UcxEngine::PostBatch(Batch* b) {
+  Peer& p = *b->peer;
+  batches_[b->id] = b;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (p.state == PeerState::kDead) b->Fail(p.error);
+  }
+  if (p.ep == nullptr) b->Fail(Status(ErrorCode::kUnavailable, "peer endpoint is closed"));
+  if (!b->status.ok()) {
+    --b->outstanding;
+    MaybeComplete(b);
+    return;
+  }
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.user_data = b;
+  rp.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+    auto* batch = static_cast<Batch*>(user_data);
+    ucp_request_free(request);
+    batch->peer->engine->OpDone(batch, status);
+  };
+  auto track = [&](ucs_status_ptr_t sp, const char* what) {
+    if (sp == nullptr) return;
+    if (UCS_PTR_IS_ERR(sp)) {
+      b->Fail(FromUcs(UCS_PTR_STATUS(sp), what));
+      return;
+    }
+    ++b->outstanding;
+  };
+  if (p.use_put) {
+    for (const Op& op : b->resolved) {
+      ucp_request_param_t op_rp = rp;
+      op_rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      op_rp.memh = op.memh;
+      track(
+          ucp_put_nbx(p.ep, op.local, op.length, op.remote_addr, p.rkeys[op.remote_index], &op_rp),
+          "put");
+    }
+    // Puts complete locally; the flush completes when they are complete at the peer.
+    if (b->status.ok()) track(ucp_ep_flush_nbx(p.ep, &rp), "flush");
+  } else {
+    b->headers.resize(b->ops.size());
+    b->awaiting_ack = true;
+    ++b->outstanding;
+    for (std::size_t i = 0; i < b->ops.size(); ++i) {
+      const WriteOp& op = b->ops[i];
+      b->headers[i] = WriteHeader{uid_,
+                                  b->id,
+                                  op.remote_offset,
+                                  op.length,
+                                  op.remote_region,
+                                  static_cast<std::uint32_t>(b->ops.size())};
+      ucp_request_param_t op_rp = rp;
+      op_rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      op_rp.memh = b->resolved[i].memh;
+      track(ucp_am_send_nbx(p.ep, kAmWrite, &b->headers[i], sizeof(WriteHeader),
+                            b->resolved[i].local, b->resolved[i].length, &op_rp),
+            "am send");
+    }
+    // If a send failed outright the receiver will never ack the whole batch.
+    if (!b->status.ok()) {
+      b->awaiting_ack = false;
+      --b->outstanding;
+    }
+  }
+  --b->outstanding;  // the posting guard
+  MaybeComplete(b);
+}
+
+void UcxEngine::OpDone(Batch* b, ucs_status_t status) {
+  if (status != UCS_OK) b->Fail(FromUcs(status, b->peer->use_put ? "put" : "am send"));
+  --b->outstanding;
+  MaybeComplete(b);
+}
+
+void UcxEngine::MaybeComplete(Batch* b) {
+  if (b->outstanding > 0) return;
+  batches_.erase(b->id);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const WriteOp& op : b->ops) {
+      auto it = regions_.find(op.local_region);
+      if (it != regions_.end()) --it->second.out_in_flight;
+    }
+    --b->peer->batches;
+    cv_.notify_all();
+  }
+  if (b->done) b->done(b->id, std::move(b->status));
+  delete b;
+}
+
+ucs_status_t UcxEngine::OnAck(void* arg, const void* header, size_t header_length, void*, size_t,
+                              const ucp_am_recv_param_t*) {
+  auto* self = static_cast<UcxEngine*>(arg);
+  AckHeader h;
+  if (!ReadHeader(header, header_length, &h)) return UCS_OK;
+  auto it = self->batches_.find(h.batch_id);
+  if (it == self->batches_.end() || !it->second->awaiting_ack) return UCS_OK;
+  Batch* b = it->second;
+  b->awaiting_ack = false;
+  auto code = static_cast<ErrorCode>(h.code);
+  if (code != ErrorCode::kOk) {
+    b->Fail(Status(code, code == ErrorCode::kOutOfRange
+                             ? "peer refused a range it has not registered"
+                             : "peer failed to receive the batch"));
+  }
+  --b->outstanding;
+  self->MaybeComplete(b);
+  return UCS_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writes: receiver side (am path)
+
+ucs_status_t UcxEngine::OnWrite(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxEngine*>(arg);
+  WriteHeader h;
+  if (!ReadHeader(header, header_length, &h) || h.op_count == 0) return UCS_OK;
+  std::byte* dst = nullptr;
+  ucp_mem_h memh = nullptr;
+  {
+    // The receiver's own check: the write must fit what is registered now, whatever the
+    // sender's descriptor said.
+    std::lock_guard<std::mutex> lock(self->mu_);
+    auto it = self->regions_.find(h.remote_region);
+    if (it != self->regions_.end() && h.length == length &&
+        internal::RangeFits(h.remote_offset, h.length, it->second.region.length)) {
+      dst = it->second.region.base + h.remote_offset;
+      memh = it->second.memh;
+      ++it->second.in_in_flight;
+    }
+  }
+  if (dst == nullptr) {
+    self->InboundOpLanded(h.sender_uid, h.batch_id, h.op_count, ErrorCode::kOutOfRange);
+    return UCS_OK;  // for a rendezvous message this drops the data without fetching it
+  }
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
+    std::memcpy(dst, data, length);
+    self->RegionReleased(h.remote_region);
+    self->InboundOpLanded(h.sender_uid, h.batch_id, h.op_count, ErrorCode::kOk);
+    return UCS_OK;
+  }
+  auto* ctx = new RecvContext{self, h.sender_uid, h.batch_id, h.remote_region, h.op_count};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+  rp.memh = memh;
+  rp.user_data = ctx;
+  rp.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+    auto* c = static_cast<RecvContext*>(user_data);
+    --c->engine->ucx_work_;
+    c->engine->RecvFinished(c, status);
+    ucp_request_free(request);
+  };
+  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(self->worker_, data, dst, length, &rp);
+  if (sp == nullptr) {
+    self->RecvFinished(ctx, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(sp)) {
+    self->RecvFinished(ctx, UCS_PTR_STATUS(sp));
+  } else {
+    ++self->ucx_work_;
+  }
+  return UCS_OK;
+}
+
+void UcxEngine::RecvFinished(RecvContext* c, ucs_status_t status) {
+  RegionReleased(c->region);
+  InboundOpLanded(c->sender_uid, c->batch_id, c->op_count,
+                  status == UCS_OK ? ErrorCode::kOk : ErrorCode::kUnavailable);
+  delete c;
+}
+
+void UcxEngine::RegionReleased(RegionId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(id);
+  if (it != regions_.end()) --it->second.in_in_flight;
+  cv_.notify_all();
+}
+
+void UcxEngine::InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id,
+                                std::uint32_t op_count, ErrorCode code) {
+  auto key = std::make_pair(sender_uid, batch_id);
+  InboundBatch& ib = inbound_[key];
+  ++ib.landed;
+  if (ib.code == ErrorCode::kOk) ib.code = code;
+  if (ib.landed < op_count) return;
+  ErrorCode result = ib.code;
+  inbound_.erase(key);
+  auto sit = senders_.find(sender_uid);
+  if (sit == senders_.end() || sit->second->ep == nullptr) return;  // sender gone: no one to ack
+  SendSmall(sit->second->ep, kAmAck, AckHeader{batch_id, static_cast<std::uint32_t>(result), 0});
+}
+
+void UcxEngine::SenderFailed(std::uint64_t uid) {
+  auto it = senders_.find(uid);
+  if (it == senders_.end()) return;
+  if (it->second->ep != nullptr) eps_to_close_.push_back(it->second->ep);
+  senders_.erase(it);
+  for (auto i = inbound_.lower_bound({uid, 0}); i != inbound_.end() && i->first.first == uid;) {
+    i = inbound_.erase(i);
+  }
+}
+
+ucs_status_t UcxEngine::OnBye(void* arg, const void* header, size_t header_length, void*, size_t,
+                              const ucp_am_recv_param_t*) {
+  auto* self = static_cast<UcxEngine*>(arg);
+  ByeHeader h;
+  if (!ReadHeader(header, header_length, &h)) return UCS_OK;
+  auto it = self->senders_.find(h.sender_uid);
+  if (it != self->senders_.end() && --it->second->refs <= 0) self->SenderFailed(h.sender_uid);
+  return UCS_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failure and close
+
+void UcxEngine::PeerFailed(Peer* raw, ucs_status_t status) {
+  std::shared_ptr<Peer> peer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    raw->state = PeerState::kDead;
+    raw->error =
+        Status(ErrorCode::kUnavailable, std::string("peer failed: ") + ucs_status_string(status));
+    if (!raw->connect_result) raw->connect_result = raw->error;
+    cv_.notify_all();
+    auto it = peers_.find(raw->id);
+    if (it != peers_.end()) peer = it->second;
+  }
+  // Batches waiting for an ack will not get one. UCX completes the peer's outstanding requests
+  // with errors itself.
+  std::vector<Batch*> waiting;
+  for (auto& [id, b] : batches_) {
+    if (b->peer.get() == raw && b->awaiting_ack) waiting.push_back(b);
+  }
+  for (Batch* b : waiting) {
+    b->awaiting_ack = false;
+    b->Fail(raw->error);
+    --b->outstanding;
+    MaybeComplete(b);
+  }
+  // UCX requires a failed endpoint to be closed; do it outside the callback.
+  if (peer && std::find(closing_.begin(), closing_.end(), peer) == closing_.end()) {
+    peer->close_deadline = Clock::now();
+    closing_.push_back(peer);
+  }
+}
+
+Status UcxEngine::ClosePeer(PeerId peer_id, TimePoint deadline) {
+  if (OnProgressThread()) return CallbackMisuse("ClosePeer");
+  std::shared_ptr<Peer> peer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(peer_id);
+    if (it == peers_.end()) return Status(ErrorCode::kNotFound, "unknown peer");
+    peer = it->second;
+    if (peer->state == PeerState::kOpen) peer->state = PeerState::kClosing;
+  }
+  Post([this, peer, deadline] {
+    auto it = std::find(closing_.begin(), closing_.end(), peer);
+    if (it == closing_.end()) {
+      if (!peer->close_result) {
+        peer->close_deadline = deadline;
+        closing_.push_back(peer);
+      }
+    } else {
+      peer->close_deadline = std::min(peer->close_deadline, deadline);
+    }
+  });
+  std::unique_lock<std::mutex> lock(mu_);
+  // Closing is bounded by the deadline plus a forced close, which UCX completes locally; the
+  // extra margin only guards against a bug turning into a hang.
+  bool finished = cv_.wait_until(lock, std::max(deadline, Clock::now()) + std::chrono::seconds(5),
+                                 [&] { return peer->close_result.has_value(); });
+  peers_.erase(peer_id);
+  if (!finished) return Status(ErrorCode::kInternal, "close did not finish");
+  return *peer->close_result;
+}
+
+void UcxEngine::ForceCloseEp(ucp_ep_h ep) {
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
+  if (sp != nullptr && !UCS_PTR_IS_ERR(sp)) close_requests_.push_back(sp);
+}
+
+void UcxEngine::DriveCloses() {
+  for (ucp_ep_h ep : eps_to_close_) ForceCloseEp(ep);
+  eps_to_close_.clear();
+  for (auto it = close_requests_.begin(); it != close_requests_.end();) {
+    if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
+      ucp_request_free(*it);
+      it = close_requests_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (closing_.empty()) return;
+  TimePoint now = Clock::now();
+  for (auto it = closing_.begin(); it != closing_.end();) {
+    Peer& p = **it;
+    int in_flight = 0;
+    for (const auto& [id, b] : batches_) in_flight += b->peer.get() == &p;
+    bool dead;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dead = p.state == PeerState::kDead;
+    }
+    if (!p.close_started) {
+      if (in_flight > 0 && now < p.close_deadline && !dead) {
+        ++it;
+        continue;
+      }
+      p.close_started = true;
+      p.close_timed_out = in_flight > 0 && !dead;
+      if (p.ep != nullptr) {
+        // Tell the peer it can drop its back endpoint (best effort: a lost BYE only leaves that
+        // endpoint open until this engine goes away).
+        if (!dead) SendSmall(p.ep, kAmBye, ByeHeader{uid_});
+        for (ucp_rkey_h k : p.rkeys) {
+          if (k != nullptr) ucp_rkey_destroy(k);
+        }
+        p.rkeys.clear();
+        p.bye_sent_at = now;
+        p.closing_ep = p.ep;
+        p.ep = nullptr;
+      }
+    }
+    if (p.closing_ep != nullptr) {
+      // Give the BYE a moment to leave (it is tiny), then force-close: outstanding requests are
+      // cancelled by UCX and complete with UCS_ERR_CANCELED.
+      if (ucx_work_ > 0 && now - p.bye_sent_at < std::chrono::milliseconds(50)) {
+        ++it;
+        continue;
+      }
+      ForceCloseEp(p.closing_ep);
+      p.closing_ep = nullptr;
+    }
+    // Every completion of the peer runs before ClosePeer returns.
+    std::vector<Batch*> left;
+    for (auto& [id, b] : batches_) {
+      if (b->peer.get() == &p && b->awaiting_ack) left.push_back(b);
+    }
+    for (Batch* b : left) {
+      b->awaiting_ack = false;
+      b->Fail(Status(ErrorCode::kCancelled, "peer closed"));
+      --b->outstanding;
+      MaybeComplete(b);
+    }
+    in_flight = 0;
+    for (const auto& [id, b] : batches_) in_flight += b->peer.get() == &p;
+    if (in_flight > 0) {  // UCX still owes cancellation callbacks
+      ++it;
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      p.state = dead ? PeerState::kDead : PeerState::kClosed;
+      p.close_result = p.close_timed_out
+                           ? Status(ErrorCode::kTimeout,
+                                    "in-flight batches were cancelled at the close deadline")
+                           : Status::Ok();
+      cv_.notify_all();
+    }
+    it = closing_.erase(it);
+  }
+}
+
+Result<PeerInfo> UcxEngine::DescribePeer(PeerId peer_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(peer_id);
+  if (it == peers_.end()) return Err(ErrorCode::kNotFound, "unknown peer");
+  const Peer& p = *it->second;
+  return PeerInfo{p.use_put ? "put" : "am", p.transports, static_cast<std::size_t>(p.batches)};
+}
+
+Result<std::unique_ptr<Engine>> MakeUcxEngine(const UcxOptions& options) {
+  auto engine = std::make_unique<UcxEngine>(options);
+  Status s = engine->Init();
+  if (!s.ok()) {
+    return tl::unexpected(Status(
+        s.code() == ErrorCode::kInvalidArgument ? s.code() : ErrorCode::kUnavailable, s.message()));
+  }
+  return std::unique_ptr<Engine>(std::move(engine));
+}
+
+}  // namespace kvferry::transport

@@ -1,0 +1,281 @@
+// Two real processes: this test process writes, kvferry_transport_peer receives and verifies.
+#include "kvferry/transport/ucx.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "descriptor.h"
+#include "peer_process.h"
+
+namespace kvferry::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using internal::PeerProcess;
+
+TimePoint In(Duration d) { return Clock::now() + d; }
+
+struct Config {
+  const char* name;
+  const char* tls;
+  UcxMode mode;
+  const char* expected_path;
+};
+
+void PrintTo(const Config& c, std::ostream* os) { *os << c.name; }
+
+constexpr std::size_t kRegion = 16 << 20;
+constexpr std::size_t kBlock = 64 << 10;
+
+class UcxTest : public ::testing::TestWithParam<Config> {
+ protected:
+  void SetUp() override {
+    const Config& c = GetParam();
+    std::string mode = c.mode == UcxMode::kPut ? "put" : c.mode == UcxMode::kAm ? "am" : "auto";
+    auto peer = PeerProcess::Spawn(
+        KVFERRY_TRANSPORT_PEER, {"--region-bytes", std::to_string(kRegion), "--mode", mode},
+        {std::string("UCX_TLS=") + c.tls, "UCX_NET_DEVICES=lo"}, In(15s));
+    ASSERT_TRUE(peer) << peer.error().ToString();
+    peer_ = std::move(*peer);
+    UcxOptions options;
+    options.mode = c.mode;
+    options.config = {{"TLS", c.tls}, {"NET_DEVICES", "lo"}};
+    auto engine = MakeUcxEngine(options);
+    ASSERT_TRUE(engine) << engine.error().ToString();
+    engine_ = std::move(*engine);
+    auto src = engine_->AllocateRegion(kRegion);
+    ASSERT_TRUE(src) << src.error().ToString();
+    src_ = *src;
+    internal::FillPattern(src_.base, src_.length, kSeed, 0);
+    auto info = ParseDescriptor(peer_.descriptor());
+    ASSERT_TRUE(info);
+    ASSERT_EQ(info->regions.size(), 1u);
+    remote_ = info->regions[0].id;
+  }
+
+  void TearDown() override {
+    engine_.reset();
+    peer_.Kill();  // always reaped, whatever the test did
+  }
+
+  void ConnectPeer() {
+    auto p = engine_->Connect(peer_.descriptor(), In(10s));
+    ASSERT_TRUE(p) << p.error().ToString();
+    peer_id_ = *p;
+    auto info = engine_->DescribePeer(peer_id_);
+    ASSERT_TRUE(info);
+    EXPECT_EQ(info->path, GetParam().expected_path) << info->transports;
+  }
+
+  WriteOp Op(std::uint64_t src_off, std::uint64_t dst_off, std::uint64_t len) const {
+    return WriteOp{src_.id, remote_, src_off, dst_off, len};
+  }
+
+  void ExpectLanded(const WriteOp& op) {
+    auto r = peer_.Command("CHECK " + std::to_string(op.remote_offset) + " " +
+                               std::to_string(op.length) + " " + std::to_string(op.local_offset) +
+                               " " + std::to_string(kSeed),
+                           In(10s));
+    ASSERT_TRUE(r) << r.error().ToString();
+    EXPECT_EQ(*r, "OK") << "op at dst " << op.remote_offset;
+  }
+
+  static constexpr std::uint64_t kSeed = 42;
+  PeerProcess peer_;
+  std::unique_ptr<Engine> engine_;
+  Region src_;
+  RegionId remote_ = 0;
+  PeerId peer_id_ = 0;
+};
+
+TEST_P(UcxTest, ScatteredBlocksAndOneRunArriveIntact) {
+  ConnectPeer();
+  // 64 blocks of 64 KiB to shuffled destination slots in the first half, plus one 4 MiB
+  // contiguous run (posted as a single op) in the second half.
+  std::vector<std::uint64_t> slots(64);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), std::mt19937(7));
+  std::vector<WriteOp> ops;
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    ops.push_back(Op(i * kBlock, slots[i] * kBlock, kBlock));
+  ops.push_back(Op(8 << 20, 8 << 20, 4 << 20));
+  ops.push_back(Op(13, (12 << 20) + 5, 1000));  // small, unaligned: eager path
+  BatchWaiter w;
+  ASSERT_TRUE(engine_->SubmitWrites(peer_id_, ops, w.Callback()));
+  Status s = w.Wait(In(20s));
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  for (const auto& op : ops) ExpectLanded(op);
+  // Many batches in flight at once.
+  std::vector<BatchWaiter> waiters(16);
+  for (std::size_t i = 0; i < waiters.size(); ++i) {
+    auto op = Op(i * (256 << 10), (4 << 20) + i * (256 << 10), 256 << 10);
+    ASSERT_TRUE(engine_->SubmitWrites(peer_id_, std::span(&op, 1), waiters[i].Callback()));
+  }
+  for (auto& waiter : waiters) ASSERT_TRUE(waiter.Wait(In(20s)).ok());
+  ExpectLanded(Op(0, 4 << 20, 4 << 20));
+  EXPECT_TRUE(engine_->ClosePeer(peer_id_, In(10s)).ok());
+}
+
+TEST_P(UcxTest, OutOfRangeIsRefusedBeforePosting) {
+  ConnectPeer();
+  bool called = false;
+  auto cb = [&](BatchId, Status) { called = true; };
+  std::vector<std::vector<WriteOp>> bad = {{Op(0, kRegion - 10, 11)},
+                                           {Op(kRegion - 10, 0, 11)},
+                                           {Op(0, 0, 16), Op(0, ~0ull - 4, 16)},
+                                           {WriteOp{src_.id, remote_ + 1, 0, 0, 16}}};
+  for (const auto& ops : bad) {
+    auto r = engine_->SubmitWrites(peer_id_, ops, cb);
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.error().code(), ErrorCode::kOutOfRange) << r.error().ToString();
+  }
+  EXPECT_FALSE(called);
+  // The peer is still usable.
+  BatchWaiter w;
+  auto op = Op(0, 0, 4096);
+  ASSERT_TRUE(engine_->SubmitWrites(peer_id_, std::span(&op, 1), w.Callback()));
+  EXPECT_TRUE(w.Wait(In(10s)).ok());
+  ExpectLanded(op);
+}
+
+TEST_P(UcxTest, CloseWaitsForInFlightWrites) {
+  ConnectPeer();
+  std::vector<WriteOp> ops;
+  for (std::size_t i = 0; i < 8; ++i) ops.push_back(Op(i * (2 << 20), i * (2 << 20), 2 << 20));
+  BatchWaiter w;
+  ASSERT_TRUE(engine_->SubmitWrites(peer_id_, ops, w.Callback()));
+  Status closed = engine_->ClosePeer(peer_id_, In(20s));
+  EXPECT_TRUE(closed.ok()) << closed.ToString();
+  ASSERT_TRUE(w.done());  // the completion ran before ClosePeer returned
+  EXPECT_TRUE(w.Wait(In(1s)).ok());
+  ExpectLanded(Op(0, 0, 16 << 20));
+  auto after = engine_->SubmitWrites(peer_id_, ops, [](BatchId, Status) {});
+  EXPECT_EQ(after.error().code(), ErrorCode::kNotFound);
+}
+
+TEST_P(UcxTest, KilledReceiverGivesAnErrorWithinBound) {
+  ConnectPeer();
+  auto op = Op(0, 0, 4 << 20);
+  BatchWaiter first;
+  ASSERT_TRUE(engine_->SubmitWrites(peer_id_, std::span(&op, 1), first.Callback()));
+  ASSERT_TRUE(first.Wait(In(10s)).ok());
+  // Keep batches flowing while the receiver dies.
+  std::vector<BatchWaiter> waiters;
+  for (int i = 0; i < 4; ++i) {
+    waiters.emplace_back();
+    ASSERT_TRUE(engine_->SubmitWrites(peer_id_, std::span(&op, 1), waiters.back().Callback()));
+  }
+  // SIGKILL and reap: UCX's shared-memory keepalive checks whether the peer process exists, and
+  // an unreaped zombie still does.
+  peer_.Kill();
+  TimePoint killed = Clock::now();
+  Status error;
+  while (error.ok() && Clock::now() - killed < 20s) {
+    BatchWaiter w;
+    auto r = engine_->SubmitWrites(peer_id_, std::span(&op, 1), w.Callback());
+    if (!r) {
+      error = r.error();
+      break;
+    }
+    error = w.Wait(In(20s));
+  }
+  double seconds = core::ToSeconds(Clock::now() - killed);
+  EXPECT_EQ(error.code(), ErrorCode::kUnavailable) << error.ToString();
+  EXPECT_LT(seconds, 15.0);
+  // Every batch submitted before the kill completed (one way or the other).
+  for (auto& w : waiters) EXPECT_NE(w.Wait(In(5s)).code(), ErrorCode::kTimeout);
+  // Closing a dead peer is prompt.
+  TimePoint t = Clock::now();
+  (void)engine_->ClosePeer(peer_id_, In(5s));
+  EXPECT_LT(core::ToSeconds(Clock::now() - t), 6.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports, UcxTest,
+    ::testing::Values(Config{"tcp_auto", "tcp", UcxMode::kAuto, "am"},
+                      Config{"tcp_put", "tcp", UcxMode::kPut, "put"},
+                      Config{"shm_auto", "posix,sysv,self", UcxMode::kAuto, "put"},
+                      Config{"shm_am", "posix,sysv,self", UcxMode::kAm, "am"},
+                      Config{"cma_auto", "cma,tcp,self", UcxMode::kAuto, "am"},
+                      Config{"cma_am", "cma,tcp,self", UcxMode::kAm, "am"}),
+    [](const ::testing::TestParamInfo<Config>& p) { return std::string(p.param.name); });
+
+// A receiver must refuse a range it has not registered even if the sender's descriptor (stale
+// or forged) claims otherwise; only the am path can check this on the receiver.
+TEST(UcxReceiverTest, RefusesARangeOutsideItsRegistration) {
+  auto peer = PeerProcess::Spawn(KVFERRY_TRANSPORT_PEER, {"--region-bytes", "1048576"},
+                                 {"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"}, In(15s));
+  ASSERT_TRUE(peer) << peer.error().ToString();
+  auto desc = internal::DecodeDescriptor(peer->descriptor());
+  ASSERT_TRUE(desc);
+  desc->regions[0].info.length *= 4;  // lie about the size
+  UcxOptions options;
+  options.mode = UcxMode::kAm;
+  options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
+  auto engine = MakeUcxEngine(options);
+  ASSERT_TRUE(engine);
+  auto src = (*engine)->AllocateRegion(1 << 20);
+  ASSERT_TRUE(src);
+  auto p = (*engine)->Connect(internal::EncodeDescriptor(*desc), In(10s));
+  ASSERT_TRUE(p) << p.error().ToString();
+  std::vector<WriteOp> ops = {WriteOp{src->id, desc->regions[0].info.id, 0, 0, 4096},
+                              WriteOp{src->id, desc->regions[0].info.id, 0, 2 << 20, 300000}};
+  BatchWaiter w;
+  ASSERT_TRUE((*engine)->SubmitWrites(*p, ops, w.Callback()));
+  EXPECT_EQ(w.Wait(In(10s)).code(), ErrorCode::kOutOfRange);
+  // The connection survives the refusal.
+  BatchWaiter ok;
+  ASSERT_TRUE((*engine)->SubmitWrites(*p, std::span(ops.data(), 1), ok.Callback()));
+  EXPECT_TRUE(ok.Wait(In(10s)).ok());
+  engine->reset();
+  peer->Kill();
+}
+
+TEST(UcxConnectTest, DeadPeerFailsWithinTheDeadline) {
+  auto peer = PeerProcess::Spawn(KVFERRY_TRANSPORT_PEER, {"--region-bytes", "65536"},
+                                 {"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"}, In(15s));
+  ASSERT_TRUE(peer) << peer.error().ToString();
+  auto desc = peer->descriptor();
+  peer->Kill();
+  UcxOptions options;
+  options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
+  auto engine = MakeUcxEngine(options);
+  ASSERT_TRUE(engine);
+  TimePoint start = Clock::now();
+  auto p = (*engine)->Connect(desc, In(3s));
+  ASSERT_FALSE(p);
+  EXPECT_TRUE(p.error().code() == ErrorCode::kUnavailable ||
+              p.error().code() == ErrorCode::kTimeout)
+      << p.error().ToString();
+  EXPECT_LT(core::ToSeconds(Clock::now() - start), 4.0);
+}
+
+TEST(UcxEngineTest, RegisteredCallerMemoryAndMalformedDescriptors) {
+  UcxOptions options;
+  options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
+  auto engine = MakeUcxEngine(options);
+  ASSERT_TRUE(engine);
+  std::vector<std::byte> mine(1 << 16);
+  auto r = (*engine)->RegisterMemory(mine.data(), mine.size(), MemoryKind::kHost);
+  ASSERT_TRUE(r);
+  EXPECT_EQ((*engine)->RegisterMemory(mine.data(), 16, MemoryKind::kCuda).error().code(),
+            ErrorCode::kInvalidArgument);
+  auto desc = (*engine)->ExportDescriptor({});
+  ASSERT_TRUE(desc);
+  auto info = ParseDescriptor(*desc);
+  ASSERT_TRUE(info);
+  EXPECT_EQ(info->regions.at(0).length, mine.size());
+  std::vector<std::byte> junk(10, std::byte{1});
+  EXPECT_EQ((*engine)->Connect(junk, In(1s)).error().code(), ErrorCode::kProtocol);
+  EXPECT_TRUE((*engine)->DeregisterMemory(r->id, In(1s)).ok());
+  EXPECT_EQ((*engine)->DeregisterMemory(r->id, In(1s)).code(), ErrorCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvferry::transport
