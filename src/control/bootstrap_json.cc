@@ -1,0 +1,247 @@
+#include "control/bootstrap_json.h"
+
+#include <fmt/format.h>
+
+#include <limits>
+#include <nlohmann/json.hpp>
+
+namespace kvferry::control {
+namespace {
+
+using nlohmann::json;
+
+// Dumps never throw: strings are validated printable ASCII, and `replace` covers any slip.
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// Field readers. Each returns false and sets `error` (naming the field) when the field is
+// missing or has the wrong JSON type.
+class Reader {
+ public:
+  Reader(const json& object, std::string_view what) : object_(object), what_(what) {}
+
+  bool String(const char* field, std::string& out) {
+    const json* v = Find(field);
+    if (v == nullptr) return false;
+    if (!v->is_string()) return Fail(field, "a string");
+    const auto& s = v->get_ref<const std::string&>();
+    if (s.size() > kMaxStringBytes) {
+      error_ = fmt::format("{}: {} is {} bytes, limit {}", what_, field, s.size(), kMaxStringBytes);
+      return false;
+    }
+    out = s;
+    return true;
+  }
+
+  bool Uint(const char* field, std::uint32_t& out) {
+    const json* v = Find(field);
+    if (v == nullptr) return false;
+    // number_unsigned only: 1.0, -1, "1", true are all wrong types, not ranks.
+    if (!v->is_number_unsigned()) return Fail(field, "a non-negative integer");
+    const auto n = v->get<std::uint64_t>();
+    if (n > std::numeric_limits<std::uint32_t>::max()) {
+      error_ = fmt::format("{}: {} {} is out of range", what_, field, n);
+      return false;
+    }
+    out = static_cast<std::uint32_t>(n);
+    return true;
+  }
+
+  bool Number(const char* field, double& out) {
+    const json* v = Find(field);
+    if (v == nullptr) return false;
+    if (!v->is_number()) return Fail(field, "a number");
+    out = v->get<double>();
+    return true;
+  }
+
+  bool Bool(const char* field, bool& out) {
+    const json* v = Find(field);
+    if (v == nullptr) return false;
+    if (!v->is_boolean()) return Fail(field, "a boolean");
+    out = v->get<bool>();
+    return true;
+  }
+
+  const json* Array(const char* field) {
+    const json* v = Find(field);
+    if (v == nullptr) return nullptr;
+    if (!v->is_array()) {
+      Fail(field, "an array");
+      return nullptr;
+    }
+    return v;
+  }
+
+  const std::string& error() const { return error_; }
+
+ private:
+  const json* Find(const char* field) {
+    auto it = object_.find(field);
+    if (it == object_.end()) {
+      error_ = fmt::format("{}: missing field {}", what_, field);
+      return nullptr;
+    }
+    return &*it;
+  }
+  bool Fail(const char* field, const char* expected) {
+    error_ = fmt::format("{}: {} must be {}", what_, field, expected);
+    return false;
+  }
+
+  const json& object_;
+  std::string_view what_;
+  std::string error_;
+};
+
+// Parses `body` into an object, or explains why not.
+Result<json> ParseObject(std::string_view body, ErrorCode code, std::string_view what) {
+  if (body.size() > kMaxBodyBytes) {
+    return Err(code,
+               fmt::format("{}: body is {} bytes, limit {}", what, body.size(), kMaxBodyBytes));
+  }
+  json j = json::parse(body, /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Err(code, fmt::format("{}: body is not valid JSON", what));
+  if (!j.is_object()) return Err(code, fmt::format("{}: body must be a JSON object", what));
+  return j;
+}
+
+json EngineToJson(const EngineInfo& info) {
+  json workers = json::array();
+  for (const WorkerAddress& w : info.workers) {
+    workers.push_back({{"dp_rank", w.dp_rank},
+                       {"tp_rank", w.tp_rank},
+                       {"pp_rank", w.pp_rank},
+                       {"side_channel", w.side_channel},
+                       {"data_plane", w.data_plane}});
+  }
+  return {{"engine_id", info.engine_id},
+          {"incarnation", info.incarnation},
+          {"dp_rank", info.dp_rank},
+          {"tp_size", info.tp_size},
+          {"pp_size", info.pp_size},
+          {"kv_lease_duration", info.kv_lease_duration},
+          {"protocol_version", info.protocol_version},
+          {"complete", info.complete},
+          {"workers", std::move(workers)}};
+}
+
+Result<EngineInfo> EngineFromJson(const json& j) {
+  constexpr ErrorCode kBad = ErrorCode::kProtocol;
+  if (!j.is_object()) return Err(kBad, "query answer: an engine must be a JSON object");
+  EngineInfo info;
+  Reader in(j, "query answer");
+  const json* workers = nullptr;
+  bool ok = in.String("engine_id", info.engine_id) && in.String("incarnation", info.incarnation) &&
+            in.Uint("dp_rank", info.dp_rank) && in.Uint("tp_size", info.tp_size) &&
+            in.Uint("pp_size", info.pp_size) &&
+            in.Number("kv_lease_duration", info.kv_lease_duration) &&
+            in.Uint("protocol_version", info.protocol_version) &&
+            in.Bool("complete", info.complete) && (workers = in.Array("workers")) != nullptr;
+  if (!ok) return Err(kBad, in.error());
+  // Bound the loop before trusting the array (ValidateEngineInfo repeats the check).
+  if (workers->size() > kMaxWorkersPerEngine) {
+    return Err(kBad, fmt::format("query answer: {} workers, limit {}", workers->size(),
+                                 kMaxWorkersPerEngine));
+  }
+  info.workers.reserve(workers->size());
+  for (const json& wj : *workers) {
+    if (!wj.is_object()) return Err(kBad, "query answer: a worker must be a JSON object");
+    WorkerAddress w;
+    Reader win(wj, "query answer worker");
+    if (!(win.Uint("dp_rank", w.dp_rank) && win.Uint("tp_rank", w.tp_rank) &&
+          win.Uint("pp_rank", w.pp_rank) && win.String("side_channel", w.side_channel) &&
+          win.String("data_plane", w.data_plane))) {
+      return Err(kBad, win.error());
+    }
+    info.workers.push_back(std::move(w));
+  }
+  if (Status s = ValidateEngineInfo(info); !s.ok()) return tl::unexpected(std::move(s));
+  return info;
+}
+
+}  // namespace
+
+std::string EncodeRegistration(const WorkerRegistration& r) {
+  return Dump({{"engine_id", r.engine_id},
+               {"dp_rank", r.dp_rank},
+               {"tp_rank", r.tp_rank},
+               {"pp_rank", r.pp_rank},
+               {"tp_size", r.tp_size},
+               {"pp_size", r.pp_size},
+               {"side_channel", r.side_channel},
+               {"data_plane", r.data_plane},
+               {"kv_lease_duration", r.kv_lease_duration},
+               {"protocol_version", r.protocol_version},
+               {"incarnation", r.incarnation}});
+}
+
+Result<WorkerRegistration> DecodeRegistration(std::string_view body) {
+  constexpr ErrorCode kBad = ErrorCode::kInvalidArgument;
+  auto j = ParseObject(body, kBad, "registration");
+  if (!j) return tl::unexpected(j.error());
+  WorkerRegistration r;
+  Reader in(*j, "registration");
+  bool ok = in.String("engine_id", r.engine_id) && in.Uint("dp_rank", r.dp_rank) &&
+            in.Uint("tp_rank", r.tp_rank) && in.Uint("pp_rank", r.pp_rank) &&
+            in.Uint("tp_size", r.tp_size) && in.Uint("pp_size", r.pp_size) &&
+            in.String("side_channel", r.side_channel) && in.String("data_plane", r.data_plane) &&
+            in.Number("kv_lease_duration", r.kv_lease_duration) &&
+            in.Uint("protocol_version", r.protocol_version) &&
+            in.String("incarnation", r.incarnation);
+  if (!ok) return Err(kBad, in.error());
+  if (Status s = Validate(r); !s.ok()) {
+    return Err(kBad, "registration: " + s.message());
+  }
+  return r;
+}
+
+std::string EncodeEngine(const EngineInfo& info) { return Dump(EngineToJson(info)); }
+
+std::string EncodeEngines(const std::vector<EngineInfo>& engines) {
+  json list = json::array();
+  for (const EngineInfo& e : engines) list.push_back(EngineToJson(e));
+  return Dump({{"engines", std::move(list)}});
+}
+
+Result<EngineInfo> DecodeEngine(std::string_view body) {
+  auto j = ParseObject(body, ErrorCode::kProtocol, "query answer");
+  if (!j) return tl::unexpected(j.error());
+  return EngineFromJson(*j);
+}
+
+Result<std::vector<EngineInfo>> DecodeEngines(std::string_view body) {
+  // A full listing may exceed one request body's limit; the caller bounds the response size.
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Err(ErrorCode::kProtocol, "query answer: body is not a JSON object");
+  }
+  Reader in(j, "query answer");
+  const json* list = in.Array("engines");
+  if (list == nullptr) return Err(ErrorCode::kProtocol, in.error());
+  std::vector<EngineInfo> out;
+  out.reserve(std::min<std::size_t>(list->size(), kMaxRank));
+  for (const json& e : *list) {
+    auto info = EngineFromJson(e);
+    if (!info) return tl::unexpected(info.error());
+    out.push_back(std::move(*info));
+  }
+  return out;
+}
+
+std::string EncodeError(std::string_view reason) { return Dump({{"error", std::string(reason)}}); }
+
+std::string DecodeError(std::string_view body) {
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return "";
+  auto it = j.find("error");
+  if (it == j.end() || !it->is_string()) return "";
+  return it->get<std::string>();
+}
+
+std::string EncodeObject(const std::vector<std::pair<std::string, std::string>>& fields) {
+  json j = json::object();
+  for (const auto& [key, value] : fields) j[key] = value;
+  return Dump(j);
+}
+
+}  // namespace kvferry::control

@@ -1,0 +1,71 @@
+// BootstrapServer: the HTTP/JSON service that maps a P engine id to its workers' side-channel
+// and data-plane addresses (SPEC §1). It runs embedded in P's rank-0 process by default and
+// standalone with RunBootstrapServer (the `kvferry bootstrap` subcommand).
+//
+//   POST /register           a WorkerRegistration   -> 200 {"status":"ok","outcome":...}
+//                                                      400 malformed, 409 conflict, 503 full
+//   GET  /query?engine_id=X  one engine (EngineInfo) -> 200, 400 bad id, 404 unknown engine
+//   GET  /query              {"engines":[...]}       -> 200
+//   GET  /health             {"status":"ok"}         -> 200
+// Every 4xx/5xx answer is {"error": reason}. The registration rules are BootstrapRegistry's;
+// wire formats and limits are in docs/bootstrap.md.
+//
+// The HTTP library stays behind a pimpl: it is slow to compile and no includer needs it.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "control/bootstrap_types.h"
+#include "kvferry/status.h"
+
+namespace kvferry::control {
+
+struct BootstrapServerOptions {
+  // Total registered workers across engines; registrations beyond it get 503.
+  std::size_t max_workers = 16384;
+  // Called, from a server thread, with one line per state change (a new engine, a P restart)
+  // and per rejected registration, for the embedding process's log. May be empty.
+  std::function<void(std::string_view line)> log;
+};
+
+class BootstrapServer {
+ public:
+  explicit BootstrapServer(BootstrapServerOptions options = {});
+  ~BootstrapServer();  // Stop()s
+  BootstrapServer(const BootstrapServer&) = delete;
+  BootstrapServer& operator=(const BootstrapServer&) = delete;
+
+  // Binds host:port (port 0: a free port chosen by the OS), starts serving on background
+  // threads and returns the bound port once the server accepts connections. Bind errors are
+  // returned here, not discovered later. kAlreadyExists if already started. Start after Stop
+  // serves the same registry again.
+  [[nodiscard]] Result<int> Start(const std::string& host, int port);
+
+  // Stops accepting, lets in-flight requests finish and joins every server thread. Bounded:
+  // idle keep-alive connections are dropped within about a second and slow clients by the
+  // read timeout. Idempotent.
+  void Stop();
+
+  bool running() const;
+  // The bound port while running, else 0.
+  int port() const;
+
+  // Snapshot of the registry, for the embedding process (metrics, tests).
+  [[nodiscard]] std::vector<EngineInfo> Engines() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Runs a standalone bootstrap server on host:port until SIGINT or SIGTERM, then stops it and
+// returns 0 (1 if it could not start; the reason goes to stderr). Prints the bound address and
+// state changes to stderr. Call it from the main thread before any other thread starts: it
+// blocks both signals in the calling thread (server threads inherit that mask) and sigwait()s.
+int RunBootstrapServer(const std::string& host, int port);
+
+}  // namespace kvferry::control

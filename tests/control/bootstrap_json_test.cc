@@ -1,0 +1,208 @@
+// Bootstrap JSON bodies: round trips, malformed input, hostile answers; and the lease check.
+#include "control/bootstrap_json.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "bootstrap_test_util.h"
+
+namespace kvferry::control {
+namespace {
+
+using testing::MakeWorker;
+
+// A valid registration body with one field replaced by `value` (raw JSON text), or removed
+// when `value` is empty.
+std::string BodyWith(const std::string& field, const std::string& value) {
+  const std::vector<std::pair<std::string, std::string>> fields = {
+      {"engine_id", "\"p0\""},
+      {"dp_rank", "0"},
+      {"tp_rank", "0"},
+      {"pp_rank", "0"},
+      {"tp_size", "2"},
+      {"pp_size", "1"},
+      {"side_channel", "\"tcp://127.0.0.1:5555\""},
+      {"data_plane", "\"ucx://127.0.0.1:6000\""},
+      {"kv_lease_duration", "30"},
+      {"protocol_version", "1"},
+      {"incarnation", "\"abc\""}};
+  std::string out = "{";
+  for (const auto& [name, json] : fields) {
+    const std::string& v = name == field ? value : json;
+    if (v.empty()) continue;
+    if (out.size() > 1) out += ",";
+    out += "\"" + name + "\":" + v;
+  }
+  return out + "}";
+}
+
+TEST(BootstrapJson, RegistrationRoundTrips) {
+  auto r = MakeWorker("engine-7", 1, 4, "inc-42", 3);
+  r.pp_size = 2;
+  r.pp_rank = 1;
+  r.kv_lease_duration = 0.1;  // not exactly representable: must survive the trip bit for bit
+  auto back = DecodeRegistration(EncodeRegistration(r));
+  ASSERT_TRUE(back) << back.error().ToString();
+  EXPECT_EQ(*back, r);
+}
+
+TEST(BootstrapJson, ValidBodyDecodes) {
+  auto r = DecodeRegistration(BodyWith("", ""));
+  ASSERT_TRUE(r) << r.error().ToString();
+  EXPECT_EQ(r->kv_lease_duration, 30);
+  EXPECT_EQ(r->data_plane, "ucx://127.0.0.1:6000");
+  // Unknown fields are ignored (a newer P may send more).
+  EXPECT_TRUE(DecodeRegistration(BodyWith("", "").insert(1, "\"future\":[1,2],")));
+  // The lease may be fractional.
+  EXPECT_TRUE(DecodeRegistration(BodyWith("kv_lease_duration", "2.5")));
+  // data_plane may be empty.
+  EXPECT_TRUE(DecodeRegistration(BodyWith("data_plane", "\"\"")));
+}
+
+struct BadBody {
+  const char* name;
+  std::string body;
+  const char* reason;  // a substring of the error message
+};
+
+TEST(BootstrapJson, MalformedRegistrationsAreRejectedWithAReason) {
+  const std::string long_string = "\"" + std::string(kMaxStringBytes + 1, 'x') + "\"";
+  const std::vector<BadBody> cases = {
+      {"empty", "", "not valid JSON"},
+      {"not json", "engine_id=p0", "not valid JSON"},
+      {"truncated", BodyWith("", "").substr(0, 40), "not valid JSON"},
+      {"array", "[1,2,3]", "must be a JSON object"},
+      {"missing engine_id", BodyWith("engine_id", ""), "missing field engine_id"},
+      {"missing tp_size", BodyWith("tp_size", ""), "missing field tp_size"},
+      {"missing incarnation", BodyWith("incarnation", ""), "missing field incarnation"},
+      {"missing lease", BodyWith("kv_lease_duration", ""), "missing field kv_lease_duration"},
+      {"rank as float", BodyWith("tp_rank", "0.0"), "tp_rank must be a non-negative integer"},
+      {"rank as string", BodyWith("dp_rank", "\"0\""), "dp_rank must be a non-negative integer"},
+      {"negative rank", BodyWith("pp_rank", "-1"), "pp_rank must be a non-negative integer"},
+      {"rank as bool", BodyWith("tp_rank", "true"), "tp_rank must be a non-negative integer"},
+      {"rank null", BodyWith("tp_rank", "null"), "tp_rank must be a non-negative integer"},
+      {"huge rank", BodyWith("dp_rank", "18446744073709551615"), "out of range"},
+      {"rank 1024", BodyWith("dp_rank", "1024"), "dp_rank 1024 is not below 1024"},
+      {"tp_rank >= tp_size", BodyWith("tp_rank", "2"), "outside tp_size 2"},
+      {"tp_size 0", BodyWith("tp_size", "0"), "at least 1"},
+      {"too many workers", BodyWith("pp_size", "1024"), "exceeds 1024 workers"},
+      {"engine_id number", BodyWith("engine_id", "7"), "engine_id must be a string"},
+      {"empty engine_id", BodyWith("engine_id", "\"\""), "engine_id must not be empty"},
+      {"long side_channel", BodyWith("side_channel", long_string), "side_channel is 257 bytes"},
+      {"control char", BodyWith("incarnation", "\"a\\u0001b\""), "printable ASCII"},
+      {"lease as string", BodyWith("kv_lease_duration", "\"30\""), "must be a number"},
+      {"negative lease", BodyWith("kv_lease_duration", "-1"), "kv_lease_duration -1"},
+      {"huge lease", BodyWith("kv_lease_duration", "1e300"), "kv_lease_duration"},
+      {"overflowing lease", BodyWith("kv_lease_duration", "1e999"), "not valid JSON"},
+      {"oversized",
+       BodyWith("", "").insert(1, "\"pad\":\"" + std::string(kMaxBodyBytes, ' ') + "\","),
+       "limit 65536"},
+  };
+  for (const BadBody& c : cases) {
+    auto r = DecodeRegistration(c.body);
+    ASSERT_FALSE(r) << c.name;
+    EXPECT_EQ(r.error().code(), ErrorCode::kInvalidArgument) << c.name;
+    EXPECT_NE(r.error().message().find(c.reason), std::string::npos)
+        << c.name << ": " << r.error().message();
+  }
+}
+
+EngineInfo SampleEngine() {
+  EngineInfo info;
+  info.engine_id = "p0";
+  info.incarnation = "inc";
+  info.tp_size = 2;
+  info.kv_lease_duration = 30;
+  info.protocol_version = 1;
+  info.complete = true;
+  info.workers = {{0, 0, 0, "tcp://a:1", "d0"}, {0, 1, 0, "tcp://a:2", ""}};
+  return info;
+}
+
+TEST(BootstrapJson, EngineRoundTrips) {
+  const EngineInfo info = SampleEngine();
+  auto back = DecodeEngine(EncodeEngine(info));
+  ASSERT_TRUE(back) << back.error().ToString();
+  EXPECT_EQ(*back, info);
+  auto list = DecodeEngines(EncodeEngines({info, info}));
+  ASSERT_TRUE(list);
+  EXPECT_EQ(list->size(), 2u);
+}
+
+TEST(BootstrapJson, InconsistentAnswersAreProtocolErrors) {
+  auto expect_bad = [](EngineInfo info, const char* reason) {
+    auto r = DecodeEngine(EncodeEngine(info));
+    ASSERT_FALSE(r) << reason;
+    EXPECT_EQ(r.error().code(), ErrorCode::kProtocol);
+    EXPECT_NE(r.error().message().find(reason), std::string::npos) << r.error().message();
+  };
+  EngineInfo info = SampleEngine();
+  info.complete = false;
+  expect_bad(info, "complete=false with 2 of 2");
+  info = SampleEngine();
+  info.workers[1].tp_rank = 0;
+  expect_bad(info, "unsorted or twice");
+  info = SampleEngine();
+  info.workers[1].tp_rank = 5;
+  expect_bad(info, "outside");
+  info = SampleEngine();
+  info.workers.push_back({0, 1, 0, "tcp://a:3", ""});
+  expect_bad(info, "3 workers");
+  EXPECT_EQ(DecodeEngine("{\"engine_id\":\"p0\"}").error().code(), ErrorCode::kProtocol);
+  EXPECT_EQ(DecodeEngine("nope").error().code(), ErrorCode::kProtocol);
+  EXPECT_EQ(DecodeEngines("{\"engines\":{}}").error().code(), ErrorCode::kProtocol);
+}
+
+TEST(BootstrapJson, ErrorBodies) {
+  EXPECT_EQ(DecodeError(EncodeError("dp_rank 0 belongs to engine p0")),
+            "dp_rank 0 belongs to engine p0");
+  EXPECT_EQ(DecodeError("<html>"), "");
+  EXPECT_EQ(DecodeError("{\"error\":3}"), "");
+}
+
+TEST(BootstrapLease, MismatchNamesBothValuesInEitherDirection) {
+  EngineInfo p = SampleEngine();
+
+  p.kv_lease_duration = 0;
+  Status s = CheckLease(30, p);  // D lease on, P off
+  EXPECT_EQ(s.code(), ErrorCode::kLeaseMismatch);
+  EXPECT_EQ(s.message(),
+            "kv_lease_duration mismatch: decoder has 30s, prefiller has off "
+            "(engine p0)");
+
+  p.kv_lease_duration = 20;
+  s = CheckLease(0, p);  // D off, P on
+  EXPECT_EQ(s.code(), ErrorCode::kLeaseMismatch);
+  EXPECT_NE(s.message().find("decoder has off, prefiller has 20s"), std::string::npos);
+
+  s = CheckLease(30, p);  // both on, different
+  EXPECT_EQ(s.code(), ErrorCode::kLeaseMismatch);
+  EXPECT_NE(s.message().find("decoder has 30s, prefiller has 20s"), std::string::npos);
+
+  p.kv_lease_duration = 0.5;
+  s = CheckLease(1.5, p);
+  EXPECT_NE(s.message().find("decoder has 1.5s, prefiller has 0.5s"), std::string::npos);
+}
+
+TEST(BootstrapLease, MatchingLeasesPass) {
+  EngineInfo p = SampleEngine();
+  p.kv_lease_duration = 30;
+  EXPECT_TRUE(CheckLease(30, p).ok());
+  p.kv_lease_duration = 0;
+  EXPECT_TRUE(CheckLease(0, p).ok());
+  // The value D checks against is the one that crossed the wire.
+  p.kv_lease_duration = 0.1;
+  auto back = DecodeEngine(EncodeEngine(p));
+  ASSERT_TRUE(back);
+  EXPECT_TRUE(CheckLease(0.1, *back).ok());
+}
+
+TEST(BootstrapLease, BadDecoderLeaseIsInvalid) {
+  EngineInfo p = SampleEngine();
+  EXPECT_EQ(CheckLease(-1, p).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(CheckLease(std::nan(""), p).code(), ErrorCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvferry::control
