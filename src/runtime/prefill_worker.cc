@@ -1,0 +1,235 @@
+#include "runtime/prefill_worker.h"
+
+#include <fmt/format.h>
+
+#include <thread>
+
+#include "control/bootstrap_client.h"
+#include "wire/messages.h"
+
+namespace kvferry::runtime {
+
+namespace {
+
+core::TimePoint Deadline(std::chrono::milliseconds timeout) { return core::Clock::now() + timeout; }
+
+}  // namespace
+
+TransportKvWriter::TransportKvWriter(std::shared_ptr<transport::Engine> engine, Options options,
+                                     SourceBlocksFn source)
+    : engine_(std::move(engine)),
+      options_(std::move(options)),
+      source_(std::move(source)),
+      rng_state_(options_.faults.seed) {}
+
+TransportKvWriter::~TransportKvWriter() { CancelWrites(); }
+
+std::uint64_t TransportKvWriter::bytes_written() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_written_;
+}
+
+std::uint64_t TransportKvWriter::batches() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return batches_;
+}
+
+Result<TransportKvWriter::Peer> TransportKvWriter::PeerFor(
+    const std::vector<std::uint8_t>& descriptor) {
+  const std::string key(descriptor.begin(), descriptor.end());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(key);
+    if (it != peers_.end()) return it->second;
+  }
+  const auto bytes = std::as_bytes(std::span(descriptor));
+  auto info = transport::ParseDescriptor(bytes);
+  if (!info) return tl::unexpected(info.error());
+  if (info->regions.size() != 1) {
+    return Err(ErrorCode::kProtocol,
+               fmt::format("decoder descriptor has {} regions, expected 1", info->regions.size()));
+  }
+  // Connect outside the lock: it waits for the peer to answer.
+  auto id = engine_->Connect(bytes, Deadline(options_.write_timeout));
+  if (!id) return tl::unexpected(id.error());
+  Peer peer{*id, info->regions[0].id};
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [it, inserted] = peers_.try_emplace(key, peer);
+  if (!inserted) {
+    // Another sender connected first; keep one endpoint per peer.
+    (void)engine_->ClosePeer(*id, Deadline(std::chrono::milliseconds(100)));
+  }
+  return it->second;
+}
+
+void TransportKvWriter::DropPeer(const std::vector<std::uint8_t>& descriptor,
+                                 transport::PeerId id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(std::string(descriptor.begin(), descriptor.end()));
+    if (it == peers_.end() || it->second.id != id) return;
+    peers_.erase(it);
+  }
+  // The fence: when ClosePeer returns, nothing more of ours can land in that peer's memory.
+  (void)engine_->ClosePeer(id, Deadline(std::chrono::milliseconds(1000)));
+}
+
+Status TransportKvWriter::Write(const control::PullContext& context, const control::WriteJob& job) {
+  auto source = source_(job.handle);
+  if (!source) return source.error();
+  if (source->size() < job.dst_block_ids.size()) {
+    return Status(ErrorCode::kOutOfRange,
+                  fmt::format("transfer {}: prefill holds {} blocks, decoder asked for {}",
+                              job.transfer_id, source->size(), job.dst_block_ids.size()));
+  }
+  // D may already hold a prefix (a cache hit): it asks only for the last blocks.
+  std::span<const core::BlockId> src(*source);
+  src = src.subspan(src.size() - job.dst_block_ids.size());
+
+  const core::TpLayout d_layout{context.d_tp_size, options_.layout.kv_heads, context.block_len};
+  auto slice = core::PlanSlice(options_.p_tp_rank, options_.layout, context.d_tp_rank, d_layout);
+  if (!slice) return slice.error();
+  auto ops = core::PlanWrites(src, job.dst_block_ids, *slice, options_.layout.block_len,
+                              context.block_len);
+  if (!ops) return ops.error();
+  if (ops->empty()) return Status::Ok();  // replicated KV another P rank writes
+
+  // Injected faults: draw both decisions up front, under the lock (senders run in parallel).
+  bool fail_after_write = false;
+  std::chrono::milliseconds delay{0};
+  if (options_.faults.err_after_write_fraction > 0 || options_.faults.max_write_delay.count() > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto next = [&] {
+      std::uint64_t z = (rng_state_ += 0x9e3779b97f4a7c15ull);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      return static_cast<double>((z ^ (z >> 31)) >> 11) / 9007199254740992.0;  // [0, 1)
+    };
+    fail_after_write = next() < options_.faults.err_after_write_fraction;
+    delay = std::chrono::milliseconds(static_cast<std::int64_t>(
+        next() * static_cast<double>(options_.faults.max_write_delay.count() + 1)));
+  }
+  if (delay.count() > 0) std::this_thread::sleep_for(delay);
+
+  auto peer = PeerFor(*context.region_descriptor);
+  if (!peer) return peer.error();
+  std::vector<transport::WriteOp> batch;
+  batch.reserve(ops->size());
+  std::uint64_t bytes = 0;
+  for (const core::WriteOp& op : *ops) {
+    batch.push_back(
+        {options_.region, peer->remote_region, op.src_offset, op.dst_offset, op.length});
+    bytes += op.length;
+  }
+  transport::BatchWaiter waiter;
+  if (options_.trace) options_.trace(WritePhase::kStart, context, job, core::Clock::now(), {});
+  auto submitted = engine_->SubmitWrites(peer->id, batch, waiter.Callback());
+  if (!submitted) {
+    if (submitted.error().code() == ErrorCode::kUnavailable) {
+      DropPeer(*context.region_descriptor, peer->id);
+    }
+    return submitted.error();
+  }
+  Status status = waiter.Wait(Deadline(options_.write_timeout));
+  if (status.code() == ErrorCode::kTimeout || status.code() == ErrorCode::kUnavailable) {
+    // Fence the peer before we report: D must not reuse blocks we might still write.
+    DropPeer(*context.region_descriptor, peer->id);
+    (void)waiter.Wait(Deadline(std::chrono::milliseconds(100)));
+  }
+  if (options_.trace) options_.trace(WritePhase::kEnd, context, job, core::Clock::now(), status);
+  if (status.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    bytes_written_ += bytes;
+    ++batches_;
+  }
+  if (status.ok() && fail_after_write) {
+    return Status(ErrorCode::kInternal,
+                  fmt::format("injected failure after a successful write of {}", job.transfer_id));
+  }
+  return status;
+}
+
+void TransportKvWriter::CancelWrites() {
+  std::unordered_map<std::string, Peer> peers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    peers.swap(peers_);
+  }
+  for (const auto& [key, peer] : peers) {
+    (void)engine_->ClosePeer(peer.id, Deadline(std::chrono::milliseconds(500)));
+  }
+}
+
+Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
+    PrefillWorkerOptions options, std::shared_ptr<transport::Engine> engine, SourceBlocksFn source,
+    control::HoldEventCallback on_hold_event) {
+  if (options.block_len == 0 || options.num_blocks == 0 || options.tp_rank >= options.tp_size) {
+    return Err(
+        ErrorCode::kInvalidArgument,
+        fmt::format("prefill worker: block_len {}, num_blocks {}, rank {} of tp {}",
+                    options.block_len, options.num_blocks, options.tp_rank, options.tp_size));
+  }
+  std::unique_ptr<PrefillWorker> worker(new PrefillWorker());
+  worker->options_ = options;
+  worker->engine_ = std::move(engine);
+  auto region = worker->engine_->AllocateRegion(options.block_len * options.num_blocks);
+  if (!region) return tl::unexpected(region.error());
+  worker->region_ = *region;
+
+  TransportKvWriter::Options writer_options;
+  writer_options.p_tp_rank = options.tp_rank;
+  writer_options.layout = {options.tp_size, options.kv_heads, options.block_len};
+  writer_options.region = region->id;
+  writer_options.write_timeout = options.write_timeout;
+  writer_options.faults = options.faults;
+  writer_options.trace = options.trace;
+  worker->writer_ =
+      std::make_shared<TransportKvWriter>(worker->engine_, writer_options, std::move(source));
+
+  control::ListenerOptions listener_options;
+  listener_options.endpoint = options.side_channel_endpoint;
+  listener_options.hold = options.hold;
+  listener_options.p_tp_size = options.tp_size;
+  listener_options.p_tp_rank = options.tp_rank;
+  listener_options.num_senders = options.num_senders;
+  auto listener =
+      control::PrefillListener::Start(listener_options, worker->writer_, std::move(on_hold_event));
+  if (!listener) return tl::unexpected(listener.error());
+  worker->listener_ = std::move(*listener);
+
+  if (!options.bootstrap_address.empty()) {
+    auto client = control::BootstrapClient::Create(options.bootstrap_address);
+    if (!client) return tl::unexpected(client.error());
+    control::WorkerRegistration reg;
+    reg.engine_id = options.engine_id;
+    reg.dp_rank = options.dp_rank;
+    reg.tp_rank = options.tp_rank;
+    reg.tp_size = options.tp_size;
+    reg.side_channel = worker->listener_->endpoint();
+    reg.data_plane = std::string(worker->engine_->backend());
+    reg.kv_lease_duration = core::ToSeconds(options.hold.lease);
+    reg.protocol_version = wire::kProtocolVersion;
+    reg.incarnation = options.incarnation;
+    Status registered = client->Register(reg, std::chrono::seconds(10));
+    if (!registered.ok()) return tl::unexpected(registered);
+  }
+  return worker;
+}
+
+Status PrefillWorker::Stop() {
+  if (stopped_) return Status::Ok();
+  stopped_ = true;
+  Status status = listener_ ? listener_->Stop() : Status::Ok();
+  if (writer_) writer_->CancelWrites();
+  if (engine_ && region_.base != nullptr) {
+    // Only after the listener drained: no write reads the region any more.
+    Status dereg =
+        engine_->DeregisterMemory(region_.id, core::Clock::now() + std::chrono::seconds(5));
+    if (status.ok()) status = dereg;
+  }
+  return status;
+}
+
+PrefillWorker::~PrefillWorker() { (void)Stop(); }
+
+}  // namespace kvferry::runtime

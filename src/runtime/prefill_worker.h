@@ -1,0 +1,149 @@
+// PrefillWorker: one P rank in a real process. It bundles the pieces a serving engine embeds on
+// the prefill side: a KV region registered with the data plane, the side-channel listener (which
+// owns the rank's HoldTable), the writer that turns a pull into data-plane writes (TP slices,
+// coalesced runs), and the registration with the bootstrap service.
+//
+// The engine keeps its own block allocator. It tells the worker when a request is admitted and
+// when its prefill is done (with the block ids holding its KV); the worker tells the engine when
+// those blocks may be freed (kFreeBlocks) or the request aborted (kAbortPrefill), through
+// `on_hold_event` (called on the listener thread; it must not block).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "control/side_channel_listener.h"
+#include "kvferry/core/hold_table.h"
+#include "kvferry/core/tp_plan.h"
+#include "kvferry/status.h"
+#include "kvferry/transport/transport.h"
+
+namespace kvferry::runtime {
+
+// Source blocks of a request, by the handle the engine gave to Admit. kNotFound when the engine
+// no longer has them (the write then fails with that reason).
+using SourceBlocksFn = std::function<Result<std::vector<core::BlockId>>(std::uint64_t handle)>;
+
+// Faults a test harness injects into one P rank's writes (SPEC §8 C): the write happens, then
+// the request is reported as failed; and/or each write starts after a random delay.
+struct WriteFaults {
+  double err_after_write_fraction = 0;           // [0, 1]
+  std::chrono::milliseconds max_write_delay{0};  // uniform in [0, max]
+  std::uint64_t seed = 1;
+};
+
+// What a trace hook sees: the moment a write of `job` starts or ends (steady clock, which is
+// system-wide on Linux, so traces of several processes on one host can be merged).
+enum class WritePhase : std::uint8_t { kStart, kEnd };
+using WriteTraceFn = std::function<void(WritePhase, const control::PullContext&,
+                                        const control::WriteJob&, core::TimePoint, const Status&)>;
+
+// KvWriter over a transport::Engine: plans the slice of every block this P rank owes the pulling
+// D rank (core/tp_plan.h), coalesces contiguous runs, and writes them as one batch.
+class TransportKvWriter : public control::KvWriter {
+ public:
+  struct Options {
+    std::uint32_t p_tp_rank = 0;
+    core::TpLayout layout;  // this P engine: tp, kv_heads, block_len
+    transport::RegionId region = 0;
+    std::chrono::milliseconds write_timeout{30000};
+    WriteFaults faults;
+    WriteTraceFn trace;  // optional
+  };
+  TransportKvWriter(std::shared_ptr<transport::Engine> engine, Options options,
+                    SourceBlocksFn source);
+  ~TransportKvWriter() override;
+
+  Status Write(const control::PullContext& context, const control::WriteJob& job) override;
+  void CancelWrites() override;
+
+  // Bytes written and batches, for metrics.
+  std::uint64_t bytes_written() const;
+  std::uint64_t batches() const;
+
+ private:
+  struct Peer {
+    transport::PeerId id;
+    transport::RegionId remote_region;
+  };
+  Result<Peer> PeerFor(const std::vector<std::uint8_t>& descriptor);
+  void DropPeer(const std::vector<std::uint8_t>& descriptor, transport::PeerId id);
+
+  std::shared_ptr<transport::Engine> engine_;
+  Options options_;
+  SourceBlocksFn source_;
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, Peer> peers_;  // by descriptor bytes
+  std::uint64_t bytes_written_ = 0;
+  std::uint64_t batches_ = 0;
+  std::uint64_t rng_state_ = 0;  // splitmix64 for the injected faults
+};
+
+struct PrefillWorkerOptions {
+  std::string engine_id = "prefill-0";
+  std::uint32_t dp_rank = 0;
+  std::uint32_t tp_size = 1;
+  std::uint32_t tp_rank = 0;
+  std::uint32_t kv_heads = 0;   // 0: as many as tp ranks
+  std::uint64_t block_len = 0;  // bytes per block on this rank
+  std::uint32_t num_blocks = 0;
+  core::HoldConfig hold;
+  std::size_t num_senders = 4;
+  std::string side_channel_endpoint = "tcp://127.0.0.1:0";
+  // Where to register ("host:port"); empty: do not register.
+  std::string bootstrap_address;
+  std::string incarnation;  // random per process start; all ranks of the engine share it
+  std::chrono::milliseconds write_timeout{30000};
+  WriteFaults faults;
+  WriteTraceFn trace;
+};
+
+class PrefillWorker {
+ public:
+  // Allocates the KV region (num_blocks × block_len, pre-faulted) on `engine`, starts the
+  // listener, and registers with the bootstrap service when an address is given.
+  [[nodiscard]] static Result<std::unique_ptr<PrefillWorker>> Start(
+      PrefillWorkerOptions options, std::shared_ptr<transport::Engine> engine,
+      SourceBlocksFn source, control::HoldEventCallback on_hold_event);
+  // Stops the listener (drains in-flight writes) before the region is deregistered.
+  ~PrefillWorker();
+
+  // The KV memory of this rank: block b lives at kv() + b × block_len.
+  std::byte* kv() const { return region_.base; }
+  const std::string& side_channel() const { return listener_->endpoint(); }
+  control::PrefillListener& listener() { return *listener_; }
+  const TransportKvWriter& writer() const { return *writer_; }
+
+  [[nodiscard]] std::future<Status> Admit(const core::TransferId& id, std::uint64_t handle) {
+    return listener_->Admit(id, handle);
+  }
+  [[nodiscard]] std::future<Status> PrefillDone(const core::TransferId& id,
+                                                std::uint32_t num_blocks) {
+    return listener_->PrefillDone(id, num_blocks);
+  }
+  [[nodiscard]] std::future<Status> EngineFinished(const core::TransferId& id) {
+    return listener_->EngineFinished(id);
+  }
+
+  // Stops serving; idempotent. The destructor calls it.
+  Status Stop();
+
+ private:
+  PrefillWorker() = default;
+
+  PrefillWorkerOptions options_;
+  std::shared_ptr<transport::Engine> engine_;
+  transport::Region region_;
+  std::shared_ptr<TransportKvWriter> writer_;
+  std::unique_ptr<control::PrefillListener> listener_;
+  bool stopped_ = false;
+};
+
+}  // namespace kvferry::runtime
