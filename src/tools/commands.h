@@ -13,5 +13,10 @@ namespace kvferry::tools {
 void AddSimCommand(CLI::App& app, int& exit_code);
 void AddBenchCommand(CLI::App& app, int& exit_code);
 void AddDemoCommand(CLI::App& app, int& exit_code);
+void AddProxyCommand(CLI::App& app, int& exit_code);
+void AddLoadCommand(CLI::App& app, int& exit_code);
+void AddProbeCommand(CLI::App& app, int& exit_code);
+void AddServeCommand(CLI::App& app, int& exit_code);
+void AddBootstrapCommand(CLI::App& app, int& exit_code);
 
 }  // namespace kvferry::tools

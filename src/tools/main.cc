@@ -16,6 +16,17 @@ int main(int argc, char** argv) {
 #ifdef KVFERRY_HAVE_DEMO
   kvferry::tools::AddDemoCommand(app, exit_code);
 #endif
+#ifdef KVFERRY_HAVE_CLIENTS
+  kvferry::tools::AddProxyCommand(app, exit_code);
+  kvferry::tools::AddLoadCommand(app, exit_code);
+  kvferry::tools::AddProbeCommand(app, exit_code);
+#endif
+#ifdef KVFERRY_HAVE_SERVE
+  kvferry::tools::AddServeCommand(app, exit_code);
+#endif
+#ifdef KVFERRY_HAVE_BOOTSTRAP
+  kvferry::tools::AddBootstrapCommand(app, exit_code);
+#endif
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }
