@@ -226,10 +226,10 @@ void DecodeWorker::RunPull(PullJob& job) {
   std::vector<std::thread> others;
   for (std::size_t i = 1; i < plan.size(); ++i) {
     others.emplace_back([this, &job, &pull, &plan, i] {
-      PullFromPeer(job.request, pull, plan[i].endpoint, plan[i].peer);
+      PullFromPeer(job.request, job.source.engine_id, pull, plan[i].endpoint, plan[i].peer);
     });
   }
-  PullFromPeer(job.request, pull, plan[0].endpoint, plan[0].peer);
+  PullFromPeer(job.request, job.source.engine_id, pull, plan[0].endpoint, plan[0].peer);
   for (std::thread& t : others) t.join();
 }
 
@@ -255,8 +255,9 @@ void DecodeWorker::ReturnChannel(std::unique_ptr<control::DecodeChannel> channel
   idle_channels_.emplace(endpoint, std::move(channel));
 }
 
-void DecodeWorker::PullFromPeer(const core::RequestId& request, const wire::Pull& pull,
-                                const std::string& endpoint, core::PeerId peer) {
+void DecodeWorker::PullFromPeer(const core::RequestId& request, const core::EngineId& engine,
+                                const wire::Pull& pull, const std::string& endpoint,
+                                core::PeerId peer) {
   const std::vector<core::RequestId> requests = {request};
   auto channel = TakeChannel(endpoint);
   if (!channel) {
@@ -283,7 +284,10 @@ void DecodeWorker::PullFromPeer(const core::RequestId& request, const wire::Pull
     return;
   }
   // Timeout or a broken reply: the peer's state is unknown; its blocks stay quarantined until it
-  // answers after all or is known gone. This channel may hold a stale reply: drop it.
+  // answers after all or is known gone. This channel may hold a stale reply: drop it. The next
+  // lookup of the engine asks the bootstrap again, which tells whether P restarted (then the old
+  // process's entries are quiesced).
+  directory_.Invalidate(engine);
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.pull_timeouts;
   control::ApplyPullFailure(ledger_, peer, requests, status);

@@ -123,8 +123,8 @@ class DecodeWorker {
   DecodeWorker() = default;
   void PullerLoop();
   void RunPull(PullJob& job);
-  void PullFromPeer(const core::RequestId& request, const wire::Pull& pull,
-                    const std::string& endpoint, core::PeerId peer);
+  void PullFromPeer(const core::RequestId& request, const core::EngineId& engine,
+                    const wire::Pull& pull, const std::string& endpoint, core::PeerId peer);
   void RenewalLoop();
   core::PeerId PeerIdFor(const core::EngineId& engine, std::uint32_t rank);
   void CollectLedgerEvents();  // mu_ held
