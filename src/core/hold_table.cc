@@ -199,12 +199,27 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
                                d_rank, need_send)),
             {}};
   }
-  if (d_lease && *d_lease != (config_.lease_enabled() ? config_.lease : Duration{0})) {
+  const auto in_ms = [](Duration d) { return std::chrono::round<std::chrono::milliseconds>(d); };
+  if (d_lease && in_ms(*d_lease) != in_ms(config_.lease_enabled() ? config_.lease : Duration{0})) {
     Status error(ErrorCode::kLeaseMismatch,
                  fmt::format("kv_lease_duration mismatch for {}: decoder has {}, prefiller has {}",
                              id, LeaseText(d_lease), LeaseText(config_.lease)));
-    if (Entry* e = Find(id)) ReleaseOrDoom(*e, ReleaseReason::kLeaseMismatch, error, now);
+    if (Entry* e = Find(id)) {
+      ReleaseOrDoom(*e, ReleaseReason::kLeaseMismatch, error, now);
+    } else {
+      // Usually D pulls before P admits: remember the id so P does not prefill and hold KV that
+      // nobody will pull.
+      AddTombstone(fp, now);
+    }
     return {V::kFail, error, {}};
+  }
+  if (entries_.count(fp) == 0 &&
+      stats_.entries[static_cast<int>(HoldPhase::kPlaceholder)] >= config_.max_placeholders) {
+    return {V::kFail,
+            Status(ErrorCode::kResourceExhausted,
+                   fmt::format("pull of {}: {} pulls already wait for transfers P has not admitted",
+                               id, config_.max_placeholders)),
+            {}};
   }
   auto [it, inserted] = entries_.try_emplace(fp);
   Entry& e = it->second;
@@ -223,7 +238,16 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
             Status(ErrorCode::kCancelled, fmt::format("transfer {} is being released", id)),
             {}};
   }
-  if (e.need_send == 0) e.need_send = static_cast<std::uint16_t>(need_send);
+  if (e.need_send == 0) {
+    e.need_send = static_cast<std::uint16_t>(need_send);
+  } else if (e.need_send != need_send) {
+    // Counting sends against two different totals could free blocks another rank still reads.
+    return {V::kFail,
+            Status(ErrorCode::kInvalidArgument,
+                   fmt::format("pull of {} says {} decoder ranks pull it, an earlier pull said {}",
+                               id, need_send, e.need_send)),
+            {}};
+  }
   if (((e.sent_mask | e.sending_mask) >> d_rank) & 1) {
     return {V::kFail,
             Status(ErrorCode::kAlreadyExists,
@@ -272,7 +296,8 @@ Status HoldTable::EndSend(const TransferId& id, std::uint32_t d_rank, bool ok, T
   --stats_.sending;
   if (ok) e->sent_mask |= bit;
   if (e->need_send > 0 && std::popcount(e->sent_mask) >= e->need_send) {
-    Release(*e, ReleaseReason::kSent, {}, now);
+    // Every paired rank has its KV; still, never free under a write that is reading.
+    ReleaseOrDoom(*e, ReleaseReason::kSent, {}, now);  // may erase *e
     return Status::Ok();
   }
   if (e->sending_mask != 0) return Status::Ok();

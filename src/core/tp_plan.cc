@@ -61,8 +61,7 @@ struct HeadRange {
   std::uint32_t replicas;  // ranks that hold this same range
 };
 
-HeadRange HeadsOf(std::uint32_t rank, std::uint32_t tp, std::uint32_t kv_heads) {
-  const std::uint32_t heads = kv_heads == 0 ? tp : kv_heads;
+HeadRange HeadsOf(std::uint32_t rank, std::uint32_t tp, std::uint32_t heads) {
   const std::uint32_t per_rank = std::max<std::uint32_t>(1, heads / tp);
   const std::uint32_t replicas = std::max<std::uint32_t>(1, tp / heads);
   return {(rank / replicas) * per_rank, per_rank, replicas};
@@ -83,8 +82,17 @@ Result<Slice> PlanSlice(std::uint32_t p_rank, const TpLayout& p, std::uint32_t d
     return Err(ErrorCode::kInvalidArgument,
                fmt::format("kv heads differ: prefill {}, decoder {}", p.kv_heads, d.kv_heads));
   }
-  const HeadRange ph = HeadsOf(p_rank, p.tp, p.kv_heads);
-  const HeadRange dh = HeadsOf(d_rank, d.tp, d.kv_heads);
+  // Unknown head count (0 on both sides): assume as many heads as the larger TP, which splits
+  // evenly on both.
+  const std::uint32_t heads = p.kv_heads != 0 ? p.kv_heads : std::max(p.tp, d.tp);
+  for (std::uint32_t tp : {p.tp, d.tp}) {
+    if (heads % tp != 0 && tp % heads != 0) {
+      return Err(ErrorCode::kInvalidArgument,
+                 fmt::format("{} kv heads do not split over tp {}", heads, tp));
+    }
+  }
+  const HeadRange ph = HeadsOf(p_rank, p.tp, heads);
+  const HeadRange dh = HeadsOf(d_rank, d.tp, heads);
   if (p.block_len % ph.count != 0 || d.block_len % dh.count != 0 ||
       p.block_len / ph.count != d.block_len / dh.count) {
     return Err(ErrorCode::kInvalidArgument,
@@ -106,7 +114,7 @@ Result<Slice> PlanSlice(std::uint32_t p_rank, const TpLayout& p, std::uint32_t d
   // Only the lowest of this D rank's targets holding the same heads writes.
   for (std::uint32_t other : *targets) {
     if (other >= p_rank) break;
-    const HeadRange oh = HeadsOf(other, p.tp, p.kv_heads);
+    const HeadRange oh = HeadsOf(other, p.tp, heads);
     if (oh.first == ph.first) {
       slice.should_write = false;
       break;

@@ -61,10 +61,39 @@ DecodeWorker::~DecodeWorker() {
   }
 }
 
-core::PeerId DecodeWorker::PeerIdFor(const core::EngineId& engine, std::uint32_t rank) {
-  auto [it, inserted] =
-      peer_ids_.try_emplace(PeerKey{engine, rank}, static_cast<core::PeerId>(peer_ids_.size()));
+core::PeerId DecodeWorker::PeerIdFor(const control::EngineInfo& info, std::uint32_t rank) {
+  auto [it, inserted] = peer_ids_.try_emplace(PeerKey{info.engine_id, info.incarnation, rank},
+                                              static_cast<core::PeerId>(peer_ids_.size()));
   return it->second;
+}
+
+void DecodeWorker::NoteIncarnation(const control::EngineInfo& info) {
+  std::string& known = incarnation_of_[info.engine_id];
+  if (known == info.incarnation) return;
+  const bool restarted = !known.empty();
+  known = info.incarnation;
+  if (!restarted) return;
+  // The old process is gone with its endpoints: nothing of it can write any more.
+  for (const auto& [key, id] : peer_ids_) {
+    if (key.engine == info.engine_id && key.incarnation != info.incarnation) {
+      ledger_.PeerQuiesced(id);
+    }
+  }
+  CollectLedgerEvents();
+  renewal_commands_.push_back({RenewalCommand::Kind::kResetEngine, {}, info.engine_id});
+}
+
+void DecodeWorker::Complete(ReceiveResult result) {
+  loading_.erase(result.request);
+  ++(result.ok ? stats_.receives_ok : stats_.receives_failed);
+  // The receive settled: stop renewing it (SPEC §2.1).
+  auto tracked = tracked_.find(result.request);
+  if (tracked != tracked_.end()) {
+    renewal_commands_.push_back({RenewalCommand::Kind::kUntrack, tracked->second, {}});
+    tracked_.erase(tracked);
+  }
+  finished_.received.push_back(std::move(result));
+  cv_.notify_all();
 }
 
 void DecodeWorker::OnNewRequest(const core::RequestId& request, const RemoteSource& source) {
@@ -72,7 +101,8 @@ void DecodeWorker::OnNewRequest(const core::RequestId& request, const RemoteSour
   bootstrap_of_engine_[source.engine_id] = source.bootstrap_address;
   if (options_.lease.count() == 0) return;
   if (tracked_.try_emplace(request, source.transfer_id).second) {
-    renewal_commands_.push_back({true, {source.transfer_id, source.engine_id}});
+    renewal_commands_.push_back(
+        {RenewalCommand::Kind::kTrack, source.transfer_id, source.engine_id});
   }
 }
 
@@ -80,19 +110,24 @@ void DecodeWorker::RequestFinished(const core::RequestId& request) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = tracked_.find(request);
   if (it == tracked_.end()) return;
-  renewal_commands_.push_back({false, {it->second, {}}});
+  renewal_commands_.push_back({RenewalCommand::Kind::kUntrack, it->second, {}});
   tracked_.erase(it);
 }
 
-void DecodeWorker::StartLoad(const core::RequestId& request, const RemoteSource& source,
-                             std::vector<core::BlockId> blocks) {
+Status DecodeWorker::StartLoad(const core::RequestId& request, const RemoteSource& source,
+                               std::vector<core::BlockId> blocks) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     bootstrap_of_engine_[source.engine_id] = source.bootstrap_address;
-    if (blocks.empty()) return;  // notify-only: nothing will be written, nothing to wait for
+    if (blocks.empty()) return Status::Ok();  // notify-only: nothing will be written
+    if (!loading_.insert(request).second) {
+      return Status(ErrorCode::kAlreadyExists,
+                    fmt::format("request {} is already loading", request));
+    }
     jobs_.push_back({request, source, std::move(blocks)});
   }
   cv_.notify_all();
+  return Status::Ok();
 }
 
 DecodeFinished DecodeWorker::TakeFinished() {
@@ -121,18 +156,14 @@ DecodeWorkerStats DecodeWorker::Stats() const {
 }
 
 void DecodeWorker::CollectLedgerEvents() {
-  bool any = false;
   for (core::LedgerEvent& e : ledger_.TakeEvents()) {
-    any = true;
     if (e.kind == core::LedgerEvent::Kind::kCompleted) {
-      ++(e.ok ? stats_.receives_ok : stats_.receives_failed);
-      finished_.received.push_back(
-          {e.request, e.ok, std::move(e.error), std::move(e.blocks), e.quarantined});
+      Complete({e.request, e.ok, std::move(e.error), std::move(e.blocks), e.quarantined});
     } else {
       finished_.released.emplace_back(e.request, std::move(e.blocks));
+      cv_.notify_all();
     }
   }
-  if (any) cv_.notify_all();
 }
 
 void DecodeWorker::PullerLoop() {
@@ -149,10 +180,10 @@ void DecodeWorker::PullerLoop() {
 }
 
 void DecodeWorker::RunPull(PullJob& job) {
+  // Nothing was sent to any peer: the receive completes at once as failed.
   auto fail = [&](Status why) {
     std::lock_guard<std::mutex> lock(mu_);
-    (void)ledger_.Begin(job.request, std::move(job.blocks), {}, std::move(why));
-    CollectLedgerEvents();
+    Complete({job.request, false, std::move(why), std::move(job.blocks), false});
   };
   auto lookup = directory_.Lookup(job.source.engine_id, job.source.bootstrap_address,
                                   options_.bootstrap_timeout);
@@ -181,17 +212,11 @@ void DecodeWorker::RunPull(PullJob& job) {
   std::vector<core::PeerId> peers;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (lookup->incarnation_changed) {
-      // The old process of that engine is gone with its endpoints: nothing of it can write.
-      for (const auto& [key, id] : peer_ids_) {
-        if (key.engine == job.source.engine_id) ledger_.PeerQuiesced(id);
-      }
-      CollectLedgerEvents();
-    }
+    NoteIncarnation(info);
     for (std::uint32_t rank : *targets) {
       const control::WorkerAddress* worker = info.Find(rank, 0);
       if (worker == nullptr) continue;
-      const core::PeerId peer = PeerIdFor(job.source.engine_id, rank);
+      const core::PeerId peer = PeerIdFor(info, rank);
       plan.push_back({worker->side_channel, peer});
       peers.push_back(peer);
     }
@@ -215,9 +240,10 @@ void DecodeWorker::RunPull(PullJob& job) {
   pull.requests.push_back({job.request, job.source.transfer_id, job.blocks});
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Status begun = ledger_.Begin(job.request, std::move(job.blocks), peers);
+    Status begun = ledger_.Begin(job.request, job.blocks, peers);
     if (!begun.ok()) {
-      if (warn_) warn_(fmt::format("request {}: {}", job.request, begun.ToString()));
+      // E.g. the same request id still quarantined from an earlier receive.
+      Complete({job.request, false, begun, std::move(job.blocks), false});
       return;
     }
   }
@@ -306,6 +332,10 @@ Result<std::vector<std::string>> DecodeWorker::ResolveEndpoints(const core::Engi
   }
   auto lookup = directory_.Lookup(engine, bootstrap, options_.bootstrap_timeout);
   if (!lookup) return tl::unexpected(lookup.error());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    NoteIncarnation(*lookup->info);
+  }
   auto targets = core::PullTargets(options_.tp_rank, options_.tp_size, lookup->info->tp_size);
   if (!targets) return tl::unexpected(targets.error());
   std::vector<std::string> endpoints;
@@ -327,11 +357,17 @@ void DecodeWorker::RenewalLoop() {
       [this](const core::EngineId& engine) { return ResolveEndpoints(engine); }, warn_);
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
-    for (auto& [track, ids] : renewal_commands_) {
-      if (track) {
-        scheduler.Track(ids.first, ids.second);
-      } else {
-        scheduler.Untrack(ids.first);
+    for (const RenewalCommand& c : renewal_commands_) {
+      switch (c.kind) {
+        case RenewalCommand::Kind::kTrack:
+          scheduler.Track(c.transfer, c.engine);
+          break;
+        case RenewalCommand::Kind::kUntrack:
+          scheduler.Untrack(c.transfer);
+          break;
+        case RenewalCommand::Kind::kResetEngine:
+          scheduler.ResetEngine(c.engine);
+          break;
       }
     }
     renewal_commands_.clear();

@@ -25,6 +25,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "control/bootstrap_client.h"
@@ -98,9 +99,10 @@ class DecodeWorker {
 
   void OnNewRequest(const core::RequestId& request, const RemoteSource& source);
   // Pulls the request's KV into `blocks` (in order). Returns at once; the outcome comes from
-  // TakeFinished. An empty `blocks` is a notify-only pull: nothing to wait for.
-  void StartLoad(const core::RequestId& request, const RemoteSource& source,
-                 std::vector<core::BlockId> blocks);
+  // TakeFinished, exactly once. An empty `blocks` is a notify-only pull: nothing to wait for.
+  // kAlreadyExists if the request is still loading (nothing is started then).
+  [[nodiscard]] Status StartLoad(const core::RequestId& request, const RemoteSource& source,
+                                 std::vector<core::BlockId> blocks);
   void RequestFinished(const core::RequestId& request);
   DecodeFinished TakeFinished();
   // Waits until TakeFinished has something or `deadline` passes.
@@ -114,10 +116,18 @@ class DecodeWorker {
     RemoteSource source;
     std::vector<core::BlockId> blocks;
   };
+  // A P rank of one incarnation of an engine: a restarted P is a new peer, so quiescing the
+  // old process never settles entries of the new one.
   struct PeerKey {
     core::EngineId engine;
+    std::string incarnation;
     std::uint32_t rank;
     auto operator<=>(const PeerKey&) const = default;
+  };
+  struct RenewalCommand {
+    enum class Kind : std::uint8_t { kTrack, kUntrack, kResetEngine } kind;
+    core::TransferId transfer;
+    core::EngineId engine;
   };
 
   DecodeWorker() = default;
@@ -126,8 +136,12 @@ class DecodeWorker {
   void PullFromPeer(const core::RequestId& request, const core::EngineId& engine,
                     const wire::Pull& pull, const std::string& endpoint, core::PeerId peer);
   void RenewalLoop();
-  core::PeerId PeerIdFor(const core::EngineId& engine, std::uint32_t rank);
-  void CollectLedgerEvents();  // mu_ held
+  core::PeerId PeerIdFor(const control::EngineInfo& info, std::uint32_t rank);  // mu_ held
+  // Every lookup (pullers' and the renewal thread's) reports the incarnation it saw; a new one
+  // quiesces the old process's peers and lets the engine be renewed again. mu_ held.
+  void NoteIncarnation(const control::EngineInfo& info);
+  void Complete(ReceiveResult result);  // mu_ held
+  void CollectLedgerEvents();           // mu_ held
   Result<std::vector<std::string>> ResolveEndpoints(const core::EngineId& engine);
   std::unique_ptr<control::DecodeChannel> TakeChannel(const std::string& endpoint);
   void ReturnChannel(std::unique_ptr<control::DecodeChannel> channel);
@@ -148,7 +162,9 @@ class DecodeWorker {
   std::map<PeerKey, core::PeerId> peer_ids_;
   std::unordered_map<std::string, std::string> bootstrap_of_engine_;
   std::unordered_map<core::RequestId, core::TransferId> tracked_;  // request -> transfer
-  std::vector<std::pair<bool, std::pair<core::TransferId, core::EngineId>>> renewal_commands_;
+  std::unordered_map<core::EngineId, std::string> incarnation_of_;
+  std::unordered_set<core::RequestId> loading_;  // StartLoad until its completion
+  std::vector<RenewalCommand> renewal_commands_;
   std::unordered_multimap<std::string, std::unique_ptr<control::DecodeChannel>> idle_channels_;
   DecodeFinished finished_;
   DecodeWorkerStats stats_;

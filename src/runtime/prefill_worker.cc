@@ -13,6 +13,10 @@ namespace {
 
 core::TimePoint Deadline(std::chrono::milliseconds timeout) { return core::Clock::now() + timeout; }
 
+// How long a sender waits for its batch's completion once the peer is being closed. ClosePeer
+// bounds itself (1 s to drain, then cancels), so this is a generous upper bound.
+constexpr std::chrono::milliseconds kFenceWait{5000};
+
 }  // namespace
 
 TransportKvWriter::TransportKvWriter(std::shared_ptr<transport::Engine> engine, Options options,
@@ -132,9 +136,21 @@ Status TransportKvWriter::Write(const control::PullContext& context, const contr
   }
   Status status = waiter.Wait(Deadline(options_.write_timeout));
   if (status.code() == ErrorCode::kTimeout || status.code() == ErrorCode::kUnavailable) {
-    // Fence the peer before we report: D must not reuse blocks we might still write.
+    // Fence the peer before we report: D must not reuse blocks we might still write. Whichever
+    // sender closes the peer, ClosePeer returns only after every batch of it completed, so our
+    // own batch's completion is the proof that nothing more of it can land.
     DropPeer(*context.region_descriptor, peer->id);
-    (void)waiter.Wait(Deadline(std::chrono::milliseconds(100)));
+    Status fenced = waiter.Wait(Deadline(kFenceWait));
+    if (fenced.code() == ErrorCode::kTimeout) {
+      return Status(ErrorCode::kInternal,
+                    fmt::format("write of {} could not be fenced within {} ms", job.transfer_id,
+                                kFenceWait.count()));
+    }
+    if (status.code() == ErrorCode::kTimeout) {
+      status = Status(ErrorCode::kTimeout,
+                      fmt::format("write of {} did not complete within {} ms (peer closed)",
+                                  job.transfer_id, options_.write_timeout.count()));
+    }
   }
   if (options_.trace) options_.trace(WritePhase::kEnd, context, job, core::Clock::now(), status);
   if (status.ok()) {

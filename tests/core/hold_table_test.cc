@@ -391,6 +391,56 @@ TEST(HoldTableRules, OneSendPerDecoderRankAtATime) {
   EXPECT_EQ(t.stats().sending, 1u);
 }
 
+TEST(HoldTableRules, FractionalLeaseMatchesAtMillisecondGranularity) {
+  // 4.1 s in nanoseconds and 4100 ms on the wire are the same lease.
+  HoldConfig c;
+  c.lease = Seconds(4.1);
+  HoldTable t(c);
+  MakeReady(t, "x", t0);
+  EXPECT_EQ(t.AdmitPull("x", 0, 1, std::chrono::milliseconds(4100), t0).verdict, Verdict::kReady);
+}
+
+TEST(HoldTableRules, LeaseMismatchBeforeAdmitTombstonesTheId) {
+  HoldTable t(LeaseConfig(30));
+  EXPECT_EQ(t.AdmitPull("x", 0, 1, seconds(10), t0).error.code(), ErrorCode::kLeaseMismatch);
+  EXPECT_EQ(t.Admit("x", 1, t0 + seconds(1)).code(), ErrorCode::kTombstoned)
+      << "P must not prefill and hold KV that D already failed";
+}
+
+TEST(HoldTableRules, InconsistentNeedSendIsRejected) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, t0).verdict, Verdict::kReady);
+  EXPECT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0).error.code(), ErrorCode::kInvalidArgument);
+}
+
+TEST(HoldTableRules, SentEntryIsFreedOnlyAfterEveryWriteEnded) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 0, t0).ok());
+  ASSERT_TRUE(t.BeginSend("x", 1, t0).ok());
+  ASSERT_TRUE(t.EndSend("x", 0, true, t0).ok());
+  EXPECT_TRUE(t.TakeEvents().empty());
+  ASSERT_TRUE(t.EndSend("x", 1, true, t0).ok());
+  EXPECT_TRUE(HasEvent(t.TakeEvents(), Kind::kFreeBlocks, "x", ReleaseReason::kSent));
+}
+
+TEST(HoldTableRules, PlaceholdersAreBounded) {
+  HoldConfig c = LeaseConfig(30);
+  c.max_placeholders = 2;
+  HoldTable t(c);
+  EXPECT_EQ(t.AdmitPull("a", 0, 1, std::nullopt, t0).verdict, Verdict::kWait);
+  EXPECT_EQ(t.AdmitPull("b", 0, 1, std::nullopt, t0).verdict, Verdict::kWait);
+  PullAdmission third = t.AdmitPull("c", 0, 1, std::nullopt, t0);
+  EXPECT_EQ(third.error.code(), ErrorCode::kResourceExhausted);
+  EXPECT_FALSE(t.Contains("c"));
+  // An admitted transfer is not a placeholder: its pulls still wait.
+  ASSERT_TRUE(t.Admit("d", 1, t0).ok());
+  EXPECT_EQ(t.AdmitPull("d", 0, 1, std::nullopt, t0).verdict, Verdict::kWait);
+}
+
 TEST(HoldTableRules, NextDeadlineIsALowerBound) {
   HoldTable t(LeaseConfig(30));
   EXPECT_EQ(t.NextDeadline(), kNever);

@@ -73,6 +73,14 @@ TEST(TpPlanRules, RejectsUnpairedRanksAndMismatchedLayouts) {
   EXPECT_FALSE(PlanSlice(0, {1, 8, 8192}, 0, {1, 8, 4096}).has_value());  // head bytes differ
 }
 
+TEST(TpPlanRules, UnknownHeadCountSplitsLikeTheLargerTp) {
+  // kv_heads 0 on both sides: P TP2 → D TP1 still slices by rank.
+  auto s1 = PlanSlice(1, {2, 0, 4096}, 0, {1, 0, 8192});
+  ASSERT_TRUE(s1.has_value()) << s1.error().ToString();
+  EXPECT_EQ(s1->dst_offset, 4096u);
+  EXPECT_FALSE(PlanSlice(0, {4, 6, 1536}, 0, {4, 6, 1536}).has_value()) << "6 heads over TP4";
+}
+
 TEST(TpPlanRules, ContiguousRunsOfWholeBlocksAreCoalesced) {
   const Slice whole{true, 0, 0, 100};
   const std::vector<BlockId> src = {3, 4, 5, 9, 10};

@@ -32,12 +32,19 @@ struct Cluster {
   std::vector<std::string> warnings;
 
   // P TP `p_tp` (2 KV heads) → D TP1; leases in seconds (0 = off).
-  void Start(std::uint32_t p_tp, double p_lease_s, double d_lease_s) {
+  void Start(std::uint32_t p_tp, double p_lease_s, double d_lease_s,
+             std::chrono::milliseconds pull_timeout = 5s) {
     auto port = bootstrap.Start("127.0.0.1", 0);
     ASSERT_TRUE(port.has_value()) << port.error().ToString();
     bootstrap_addr = "127.0.0.1:" + std::to_string(*port);
+    ASSERT_NO_FATAL_FAILURE(StartPrefill(p_tp, p_lease_s, "inc-1"));
+    ASSERT_NO_FATAL_FAILURE(StartDecode(d_lease_s, pull_timeout));
+  }
+
+  void StartPrefill(std::uint32_t p_tp, double p_lease_s, const std::string& incarnation) {
     for (std::uint32_t r = 0; r < p_tp; ++r) {
-      auto engine = transport::MakeInProcessEngine(fabric, {"p" + std::to_string(r), false});
+      auto engine = transport::MakeInProcessEngine(
+          fabric, {"p" + std::to_string(r) + "-" + incarnation, false});
       ASSERT_TRUE(engine.has_value());
       PrefillWorkerOptions o;
       o.engine_id = "prefill";
@@ -49,7 +56,7 @@ struct Cluster {
       o.hold.lease = core::Seconds(p_lease_s);
       o.hold.abort_request_timeout = 5s;
       o.bootstrap_address = bootstrap_addr;
-      o.incarnation = "inc-1";
+      o.incarnation = incarnation;
       o.write_timeout = 2s;
       auto worker = PrefillWorker::Start(
           o, std::shared_ptr<transport::Engine>(std::move(*engine)),
@@ -66,6 +73,9 @@ struct Cluster {
       }
       p.push_back(std::move(*worker));
     }
+  }
+
+  void StartDecode(double d_lease_s, std::chrono::milliseconds pull_timeout) {
     auto engine = transport::MakeInProcessEngine(fabric, {"d0", false});
     ASSERT_TRUE(engine.has_value());
     DecodeWorkerOptions o;
@@ -73,7 +83,7 @@ struct Cluster {
     o.block_len = kPBlockLen * 2;
     o.num_blocks = kNumBlocks;
     o.lease = core::Seconds(d_lease_s);
-    o.pull_timeout = 5s;
+    o.pull_timeout = pull_timeout;
     auto worker = DecodeWorker::Start(o, std::shared_ptr<transport::Engine>(std::move(*engine)),
                                       [this](std::string_view w) {
                                         std::lock_guard<std::mutex> lock(mu);
@@ -92,9 +102,12 @@ struct Cluster {
 
   RemoteSource Source(const core::TransferId& id) { return {id, "prefill", bootstrap_addr}; }
 
+  std::vector<core::RequestId> released;  // requests whose quarantined blocks came back
+
   ReceiveResult Receive(const core::RequestId& req, core::TimePoint deadline) {
     while (core::Clock::now() < deadline) {
       DecodeFinished f = d->WaitFinished(deadline);
+      for (auto& [request, blocks] : f.released) released.push_back(request);
       for (ReceiveResult& r : f.received) {
         if (r.request == req) return r;
       }
@@ -121,7 +134,7 @@ TEST(RuntimeEndToEnd, PrefillTp2ToDecodeTp1LandsEverySliceAndFreesP) {
   ASSERT_NO_FATAL_FAILURE(c.Start(2, 30, 30));
   c.Prefill("xfer-1");
   c.d->OnNewRequest("req-1", c.Source("xfer-1"));
-  c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks);
+  ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
   ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
   ASSERT_TRUE(r.ok) << r.error.ToString();
   // D's block i holds P0's head slice, then P1's (P TP > D TP: offset p_rank · block_len).
@@ -153,7 +166,7 @@ TEST(RuntimeEndToEnd, LatePullFailsWithinMilliseconds) {
   }
   ASSERT_EQ(c.FreedBlocksEvents(), 1u);
   const auto start = core::Clock::now();
-  c.d->StartLoad("req-late", c.Source("xfer-late"), kDestBlocks);
+  ASSERT_TRUE(c.d->StartLoad("req-late", c.Source("xfer-late"), kDestBlocks).ok());
   ReceiveResult r = c.Receive("req-late", start + 5s);
   const auto took = core::Clock::now() - start;
   EXPECT_FALSE(r.ok);
@@ -169,7 +182,7 @@ TEST(RuntimeEndToEnd, RenewalsKeepKvForAQueuedRequest) {
   c.Prefill("xfer-q");
   std::this_thread::sleep_for(1500ms);  // 2.5 leases: only renewals keep it alive
   EXPECT_EQ(c.FreedBlocksEvents(), 0u);
-  c.d->StartLoad("req-q", c.Source("xfer-q"), kDestBlocks);
+  ASSERT_TRUE(c.d->StartLoad("req-q", c.Source("xfer-q"), kDestBlocks).ok());
   ReceiveResult r = c.Receive("req-q", core::Clock::now() + 5s);
   EXPECT_TRUE(r.ok) << r.error.ToString();
   EXPECT_GT(c.d->Stats().renewals_accepted, 0u);
@@ -179,12 +192,48 @@ TEST(RuntimeEndToEnd, LeaseMismatchFailsNamingBothValues) {
   Cluster c;
   ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 0));
   c.Prefill("xfer-m");
-  c.d->StartLoad("req-m", c.Source("xfer-m"), kDestBlocks);
+  ASSERT_TRUE(c.d->StartLoad("req-m", c.Source("xfer-m"), kDestBlocks).ok());
   ReceiveResult r = c.Receive("req-m", core::Clock::now() + 5s);
   EXPECT_FALSE(r.ok);
   EXPECT_EQ(r.error.code(), ErrorCode::kLeaseMismatch) << r.error.ToString();
   EXPECT_NE(r.error.message().find("30s"), std::string::npos) << r.error.message();
   EXPECT_NE(r.error.message().find("off"), std::string::npos) << r.error.message();
+}
+
+TEST(RuntimeEndToEnd, SecondLoadOfALoadingRequestIsRefused) {
+  Cluster c;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
+  c.Prefill("xfer-d");
+  ASSERT_TRUE(c.d->StartLoad("req-d", c.Source("xfer-d"), kDestBlocks).ok());
+  EXPECT_EQ(c.d->StartLoad("req-d", c.Source("xfer-d"), kDestBlocks).code(),
+            ErrorCode::kAlreadyExists);
+  EXPECT_TRUE(c.Receive("req-d", core::Clock::now() + 5s).ok);
+}
+
+TEST(RuntimeEndToEnd, TimedOutPeerIsQuarantinedUntilItRestarts) {
+  Cluster c;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30, 300ms));
+  // P admits but never finishes the prefill: the pull waits on P and times out on D. P may
+  // still write later, so D must not reuse the blocks.
+  ASSERT_TRUE(c.p[0]->Admit("xfer-stuck", 1).get().ok());
+  ASSERT_TRUE(c.d->StartLoad("req-stuck", c.Source("xfer-stuck"), kDestBlocks).ok());
+  ReceiveResult r = c.Receive("req-stuck", core::Clock::now() + 5s);
+  EXPECT_FALSE(r.ok);
+  EXPECT_TRUE(r.quarantined);
+  EXPECT_EQ(c.d->Stats().quarantined_blocks, kDestBlocks.size());
+  // P restarts: a new incarnation registers. D's next pull sees it; the old process cannot
+  // write any more, so its quarantined blocks come back.
+  c.p.clear();
+  ASSERT_NO_FATAL_FAILURE(c.StartPrefill(1, 30, "inc-2"));
+  c.Prefill("xfer-next");
+  ASSERT_TRUE(c.d->StartLoad("req-next", c.Source("xfer-next"), {8, 9}).ok());
+  EXPECT_TRUE(c.Receive("req-next", core::Clock::now() + 5s).ok);
+  const auto deadline = core::Clock::now() + 2s;
+  while (c.released.empty() && core::Clock::now() < deadline) {
+    (void)c.Receive("none", core::Clock::now() + 100ms);
+  }
+  EXPECT_EQ(c.released, std::vector<core::RequestId>{"req-stuck"});
+  EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
 }
 
 }  // namespace

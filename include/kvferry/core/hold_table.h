@@ -51,6 +51,9 @@ struct HoldConfig {
   Duration abort_request_timeout = std::chrono::seconds(480);
   // Tombstones beyond this are evicted oldest first (counted in stats).
   std::size_t max_tombstones = 1 << 20;
+  // Placeholders (pulls for transfers P has not admitted) beyond this are refused with
+  // kResourceExhausted: a decoder pulling random ids must not grow P's memory without bound.
+  std::size_t max_placeholders = 1 << 16;
 
   bool lease_enabled() const { return lease.count() > 0; }
   Duration renewal_extension() const { return lease * 2 / 3; }
@@ -144,8 +147,10 @@ class HoldTable {
 
   // A pull for `id` from the D rank `d_rank`, which expects `need_send` D ranks in total to pull
   // this transfer from this P worker. `d_lease` is the lease D declared (nullopt: D did not
-  // say). Unknown ids get a placeholder and wait. Fails at once for tombstoned ids and lease
-  // mismatches (which also release the entry: D fails the request and will not pull it again).
+  // say; leases are compared in whole milliseconds, the wire's unit). Unknown ids get a
+  // placeholder and wait. Fails at once for tombstoned ids and lease mismatches (which also
+  // release the entry, or tombstone the id if P has not seen it: D fails the request and will
+  // not pull it again), and for a `need_send` that differs from the one the first pull gave.
   PullAdmission AdmitPull(const TransferId& id, std::uint32_t d_rank, std::uint32_t need_send,
                           std::optional<Duration> d_lease, TimePoint now);
 

@@ -15,7 +15,8 @@ using Duration = std::chrono::nanoseconds;
 constexpr TimePoint kNever = TimePoint::max();
 
 inline constexpr Duration Seconds(double s) {
-  return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
+  // Rounded, not truncated: 4.1 s must be 4'100'000'000 ns, not 4'099'999'999.
+  return std::chrono::round<Duration>(std::chrono::duration<double>(s));
 }
 inline constexpr double ToSeconds(Duration d) { return std::chrono::duration<double>(d).count(); }
 

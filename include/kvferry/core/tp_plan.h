@@ -22,7 +22,8 @@ namespace kvferry::core {
 
 struct TpLayout {
   std::uint32_t tp = 1;         // tensor-parallel size
-  std::uint32_t kv_heads = 0;   // total KV heads of the model (0: treat as tp, no replication)
+  std::uint32_t kv_heads = 0;   // total KV heads of the model (0: unknown, as many as the larger
+                                // TP of the pair, so neither side replicates)
   std::uint64_t block_len = 0;  // bytes of one block in one region on one rank
 };
 
