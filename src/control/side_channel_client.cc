@@ -344,6 +344,9 @@ PumpReport RenewalPump::Send(std::span<const core::RenewalBatch> batches,
   PumpReport report;
   const std::uint64_t d_lease_ms = static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::milliseconds>(options_.lease).count());
+  // An endpoint that failed once is skipped for the rest of this pass: a dead P worker costs
+  // one reply_timeout per pass, not one per batch, so it cannot starve the healthy ones.
+  std::unordered_set<std::string> failed_this_pass;
   for (const core::RenewalBatch& batch : batches) {
     if (batch.ids.empty()) continue;
     Result<std::vector<std::string>> endpoints = resolver_(batch.engine);
@@ -358,6 +361,10 @@ PumpReport RenewalPump::Send(std::span<const core::RenewalBatch> batches,
     renewal.d_lease_ms = d_lease_ms;
     renewal.fingerprints = batch.ids;
     for (const std::string& endpoint : *endpoints) {
+      if (failed_this_pass.count(endpoint) != 0) {
+        ++report.failed;
+        continue;
+      }
       Result<DecodeChannel*> channel = ChannelFor(endpoint);
       Result<wire::RenewalReply> reply =
           channel ? (*channel)->Renew(renewal, Clock::now() + options_.reply_timeout)
@@ -365,6 +372,7 @@ PumpReport RenewalPump::Send(std::span<const core::RenewalBatch> batches,
       ++report.sent;
       if (!reply || reply->status == wire::RenewalStatus::kError) {
         ++report.failed;
+        if (!reply) failed_this_pass.insert(endpoint);
         if (failing_endpoints_.insert(endpoint).second) {
           Warn(
               fmt::format("lease renewal to P engine {} at {} failed: {} (warning once until it "

@@ -416,7 +416,13 @@ bool PrefillListener::Impl::ReadMessage() {
   bool more = frame.more();
   while (more) {
     zmq::message_t next;
-    (void)router_.recv(next);
+    try {
+      // The remaining parts of a multipart message arrive atomically with the first.
+      if (!router_.recv(next, zmq::recv_flags::dontwait)) break;
+    } catch (const zmq::error_t& e) {
+      spdlog::error("side channel {}: recv of a message part failed: {}", endpoint_, e.what());
+      return false;
+    }
     more = next.more();
     if (++frames == 2) payload = std::move(next);
   }
