@@ -275,6 +275,9 @@ Status BootstrapClient::Register(const WorkerRegistration& registration, Timeout
   const auto deadline = start + timeout;
   auto backoff = std::max(retry.initial_backoff, Timeout{1});
   Status last(ErrorCode::kTimeout, "no attempt made");
+  // Whether some attempt was refused outright: then the service cannot be reached, even if the
+  // last attempt, cut short by the deadline, merely timed out.
+  bool refused = false;
   int attempts = 0;
   while (true) {
     ++attempts;
@@ -289,6 +292,7 @@ Status BootstrapClient::Register(const WorkerRegistration& registration, Timeout
     } else {
       last = std::move(reply.error());
     }
+    if (last.code() == ErrorCode::kUnavailable) refused = true;
     const auto now = Clock::now();
     if (deadline - now <= backoff) break;
     std::this_thread::sleep_for(backoff);
@@ -296,8 +300,8 @@ Status BootstrapClient::Register(const WorkerRegistration& registration, Timeout
   }
   const auto spent =
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
-  const ErrorCode code =
-      last.code() == ErrorCode::kTimeout ? ErrorCode::kTimeout : ErrorCode::kUnavailable;
+  const ErrorCode code = last.code() == ErrorCode::kTimeout && !refused ? ErrorCode::kTimeout
+                                                                        : ErrorCode::kUnavailable;
   return Status(code, fmt::format("{}: gave up after {} attempt(s) in {} ms; last: {}", what,
                                   attempts, spent, last.message()));
 }
