@@ -1,0 +1,378 @@
+#include "client_proxy.h"
+
+#include <httplib.h>
+
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <list>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "client_http.h"
+
+namespace kvferry::harness {
+
+namespace {
+
+using nlohmann::json;
+
+std::string BootstrapUrl(const std::string& addr) {
+  if (addr.rfind("http://", 0) == 0) return addr;
+  return "http://" + addr;
+}
+
+json ErrorJson(const std::string& message, const std::string& type) {
+  return json{{"error", {{"message", message}, {"type", type}}}};
+}
+
+// D's response travelling from the thread that reads it to the client's connection.
+struct Pipe {
+  std::mutex mu;
+  std::condition_variable cv;
+  int status = 0;  // 0 until D's status line arrived
+  std::string content_type;
+  std::deque<std::string> chunks;
+  bool finished = false;
+  std::string error;                   // transport failure (no or broken response)
+  std::atomic<bool> abandoned{false};  // the client went away: stop reading D
+};
+
+}  // namespace
+
+std::string BuildPrefillBody(const std::string& client_body, const std::string& transfer_id) {
+  json j = json::parse(client_body);
+  j["max_tokens"] = 1;
+  j["stream"] = false;
+  j.erase("stream_options");
+  if (j.contains("min_tokens")) j.erase("min_tokens");
+  j["kv_transfer_params"] = {
+      {"do_remote_decode", true}, {"do_remote_prefill", false}, {"transfer_id", transfer_id}};
+  return j.dump();
+}
+
+std::string BuildDecodeBody(const std::string& client_body, const std::string& transfer_id,
+                            const PrefillTarget& p) {
+  json j = json::parse(client_body);
+  j["kv_transfer_params"] = {{"do_remote_decode", false},
+                             {"do_remote_prefill", true},
+                             {"remote_engine_id", p.engine_id},
+                             {"remote_bootstrap_addr", BootstrapUrl(p.bootstrap)},
+                             {"transfer_id", transfer_id}};
+  return j.dump();
+}
+
+struct Proxy::Impl {
+  ProxyOptions o;
+  httplib::Server svr;
+  std::thread listener;
+  int bound_port = 0;
+  CancelGroup cancel;
+  ConnectGate gate;
+  std::atomic<std::uint64_t> next{0};
+  std::atomic<std::uint64_t> requests{0}, prefill_failed{0}, decode_failed{0}, in_flight{0};
+
+  std::mutex threads_mu;
+  struct Task {
+    std::thread t;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::list<Task> tasks;
+  bool stopped = false;
+
+  explicit Impl(ProxyOptions options) : o(std::move(options)) {}
+
+  // Runs `fn` on a tracked thread (joined by Stop; finished ones are reaped here).
+  bool Spawn(std::function<void()> fn) {
+    std::lock_guard<std::mutex> lock(threads_mu);
+    if (stopped) return false;
+    for (auto it = tasks.begin(); it != tasks.end();) {
+      if (it->done->load()) {
+        it->t.join();
+        it = tasks.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    tasks.push_back(Task{std::thread([fn = std::move(fn), done] {
+                           fn();
+                           done->store(true);
+                         }),
+                         done});
+    return true;
+  }
+
+  void Handle(const httplib::Request& req, httplib::Response& res) {
+    requests.fetch_add(1);
+    if (o.prefills.empty() || o.decodes.empty()) {
+      res.status = 503;
+      res.set_content(ErrorJson("proxy has no prefill or decode instance", "proxy_error").dump(),
+                      "application/json");
+      return;
+    }
+    json client = json::parse(req.body, nullptr, false);
+    if (client.is_discarded() || !client.is_object()) {
+      res.status = 400;
+      res.set_content(ErrorJson("request body is not a JSON object", "invalid_request").dump(),
+                      "application/json");
+      return;
+    }
+    const bool stream = client.value("stream", false);
+    const std::uint64_t n = next.fetch_add(1);
+    const PrefillTarget& p = o.prefills[n % o.prefills.size()];
+    const std::string d_url = o.decodes[n % o.decodes.size()];
+    const std::string transfer_id = "xfer-" + RandomUuid();
+    std::string p_body, d_body;
+    try {
+      p_body = BuildPrefillBody(req.body, transfer_id);
+      d_body = BuildDecodeBody(req.body, transfer_id, p);
+    } catch (const std::exception& e) {
+      res.status = 400;
+      res.set_content(ErrorJson(e.what(), "invalid_request").dump(), "application/json");
+      return;
+    }
+
+    // P's copy, in the background: its answer (one token) is not used, only logged on failure.
+    const bool spawned = Spawn([this, p_url = p.url, p_body, transfer_id] {
+      CompletionCall call{p_url, p_body, false, o.prefill_timeout_s, &cancel, &gate};
+      const CompletionOutcome r = PostCompletion(call);
+      if (!r.ok) {
+        prefill_failed.fetch_add(1);
+        if (r.error != "cancelled") {
+          std::fprintf(stderr, "[proxy] prefill %s failed: %s\n", transfer_id.c_str(),
+                       r.error.c_str());
+        }
+      }
+    });
+    if (!spawned) {
+      res.status = 503;
+      res.set_content(ErrorJson("proxy is shutting down", "proxy_error").dump(),
+                      "application/json");
+      return;
+    }
+
+    // D's copy at the same time, read on its own thread into a pipe.
+    auto pipe = std::make_shared<Pipe>();
+    in_flight.fetch_add(1);
+    if (!Spawn([this, pipe, d_url, d_body, stream] {
+          ReadDecode(*pipe, d_url, d_body, stream);
+          in_flight.fetch_sub(1);
+        })) {
+      in_flight.fetch_sub(1);
+      res.status = 503;
+      res.set_content(ErrorJson("proxy is shutting down", "proxy_error").dump(),
+                      "application/json");
+      return;
+    }
+
+    {
+      std::unique_lock<std::mutex> lock(pipe->mu);
+      const auto deadline =
+          SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(
+                                   std::chrono::duration<double>(o.decode_timeout_s + 5));
+      pipe->cv.wait_until(lock, deadline, [&] { return pipe->status != 0 || pipe->finished; });
+      if (pipe->status == 0) {
+        decode_failed.fetch_add(1);
+        res.status = 502;
+        const std::string why = pipe->error.empty() ? "no answer from decode" : pipe->error;
+        res.set_content(ErrorJson("decode " + d_url + ": " + why, "proxy_error").dump(),
+                        "application/json");
+        pipe->abandoned.store(true);
+        return;
+      }
+      res.status = pipe->status;
+      if (pipe->status != 200) decode_failed.fetch_add(1);
+      if (pipe->status != 200 || !stream) {
+        // Not a stream: wait for the whole body.
+        pipe->cv.wait_until(lock, deadline, [&] { return pipe->finished; });
+        std::string body;
+        for (auto& c : pipe->chunks) body += c;
+        if (!pipe->finished || !pipe->error.empty()) {
+          if (pipe->status == 200) decode_failed.fetch_add(1);
+          res.status = 502;
+          body = ErrorJson("decode " + d_url + ": " +
+                               (pipe->error.empty() ? "no complete answer" : pipe->error),
+                           "proxy_error")
+                     .dump();
+          pipe->abandoned.store(true);
+        }
+        res.set_content(
+            body, pipe->content_type.empty() ? "application/json" : pipe->content_type.c_str());
+        return;
+      }
+    }
+    const std::string content_type = "text/event-stream";
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        content_type,
+        [this, pipe](std::size_t, httplib::DataSink& sink) {
+          std::unique_lock<std::mutex> lock(pipe->mu);
+          pipe->cv.wait_for(lock, std::chrono::milliseconds(500),
+                            [&] { return !pipe->chunks.empty() || pipe->finished; });
+          while (!pipe->chunks.empty()) {
+            std::string c = std::move(pipe->chunks.front());
+            pipe->chunks.pop_front();
+            lock.unlock();
+            if (!sink.write(c.data(), c.size())) {
+              pipe->abandoned.store(true);
+              return false;
+            }
+            lock.lock();
+          }
+          if (pipe->finished) {
+            if (!pipe->error.empty()) {
+              decode_failed.fetch_add(1);
+              const std::string ev =
+                  "data: " +
+                  ErrorJson("decode stream broke: " + pipe->error, "proxy_error").dump() + "\n\n";
+              lock.unlock();
+              sink.write(ev.data(), ev.size());
+            } else {
+              lock.unlock();
+            }
+            sink.done();
+            return true;
+          }
+          if (cancel.cancelled()) return false;
+          return true;
+        },
+        [pipe](bool) { pipe->abandoned.store(true); });
+  }
+
+  void ReadDecode(Pipe& pipe, const std::string& d_url, const std::string& d_body, bool stream) {
+    auto finish = [&](const std::string& error) {
+      std::lock_guard<std::mutex> lock(pipe.mu);
+      pipe.finished = true;
+      if (pipe.error.empty()) pipe.error = error;
+      pipe.cv.notify_all();
+    };
+    const auto hp = ParseUrl(d_url);
+    if (!hp) return finish("bad decode url");
+    httplib::Client cli(hp->host, hp->port);
+    cli.set_connection_timeout(std::chrono::seconds(10));
+    cli.set_write_timeout(std::chrono::seconds(10));
+    {
+      // One connect at a time per D (see ConnectGate); the POST reuses this connection.
+      cli.set_keep_alive(true);
+      cli.set_read_timeout(std::chrono::seconds(5));
+      std::lock_guard<std::mutex> lock(gate.For(hp->host + ":" + std::to_string(hp->port)));
+      if (!pipe.abandoned.load() && !cancel.cancelled()) cli.Get("/health");
+    }
+    cli.set_read_timeout(std::chrono::duration_cast<std::chrono::microseconds>(
+        std::chrono::duration<double>(o.decode_timeout_s)));
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.body = d_body;
+    req.set_header("Content-Type", "application/json");
+    if (stream) req.set_header("Accept", "text/event-stream");
+    req.response_handler = [&](const httplib::Response& r) {
+      std::lock_guard<std::mutex> lock(pipe.mu);
+      pipe.status = r.status;
+      pipe.content_type = r.get_header_value("Content-Type");
+      pipe.cv.notify_all();
+      return !pipe.abandoned.load();
+    };
+    req.content_receiver = [&](const char* data, std::size_t len, std::uint64_t, std::uint64_t) {
+      if (pipe.abandoned.load()) return false;
+      std::lock_guard<std::mutex> lock(pipe.mu);
+      pipe.chunks.emplace_back(data, len);
+      pipe.cv.notify_all();
+      return true;
+    };
+    const std::uint64_t reg = cancel.Add([&cli] { cli.stop(); });
+    if (reg == 0) return finish("proxy is shutting down");
+    httplib::Response res;
+    httplib::Error err = httplib::Error::Success;
+    const bool ok = cli.send(req, res, err);
+    cancel.Remove(reg);
+    if (!ok) {
+      if (pipe.abandoned.load()) return finish("client went away");
+      return finish(cancel.cancelled() ? "proxy is shutting down"
+                                       : "http error: " + httplib::to_string(err));
+    }
+    finish("");
+  }
+};
+
+Proxy::Proxy(ProxyOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+
+Proxy::~Proxy() { Stop(); }
+
+bool Proxy::Start(std::string* error) {
+  Impl& m = *impl_;
+  const int threads = m.o.threads > 0 ? m.o.threads : 512;
+  m.svr.new_task_queue = [threads] {
+    return new httplib::ThreadPool(static_cast<std::size_t>(threads));
+  };
+  m.svr.set_read_timeout(std::chrono::seconds(30));
+  m.svr.set_write_timeout(std::chrono::seconds(30));
+  m.svr.set_keep_alive_timeout(2);
+  m.svr.Post("/v1/completions",
+             [&m](const httplib::Request& req, httplib::Response& res) { m.Handle(req, res); });
+  m.svr.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("{\"status\":\"ok\"}", "application/json");
+  });
+  m.svr.Get("/metrics", [&m](const httplib::Request&, httplib::Response& res) {
+    std::string t;
+    t += "# TYPE kvferry_proxy_requests_total counter\nkvferry_proxy_requests_total " +
+         std::to_string(m.requests.load()) + "\n";
+    t += "# TYPE kvferry_proxy_prefill_failed_total counter\nkvferry_proxy_prefill_failed_total " +
+         std::to_string(m.prefill_failed.load()) + "\n";
+    t += "# TYPE kvferry_proxy_decode_failed_total counter\nkvferry_proxy_decode_failed_total " +
+         std::to_string(m.decode_failed.load()) + "\n";
+    t += "# TYPE kvferry_proxy_in_flight gauge\nkvferry_proxy_in_flight " +
+         std::to_string(m.in_flight.load()) + "\n";
+    res.set_content(t, "text/plain; version=0.0.4");
+  });
+  if (m.o.port == 0) {
+    m.bound_port = m.svr.bind_to_any_port(m.o.host);
+    if (m.bound_port <= 0) {
+      if (error) *error = "cannot bind " + m.o.host + ":0";
+      return false;
+    }
+  } else {
+    if (!m.svr.bind_to_port(m.o.host, m.o.port)) {
+      if (error) *error = "cannot bind " + m.o.host + ":" + std::to_string(m.o.port);
+      return false;
+    }
+    m.bound_port = m.o.port;
+  }
+  if (!RaiseListenBacklog(m.bound_port)) {
+    std::fprintf(stderr,
+                 "[proxy] warning: could not raise the listen backlog of port %d; "
+                 "bursts of connections may stall\n",
+                 m.bound_port);
+  }
+  m.listener = std::thread([&m] { m.svr.listen_after_bind(); });
+  return true;
+}
+
+int Proxy::port() const { return impl_->bound_port; }
+
+void Proxy::Stop() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.threads_mu);
+    if (m.stopped) return;
+    m.stopped = true;
+  }
+  m.cancel.CancelAll();
+  m.svr.stop();
+  if (m.listener.joinable()) m.listener.join();
+  std::list<Impl::Task> tasks;
+  {
+    std::lock_guard<std::mutex> lock(m.threads_mu);
+    tasks.swap(m.tasks);
+  }
+  for (auto& t : tasks) t.t.join();
+}
+
+ProxyStats Proxy::stats() const {
+  return ProxyStats{impl_->requests.load(), impl_->prefill_failed.load(),
+                    impl_->decode_failed.load(), impl_->in_flight.load()};
+}
+
+}  // namespace kvferry::harness

@@ -1,0 +1,1149 @@
+#include "harness/engine.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "harness/block_pool.h"
+#include "harness/metrics.h"
+#include "harness/trace_file.h"
+#include "kvferry/transport/ucx.h"
+#include "runtime/decode_worker.h"
+
+namespace kvferry::harness {
+
+using Clock = std::chrono::steady_clock;
+using core::BlockId;
+
+// ---------------------------------------------------------------------------------------------
+// RequestStream
+
+void RequestStream::Push(StreamEvent event) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = event.kind != StreamEvent::Kind::kToken;
+    events_.push_back(std::move(event));
+  }
+  cv_.notify_all();
+}
+
+std::vector<StreamEvent> RequestStream::Wait(Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, deadline, [&] { return !events_.empty(); });
+  std::vector<StreamEvent> out;
+  out.swap(events_);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine internals
+
+namespace {
+
+// How long the engine thread waits for a hold-table command to be acknowledged. The listener
+// answers commands between messages, so this is only hit when a listener is wedged.
+constexpr auto kListenerAckTimeout = std::chrono::seconds(5);
+// Kept in case a kAbortPrefill overtakes the request it aborts (see ApplyHold).
+constexpr std::size_t kMaxEarlyAborts = 4096;
+
+enum class Phase : std::uint8_t {
+  kWaiting,    // queued for blocks
+  kPrefill,    // running: prefill chunks
+  kDecode,     // running: one token per step
+  kWaitingKv,  // D: blocks allocated, receiving
+  kKvReady,    // D: received and verified, waiting for a running slot
+  kHeld,       // P: answered; the hold tables own the blocks
+  kDraining,   // finished; blocks wait for the ledger (D quarantine) before going back
+};
+
+struct Request {
+  std::uint64_t handle = 0;
+  std::string id;  // "req-<handle>": D's request id on the wire, and the trace's request
+  CompletionSpec spec;
+  std::shared_ptr<RequestStream> stream;
+  std::uint64_t seed = 0;
+  Phase phase = Phase::kWaiting;
+  std::vector<BlockId> blocks;
+  std::uint32_t prefilled = 0;
+  std::uint32_t generated = 0;
+  bool answered = false;  // the stream got its terminal event
+  // P remote decode: ranks whose hold still owns the blocks.
+  std::uint32_t holds_outstanding = 0;
+  // D remote prefill.
+  bool load_started = false;
+  std::uint32_t results = 0;
+  bool recv_ok = true;
+  Status recv_error;
+  std::set<std::uint32_t> quarantined_ranks;
+  Clock::time_point load_start{};
+};
+
+struct HoldNote {
+  std::uint32_t rank;
+  core::HoldEvent event;
+};
+struct RecvNote {
+  std::uint32_t rank;
+  runtime::DecodeFinished finished;
+};
+
+struct Inbox {
+  std::vector<std::unique_ptr<Request>> fresh;
+  std::vector<std::uint64_t> aborts;
+  std::vector<HoldNote> holds;
+  std::vector<RecvNote> recvs;
+  bool empty() const { return fresh.empty() && aborts.empty() && holds.empty() && recvs.empty(); }
+};
+
+// Gauges the engine thread publishes and counters anyone may bump; read by /metrics.
+struct Stats {
+  std::uint64_t blocks_used = 0;
+  std::uint64_t waiting = 0;
+  std::uint64_t running = 0;
+  std::uint64_t waiting_kv = 0;
+  std::uint64_t held_blocks[3] = {0, 0, 0};  // P: placeholder (always 0), prefilling, ready
+  std::uint64_t quarantined_blocks = 0;      // D: blocks held back by the ledger
+  std::map<std::string, std::uint64_t> requests_finished;  // by outcome
+  std::map<std::string, std::uint64_t> failures;           // by stage
+  std::map<std::string, std::uint64_t> receive_failures;   // D: by the first error's code
+  std::uint64_t corrupt_blocks = 0;
+  std::uint64_t verified_blocks = 0;
+  std::uint64_t received_bytes = 0;
+  std::uint64_t tokens_generated = 0;
+  std::uint64_t steps = 0;
+  std::uint64_t double_frees = 0;
+  Histogram transfer_latency;  // D: StartLoad → every rank's receive settled
+  Histogram write_latency;     // P: one WRITE batch, start → end
+  Histogram queue_time;        // arrival → admission
+};
+
+std::string StatusReason(const Status& s) { return s.ToString(); }
+
+}  // namespace
+
+struct Engine::Impl {
+  explicit Impl(EngineOptions& o) : options(o) {}
+
+  EngineOptions& options;
+  std::uint64_t block_len = 0;
+  std::vector<std::shared_ptr<transport::Engine>> transports;
+  std::vector<std::unique_ptr<runtime::PrefillWorker>> prefill;
+  std::vector<std::unique_ptr<runtime::DecodeWorker>> decode;
+  std::vector<std::thread> collectors;
+  std::unique_ptr<BlockPool> pool;  // engine thread only
+
+  // Inbox and lifecycle.
+  std::mutex mu;
+  std::condition_variable cv;
+  Inbox inbox;
+  bool stopping = false;
+  bool stopped = false;  // Shutdown finished
+  std::atomic<bool> collectors_stop{false};
+  std::atomic<std::uint64_t> next_handle{1};
+  std::size_t queued = 0;  // requests submitted and not yet finished (under mu)
+
+  // P: the source blocks of held requests, read by sender threads through SourceBlocksFn.
+  std::mutex source_mu;
+  std::unordered_map<std::uint64_t, std::vector<BlockId>> source_blocks;
+
+  std::mutex stats_mu;
+  Stats stats;
+
+  // Engine thread state.
+  std::unordered_map<std::uint64_t, std::unique_ptr<Request>> requests;
+  std::unordered_map<std::string, std::uint64_t> by_id;  // D request id → handle
+  std::deque<std::uint64_t> waiting;
+  std::vector<std::uint64_t> running;  // kPrefill / kDecode, in admission order
+  std::deque<std::uint64_t> ready;     // kKvReady
+  std::set<std::uint64_t> early_aborts;
+  std::deque<std::uint64_t> early_abort_order;
+  std::thread thread;
+
+  // ----- lifecycle
+  Status StartRanks();
+  void Loop();
+  void Collect(std::uint32_t rank);
+
+  // ----- engine thread
+  void Apply(Inbox& in);
+  void AddRequest(std::unique_ptr<Request> r);
+  void ApplyAbort(std::uint64_t handle);
+  void ApplyHold(const HoldNote& note);
+  void ApplyRecv(RecvNote& note);
+  void OnReceiveDone(Request& r);
+  void Schedule();
+  void RunStep();
+  void FinishPrefill(Request& r);
+  void HandOver(Request& r);
+  void Finish(Request& r, const Status& error, int http_status);
+  void MaybeRelease(Request& r);
+  void FreeBlocks(Request& r);
+  void EngineFinishedAll(const Request& r);
+  void Erase(std::uint64_t handle);
+  void Publish();
+  void FailAll();
+  Request* Find(std::uint64_t handle) {
+    auto it = requests.find(handle);
+    return it == requests.end() ? nullptr : it->second.get();
+  }
+  void CountFailure(const std::string& stage) {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    ++stats.failures[stage];
+  }
+  void Log(std::string_view line) { spdlog::info("[{}] {}", options.engine_id, line); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Start / stop
+
+Engine::Engine(EngineOptions options) : options_(std::move(options)) {}
+
+Result<std::unique_ptr<Engine>> Engine::Start(EngineOptions options) {
+  Status geometry = options.geometry.Validate();
+  if (!geometry.ok()) return tl::unexpected(geometry);
+  if (options.num_blocks == 0 || options.costs.max_running == 0 ||
+      options.costs.max_batch_tokens == 0) {
+    return Err(ErrorCode::kInvalidArgument,
+               "num_blocks, max_running and max_batch_tokens must be positive");
+  }
+  std::unique_ptr<Engine> engine(new Engine(std::move(options)));
+  engine->impl_ = std::make_unique<Impl>(engine->options_);
+  Impl& impl = *engine->impl_;
+  impl.block_len = impl.options.geometry.block_len();
+  impl.pool = std::make_unique<BlockPool>(impl.options.num_blocks, impl.options.trace.get(),
+                                          ToString(impl.options.role));
+  Status started = impl.StartRanks();
+  if (!started.ok()) {
+    engine->Shutdown();
+    return tl::unexpected(started);
+  }
+  impl.thread = std::thread([&impl] { impl.Loop(); });
+  return engine;
+}
+
+Status Engine::Impl::StartRanks() {
+  const std::uint32_t tp = options.geometry.tp;
+  for (std::uint32_t rank = 0; rank < tp; ++rank) {
+    transport::UcxOptions ucx;
+    ucx.name = fmt::format("{}-r{}", options.ucx_name, rank);
+    auto made = transport::MakeUcxEngine(ucx);
+    if (!made) {
+      return Status(made.error().code(),
+                    fmt::format("rank {}: UCX: {}", rank, made.error().message()));
+    }
+    transports.push_back(std::shared_ptr<transport::Engine>(std::move(*made)));
+  }
+  if (options.role == Role::kPrefill) {
+    for (std::uint32_t rank = 0; rank < tp; ++rank) {
+      runtime::PrefillWorkerOptions o;
+      o.engine_id = options.engine_id;
+      o.tp_size = tp;
+      o.tp_rank = rank;
+      o.kv_heads = options.geometry.kv_heads;
+      o.block_len = block_len;
+      o.num_blocks = options.num_blocks;
+      o.hold = options.hold;
+      o.num_senders = options.num_senders;
+      o.bootstrap_address = options.bootstrap_address;
+      o.incarnation = options.incarnation;
+      auto listed = [rank](const std::vector<std::uint32_t>& ranks) {
+        return std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
+      };
+      o.faults.seed = options.faults.seed + rank;
+      if (listed(options.fault_err_ranks)) {
+        o.faults.err_after_write_fraction = options.faults.err_after_write_fraction;
+      }
+      if (listed(options.fault_delay_ranks))
+        o.faults.max_write_delay = options.faults.max_write_delay;
+      TraceFile* trace = options.trace.get();
+      o.trace = [this, trace, rank](runtime::WritePhase phase, const control::PullContext& ctx,
+                                    const control::WriteJob& job, core::TimePoint t,
+                                    const Status& status) {
+        // Start and end of one write run on the same sender thread (Write is synchronous).
+        thread_local core::TimePoint started{};
+        if (phase == runtime::WritePhase::kStart) {
+          started = t;
+        } else {
+          std::lock_guard<std::mutex> lock(stats_mu);
+          stats.write_latency.Observe(std::chrono::duration<double>(t - started).count());
+        }
+        if (trace == nullptr) return;
+        // Ids come from the network: nlohmann escapes them.
+        nlohmann::json line = {
+            {"t_ns",
+             std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count()},
+            {"role", "prefill"},
+            {"event", phase == runtime::WritePhase::kStart ? "write_start" : "write_end"},
+            {"transfer_id", job.transfer_id},
+            {"d_req_id", job.d_req_id},
+            {"d_engine_id", ctx.d_engine_id},
+            {"d_rank", ctx.d_tp_rank},
+            {"p_rank", rank},
+            {"dst_blocks", job.dst_block_ids},
+        };
+        if (phase == runtime::WritePhase::kEnd) line["status"] = status.ToString();
+        trace->Line(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+      };
+      auto source = [this](std::uint64_t handle) -> Result<std::vector<BlockId>> {
+        std::lock_guard<std::mutex> lock(source_mu);
+        auto it = source_blocks.find(handle);
+        if (it == source_blocks.end()) {
+          return Err(ErrorCode::kNotFound, fmt::format("request handle {} holds no KV", handle));
+        }
+        return it->second;
+      };
+      auto on_hold = [this, rank](const core::HoldEvent& event) {
+        // Listener thread: must not block. The engine thread acts on it.
+        if (event.kind != core::HoldEvent::Kind::kFreeBlocks &&
+            event.kind != core::HoldEvent::Kind::kAbortPrefill) {
+          return;
+        }
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          inbox.holds.push_back({rank, event});
+        }
+        cv.notify_all();
+      };
+      auto worker = runtime::PrefillWorker::Start(o, transports[rank], source, on_hold);
+      if (!worker) {
+        return Status(worker.error().code(),
+                      fmt::format("prefill rank {}: {}", rank, worker.error().message()));
+      }
+      prefill.push_back(std::move(*worker));
+    }
+  } else {
+    for (std::uint32_t rank = 0; rank < tp; ++rank) {
+      runtime::DecodeWorkerOptions o;
+      o.engine_id = options.engine_id;
+      o.tp_size = tp;
+      o.tp_rank = rank;
+      o.block_len = block_len;
+      o.num_blocks = options.num_blocks;
+      o.lease = options.lease;
+      o.pull_timeout = options.pull_timeout;
+      o.num_pullers = options.num_pullers;
+      auto warn = [this, rank](std::string_view message) {
+        spdlog::warn("[{} r{}] {}", options.engine_id, rank, message);
+      };
+      auto worker = runtime::DecodeWorker::Start(o, transports[rank], warn);
+      if (!worker) {
+        return Status(worker.error().code(),
+                      fmt::format("decode rank {}: {}", rank, worker.error().message()));
+      }
+      decode.push_back(std::move(*worker));
+    }
+    for (std::uint32_t rank = 0; rank < tp; ++rank) {
+      collectors.emplace_back([this, rank] { Collect(rank); });
+    }
+  }
+  return Status::Ok();
+}
+
+void Engine::Impl::Collect(std::uint32_t rank) {
+  // One owner per rank's finished queue: this thread moves it into the engine's inbox.
+  while (!collectors_stop.load()) {
+    runtime::DecodeFinished finished =
+        decode[rank]->WaitFinished(Clock::now() + std::chrono::milliseconds(100));
+    if (finished.received.empty() && finished.released.empty()) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      inbox.recvs.push_back({rank, std::move(finished)});
+    }
+    cv.notify_all();
+  }
+}
+
+Engine::~Engine() { Shutdown(); }
+
+void Engine::Shutdown() {
+  if (!impl_) return;
+  Impl& impl = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(impl.mu);
+    if (impl.stopped) return;
+    impl.stopping = true;
+  }
+  impl.cv.notify_all();
+  if (impl.thread.joinable()) impl.thread.join();
+  impl.collectors_stop = true;
+  for (std::thread& t : impl.collectors) t.join();
+  impl.collectors.clear();
+  // P: Stop drains in-flight writes before each region is deregistered.
+  for (auto& worker : impl.prefill) {
+    Status stopped = worker->Stop();
+    if (!stopped.ok()) spdlog::warn("prefill worker stop: {}", stopped.ToString());
+  }
+  impl.prefill.clear();
+  // D: the destructor joins pullers (a pull in flight ends at its deadline at the latest).
+  impl.decode.clear();
+  impl.transports.clear();
+  std::lock_guard<std::mutex> lock(impl.mu);
+  impl.stopped = true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Submit / Abort (HTTP threads)
+
+Result<std::shared_ptr<RequestStream>> Engine::Submit(const CompletionSpec& spec) {
+  Impl& impl = *impl_;
+  const EngineOptions& o = options_;
+  const std::uint32_t bt = o.geometry.block_tokens;
+  if (spec.prompt_tokens == 0 || spec.max_tokens == 0) {
+    return Err(ErrorCode::kInvalidArgument, "prompt and max_tokens must be non-empty");
+  }
+  if (o.role == Role::kPrefill && spec.kind == RequestKind::kRemotePrefill) {
+    return Err(ErrorCode::kInvalidArgument, "a prefill instance cannot do_remote_prefill");
+  }
+  if (o.role == Role::kDecode && spec.kind == RequestKind::kRemoteDecode) {
+    return Err(ErrorCode::kInvalidArgument, "a decode instance cannot do_remote_decode");
+  }
+  const std::uint64_t tokens = spec.kind == RequestKind::kRemoteDecode
+                                   ? spec.prompt_tokens
+                                   : std::uint64_t{spec.prompt_tokens} + spec.max_tokens;
+  if (BlocksFor(tokens, bt) > o.num_blocks) {
+    return Err(ErrorCode::kInvalidArgument, fmt::format("request needs {} blocks, the pool has {}",
+                                                        BlocksFor(tokens, bt), o.num_blocks));
+  }
+  auto r = std::make_unique<Request>();
+  r->handle = impl.next_handle.fetch_add(1);
+  r->id = fmt::format("req-{}", r->handle);
+  r->spec = spec;
+  r->stream = std::make_shared<RequestStream>(r->handle);
+  r->seed = spec.kind == RequestKind::kLocal ? SeedOfLocalRequest(r->handle)
+                                             : SeedOfTransfer(spec.transfer_id);
+  r->load_start = Clock::now();  // arrival until admission; reset at StartLoad
+  {
+    std::lock_guard<std::mutex> lock(impl.mu);
+    if (impl.stopping) return Err(ErrorCode::kUnavailable, "shutting down");
+    if (impl.queued >= o.max_waiting) {
+      return Err(ErrorCode::kResourceExhausted,
+                 fmt::format("{} requests queued, the limit is {}", impl.queued, o.max_waiting));
+    }
+    ++impl.queued;
+  }
+  auto unqueue = [&] {
+    std::lock_guard<std::mutex> lock(impl.mu);
+    --impl.queued;
+  };
+  if (spec.kind == RequestKind::kRemoteDecode) {
+    // Admit with every rank before the request can run, so a pull that arrives first finds the
+    // entry, and a decoder that dies while the request queues aborts it (SPEC §4).
+    std::vector<std::future<Status>> admitted;
+    for (auto& worker : impl.prefill)
+      admitted.push_back(worker->Admit(spec.transfer_id, r->handle));
+    Status first;
+    std::vector<bool> ok(admitted.size(), false);
+    for (std::size_t i = 0; i < admitted.size(); ++i) {
+      Status s = admitted[i].wait_for(kListenerAckTimeout) == std::future_status::ready
+                     ? admitted[i].get()
+                     : Status(ErrorCode::kTimeout, "hold table did not acknowledge Admit");
+      ok[i] = s.ok();
+      if (!s.ok() && first.ok()) first = s;
+    }
+    if (!first.ok()) {
+      for (std::size_t i = 0; i < admitted.size(); ++i) {
+        if (ok[i]) (void)impl.prefill[i]->EngineFinished(spec.transfer_id);
+      }
+      unqueue();
+      impl.CountFailure("admit");
+      return tl::unexpected(
+          Status(first.code(), fmt::format("transfer {}: {}", spec.transfer_id, first.message())));
+    }
+  } else if (spec.kind == RequestKind::kRemotePrefill) {
+    runtime::RemoteSource source{spec.transfer_id, spec.remote_engine_id,
+                                 spec.remote_bootstrap_addr};
+    for (auto& worker : impl.decode) worker->OnNewRequest(r->id, source);
+  }
+  std::shared_ptr<RequestStream> stream = r->stream;
+  {
+    std::lock_guard<std::mutex> lock(impl.mu);
+    impl.inbox.fresh.push_back(std::move(r));
+  }
+  impl.cv.notify_all();
+  return stream;
+}
+
+void Engine::Abort(std::uint64_t handle) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->inbox.aborts.push_back(handle);
+  }
+  impl_->cv.notify_all();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine thread
+
+void Engine::Impl::Loop() {
+  while (true) {
+    Inbox in;
+    bool stop = false;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      // Idle: sleep until something arrives (bounded, so gauges stay fresh).
+      const auto deadline = Clock::now() + (running.empty() ? std::chrono::milliseconds(200)
+                                                            : std::chrono::milliseconds(0));
+      cv.wait_until(lock, deadline, [&] { return stopping || !inbox.empty(); });
+      std::swap(in, inbox);
+      stop = stopping;
+    }
+    Apply(in);
+    if (stop) {
+      FailAll();
+      Publish();
+      return;
+    }
+    Schedule();
+    RunStep();
+    Publish();
+  }
+}
+
+void Engine::Impl::Apply(Inbox& in) {
+  // New requests first: a hold event or abort drained together with its request must find it.
+  for (auto& r : in.fresh) AddRequest(std::move(r));
+  for (const HoldNote& note : in.holds) ApplyHold(note);
+  for (RecvNote& note : in.recvs) ApplyRecv(note);
+  for (std::uint64_t handle : in.aborts) ApplyAbort(handle);
+}
+
+void Engine::Impl::AddRequest(std::unique_ptr<Request> r) {
+  const std::uint64_t handle = r->handle;
+  by_id[r->id] = handle;
+  requests[handle] = std::move(r);
+  waiting.push_back(handle);
+  if (early_aborts.erase(handle) > 0) {
+    Request& req = *requests[handle];
+    CountFailure("prefill_abort");
+    Finish(req, Status(ErrorCode::kCancelled, "the prefill hold aborted the request"), 503);
+  }
+}
+
+void Engine::Impl::ApplyAbort(std::uint64_t handle) {
+  Request* r = Find(handle);
+  if (r == nullptr || r->answered) return;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    ++stats.requests_finished["client_abort"];
+  }
+  Finish(*r, Status(ErrorCode::kCancelled, "client disconnected"), 499);
+}
+
+void Engine::Impl::ApplyHold(const HoldNote& note) {
+  const core::HoldEvent& event = note.event;
+  Request* r = Find(event.handle);
+  if (event.kind == core::HoldEvent::Kind::kFreeBlocks) {
+    if (r == nullptr || r->phase != Phase::kHeld) {
+      spdlog::warn("[{}] kFreeBlocks for unknown transfer {}", options.engine_id, event.id);
+      return;
+    }
+    if (r->holds_outstanding > 0 && --r->holds_outstanding == 0) {
+      FreeBlocks(*r);
+      Erase(r->handle);
+    }
+    return;
+  }
+  // kAbortPrefill: this rank will not send the transfer (dead decoder, wait timeout).
+  CountFailure("prefill_abort");
+  if (r == nullptr) {
+    // The event overtook its request on the way into the engine (Submit admits before it
+    // queues): remember it for AddRequest. Bounded; stale entries age out.
+    if (event.handle != 0 && early_aborts.insert(event.handle).second) {
+      early_abort_order.push_back(event.handle);
+      if (early_abort_order.size() > kMaxEarlyAborts) {
+        early_aborts.erase(early_abort_order.front());
+        early_abort_order.pop_front();
+      }
+    }
+    return;
+  }
+  if (r->phase == Phase::kHeld) {
+    // PrefillDone raced with the abort: that rank's PrefillDone failed and was counted; let the
+    // other ranks release too, nobody will complete this transfer.
+    EngineFinishedAll(*r);
+    return;
+  }
+  Finish(*r,
+         Status(ErrorCode::kCancelled, fmt::format("transfer {} aborted by the prefill hold ({})",
+                                                   event.id, core::ToString(event.reason))),
+         503);
+}
+
+void Engine::Impl::ApplyRecv(RecvNote& note) {
+  for (runtime::ReceiveResult& result : note.finished.received) {
+    auto it = by_id.find(result.request);
+    Request* r = it == by_id.end() ? nullptr : Find(it->second);
+    if (r == nullptr || !r->load_started) {
+      spdlog::warn("[{}] receive result for unknown request {}", options.engine_id, result.request);
+      continue;
+    }
+    ++r->results;
+    if (!result.ok && r->recv_ok) {
+      r->recv_ok = false;
+      r->recv_error = result.error;
+    }
+    if (result.quarantined) r->quarantined_ranks.insert(note.rank);
+    if (r->results == options.geometry.tp) OnReceiveDone(*r);
+  }
+  for (auto& [request, blocks] : note.finished.released) {
+    auto it = by_id.find(request);
+    Request* r = it == by_id.end() ? nullptr : Find(it->second);
+    if (r == nullptr) continue;
+    r->quarantined_ranks.erase(note.rank);
+    MaybeRelease(*r);
+  }
+}
+
+void Engine::Impl::OnReceiveDone(Request& r) {
+  for (auto& worker : decode) worker->RequestFinished(r.id);  // stop renewing
+  const std::uint32_t kv_blocks = BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens);
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    stats.transfer_latency.Observe(
+        std::chrono::duration<double>(Clock::now() - r.load_start).count());
+    if (r.recv_ok) stats.received_bytes += std::uint64_t{kv_blocks} * block_len * decode.size();
+  }
+  if (r.answered) {  // aborted while receiving: only the blocks are left to settle
+    MaybeRelease(r);
+    return;
+  }
+  if (!r.recv_ok) {
+    CountFailure("receive");
+    {
+      std::lock_guard<std::mutex> lock(stats_mu);
+      ++stats.receive_failures[std::string(ToString(r.recv_error.code()))];
+    }
+    Finish(r, Status(r.recv_error.code(), "KV transfer failed: " + r.recv_error.message()), 503);
+    return;
+  }
+  // Verify every received block on every rank: the right transfer's bytes at the right heads.
+  std::uint32_t corrupt = 0;
+  for (std::uint32_t i = 0; i < kv_blocks; ++i) {
+    bool good = true;
+    for (std::uint32_t rank = 0; rank < decode.size() && good; ++rank) {
+      good = VerifyBlock(decode[rank]->kv() + std::uint64_t{r.blocks[i]} * block_len,
+                         options.geometry, rank, r.seed, i);
+    }
+    if (!good) ++corrupt;
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    stats.verified_blocks += kv_blocks;
+    stats.corrupt_blocks += corrupt;
+  }
+  if (corrupt > 0) {
+    CountFailure("verify");
+    spdlog::error("[{}] request {} (transfer {}): {} of {} received blocks corrupt",
+                  options.engine_id, r.id, r.spec.transfer_id, corrupt, kv_blocks);
+    Finish(r,
+           Status(ErrorCode::kInternal,
+                  fmt::format("received KV is corrupt: {} of {} blocks", corrupt, kv_blocks)),
+           500);
+    return;
+  }
+  r.phase = Phase::kKvReady;
+  ready.push_back(r.handle);
+}
+
+void Engine::Impl::Schedule() {
+  const EngineCosts& c = options.costs;
+  // Received requests first: their blocks are already allocated.
+  while (!ready.empty() && running.size() < c.max_running) {
+    Request* r = Find(ready.front());
+    ready.pop_front();
+    if (r == nullptr || r->phase != Phase::kKvReady) continue;
+    r->phase = Phase::kDecode;
+    running.push_back(r->handle);
+  }
+  // FCFS with head-of-line blocking, like vLLM's scheduler without preemption.
+  while (!waiting.empty() && running.size() < c.max_running) {
+    Request* r = Find(waiting.front());
+    if (r == nullptr || r->phase != Phase::kWaiting) {
+      waiting.pop_front();
+      continue;
+    }
+    const std::uint32_t bt = options.geometry.block_tokens;
+    const std::uint64_t tokens = r->spec.kind == RequestKind::kRemoteDecode
+                                     ? r->spec.prompt_tokens
+                                     : std::uint64_t{r->spec.prompt_tokens} + r->spec.max_tokens;
+    auto blocks = pool->Allocate(BlocksFor(tokens, bt), r->id);
+    if (!blocks) break;
+    waiting.pop_front();
+    r->blocks = std::move(*blocks);
+    {
+      std::lock_guard<std::mutex> lock(stats_mu);
+      stats.queue_time.Observe(std::chrono::duration<double>(Clock::now() - r->load_start).count());
+    }
+    if (r->spec.kind == RequestKind::kRemotePrefill) {
+      r->phase = Phase::kWaitingKv;
+      r->load_started = true;
+      r->load_start = Clock::now();
+      const std::uint32_t kv_blocks = BlocksFor(r->spec.prompt_tokens, bt);
+      std::vector<BlockId> dst(r->blocks.begin(), r->blocks.begin() + kv_blocks);
+      runtime::RemoteSource source{r->spec.transfer_id, r->spec.remote_engine_id,
+                                   r->spec.remote_bootstrap_addr};
+      for (auto& worker : decode) {
+        Status started = worker->StartLoad(r->id, source, dst);
+        if (!started.ok()) {
+          // Nothing started on that rank (its result will never come): count it as failed.
+          ++r->results;
+          if (r->recv_ok) {
+            r->recv_ok = false;
+            r->recv_error = started;
+          }
+        }
+      }
+      if (r->results == options.geometry.tp) OnReceiveDone(*r);
+    } else {
+      r->phase = Phase::kPrefill;
+      running.push_back(r->handle);
+    }
+  }
+}
+
+void Engine::Impl::RunStep() {
+  if (running.empty()) return;
+  const EngineCosts& c = options.costs;
+  std::uint32_t budget = c.max_batch_tokens;
+  std::vector<std::uint64_t> decodes;
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> chunks;
+  std::uint64_t prefill_tokens = 0;
+  for (std::uint64_t h : running) {
+    Request* r = Find(h);
+    if (r != nullptr && r->phase == Phase::kDecode && budget > 0) {
+      decodes.push_back(h);
+      --budget;
+    }
+  }
+  for (std::uint64_t h : running) {
+    Request* r = Find(h);
+    if (r == nullptr || r->phase != Phase::kPrefill || budget == 0) continue;
+    const std::uint32_t chunk = std::min(r->spec.prompt_tokens - r->prefilled, budget);
+    chunks.emplace_back(h, chunk);
+    budget -= chunk;
+    prefill_tokens += chunk;
+  }
+  std::uint64_t cost_us = 0;
+  if (!chunks.empty()) cost_us += c.prefill_us_per_batch + c.prefill_us_per_token * prefill_tokens;
+  if (!decodes.empty()) cost_us += c.decode_us_per_step;
+  {
+    // The model "runs": sleep the step's cost, waking only for shutdown.
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_until(lock, Clock::now() + std::chrono::microseconds(cost_us),
+                  [&] { return stopping; });
+    if (stopping) return;  // the step is lost; FailAll answers everyone
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    ++stats.steps;
+  }
+  for (auto [h, chunk] : chunks) {
+    Request* r = Find(h);
+    if (r == nullptr || r->phase != Phase::kPrefill) continue;
+    r->prefilled += chunk;
+    if (r->prefilled == r->spec.prompt_tokens) FinishPrefill(*r);
+  }
+  for (std::uint64_t h : decodes) {
+    Request* r = Find(h);
+    if (r == nullptr || r->phase != Phase::kDecode) continue;
+    const bool last = r->generated + 1 >= r->spec.max_tokens;
+    r->stream->Push({StreamEvent::Kind::kToken,
+                     TokenAt(r->seed, r->spec.prompt_tokens + r->generated),
+                     0,
+                     {},
+                     last ? "length" : ""});
+    ++r->generated;
+    if (r->generated >= r->spec.max_tokens) Finish(*r, Status::Ok(), 200);
+  }
+  std::lock_guard<std::mutex> lock(stats_mu);
+  stats.tokens_generated += decodes.size();
+}
+
+void Engine::Impl::FinishPrefill(Request& r) {
+  // The KV of the prompt, as every rank holds it.
+  const std::uint32_t kv_blocks = BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens);
+  for (std::uint32_t rank = 0; rank < options.geometry.tp; ++rank) {
+    std::byte* kv = options.role == Role::kPrefill ? prefill[rank]->kv() : decode[rank]->kv();
+    for (std::uint32_t i = 0; i < kv_blocks; ++i) {
+      FillBlock(kv + std::uint64_t{r.blocks[i]} * block_len, options.geometry, rank, r.seed, i);
+    }
+  }
+  // The prefill step yields the first token.
+  const bool last = r.spec.kind == RequestKind::kRemoteDecode || r.spec.max_tokens == 1;
+  r.stream->Push({StreamEvent::Kind::kToken,
+                  TokenAt(r.seed, r.spec.prompt_tokens),
+                  0,
+                  {},
+                  last ? "length" : ""});
+  r.generated = 1;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    ++stats.tokens_generated;
+  }
+  if (r.spec.kind == RequestKind::kRemoteDecode) {
+    HandOver(r);
+    return;
+  }
+  if (r.generated >= r.spec.max_tokens) {
+    Finish(r, Status::Ok(), 200);
+  } else {
+    r.phase = Phase::kDecode;
+  }
+}
+
+void Engine::Impl::HandOver(Request& r) {
+  running.erase(std::find(running.begin(), running.end(), r.handle));
+  {
+    std::lock_guard<std::mutex> lock(source_mu);
+    source_blocks[r.handle] = r.blocks;
+  }
+  r.phase = Phase::kHeld;
+  r.holds_outstanding = static_cast<std::uint32_t>(prefill.size());
+  std::vector<std::future<Status>> done;
+  for (auto& worker : prefill) {
+    done.push_back(worker->PrefillDone(
+        r.spec.transfer_id, static_cast<std::uint32_t>(
+                                BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens))));
+  }
+  Status first;
+  for (auto& f : done) {
+    if (f.wait_for(kListenerAckTimeout) != std::future_status::ready) {
+      // Unknown outcome: keep the blocks (a leak is visible in metrics; a reuse would corrupt).
+      first = Status(ErrorCode::kTimeout, "hold table did not acknowledge PrefillDone");
+      continue;
+    }
+    Status s = f.get();
+    if (!s.ok()) {
+      // This rank's hold will never free the blocks (kTombstoned / kNotFound): count it out.
+      --r.holds_outstanding;
+      if (first.ok()) first = s;
+    }
+  }
+  r.answered = true;
+  if (!first.ok()) {
+    CountFailure("prefill_done");
+    r.stream->Push({StreamEvent::Kind::kError,
+                    0,
+                    503,
+                    fmt::format("transfer {}: {}", r.spec.transfer_id, StatusReason(first)),
+                    {}});
+    EngineFinishedAll(r);
+  } else {
+    r.stream->Push({StreamEvent::Kind::kFinished, 0, 0, {}, "length"});
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    ++stats.requests_finished[first.ok() ? "ok" : "error"];
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    --queued;
+  }
+  if (r.holds_outstanding == 0) {
+    FreeBlocks(r);
+    Erase(r.handle);
+  }
+}
+
+void Engine::Impl::Finish(Request& r, const Status& error, int http_status) {
+  if (!r.answered) {
+    r.answered = true;
+    if (error.ok()) {
+      r.stream->Push({StreamEvent::Kind::kFinished, 0, 0, {}, "length"});
+    } else {
+      r.stream->Push({StreamEvent::Kind::kError, 0, http_status, StatusReason(error), {}});
+    }
+    {
+      std::lock_guard<std::mutex> lock(stats_mu);
+      if (http_status != 499) ++stats.requests_finished[error.ok() ? "ok" : "error"];
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    --queued;
+  }
+  auto drop = [](auto& list, std::uint64_t h) {
+    auto it = std::find(list.begin(), list.end(), h);
+    if (it != list.end()) list.erase(it);
+  };
+  drop(running, r.handle);
+  drop(ready, r.handle);
+  drop(waiting, r.handle);
+  if (r.spec.kind == RequestKind::kRemoteDecode && r.phase != Phase::kHeld) {
+    // Before PrefillDone the engine owns the blocks; the hold entries just go.
+    EngineFinishedAll(r);
+  }
+  if (r.spec.kind == RequestKind::kRemotePrefill) {
+    for (auto& worker : decode) worker->RequestFinished(r.id);
+  }
+  if (r.phase == Phase::kHeld) return;  // the hold tables own the blocks
+  r.phase = Phase::kDraining;
+  MaybeRelease(r);
+}
+
+void Engine::Impl::MaybeRelease(Request& r) {
+  if (r.phase != Phase::kDraining) return;
+  // D: not before every rank's receive settled and no peer may still write (quarantine).
+  if (r.load_started && (r.results < options.geometry.tp || !r.quarantined_ranks.empty())) {
+    return;
+  }
+  FreeBlocks(r);
+  Erase(r.handle);
+}
+
+void Engine::Impl::FreeBlocks(Request& r) {
+  if (r.blocks.empty()) return;
+  pool->Free(r.blocks, r.id);
+  r.blocks.clear();
+  std::lock_guard<std::mutex> lock(source_mu);
+  source_blocks.erase(r.handle);
+}
+
+void Engine::Impl::EngineFinishedAll(const Request& r) {
+  std::vector<std::future<Status>> acks;
+  for (auto& worker : prefill) acks.push_back(worker->EngineFinished(r.spec.transfer_id));
+  for (auto& f : acks) (void)f.wait_for(kListenerAckTimeout);
+}
+
+void Engine::Impl::Erase(std::uint64_t handle) {
+  auto it = requests.find(handle);
+  if (it == requests.end()) return;
+  by_id.erase(it->second->id);
+  requests.erase(it);
+}
+
+void Engine::Impl::Publish() {
+  Stats gauges;
+  gauges.blocks_used = pool->used();
+  gauges.waiting = waiting.size();
+  gauges.running = running.size();
+  for (const auto& [h, r] : requests) {
+    if (r->phase == Phase::kWaitingKv) ++gauges.waiting_kv;
+    if (r->spec.kind == RequestKind::kRemoteDecode) {
+      if (r->phase == Phase::kPrefill) gauges.held_blocks[1] += r->blocks.size();
+      if (r->phase == Phase::kHeld) gauges.held_blocks[2] += r->blocks.size();
+    }
+    if (r->phase == Phase::kDraining && r->load_started) {
+      gauges.quarantined_blocks += r->blocks.size();
+    }
+  }
+  std::lock_guard<std::mutex> lock(stats_mu);
+  stats.blocks_used = gauges.blocks_used;
+  stats.waiting = gauges.waiting;
+  stats.running = gauges.running;
+  stats.waiting_kv = gauges.waiting_kv;
+  std::copy(std::begin(gauges.held_blocks), std::end(gauges.held_blocks), stats.held_blocks);
+  stats.quarantined_blocks = gauges.quarantined_blocks;
+  stats.double_frees = pool->double_frees();
+}
+
+void Engine::Impl::FailAll() {
+  std::vector<std::uint64_t> handles;
+  for (const auto& [h, r] : requests) handles.push_back(h);
+  for (std::uint64_t h : handles) {
+    Request* r = Find(h);
+    if (r != nullptr && !r->answered) {
+      Finish(*r, Status(ErrorCode::kUnavailable, "the server is shutting down"), 503);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics
+
+std::string Engine::RenderMetrics() {
+  Impl& impl = *impl_;
+  const EngineOptions& o = options_;
+  Stats s;
+  {
+    std::lock_guard<std::mutex> lock(impl.stats_mu);
+    s = impl.stats;
+  }
+  const std::string role = ToString(o.role);
+  PromWriter w;
+  w.Family("kvferry_kv_blocks_total", "gauge", "KV blocks in the pool (per rank region)");
+  w.Sample("kvferry_kv_blocks_total", o.num_blocks);
+  w.Family("kvferry_kv_blocks_used", "gauge", "KV blocks allocated");
+  w.Sample("kvferry_kv_blocks_used", static_cast<double>(s.blocks_used));
+  w.Family("kvferry_kv_usage_ratio", "gauge", "kvferry_kv_blocks_used / kvferry_kv_blocks_total");
+  w.Sample("kvferry_kv_usage_ratio", static_cast<double>(s.blocks_used) / o.num_blocks);
+  w.Family("kvferry_requests_waiting", "gauge", "Requests queued for blocks");
+  w.Sample("kvferry_requests_waiting", static_cast<double>(s.waiting));
+  w.Family("kvferry_requests_running", "gauge", "Requests prefilling or decoding");
+  w.Sample("kvferry_requests_running", static_cast<double>(s.running));
+  w.Family("kvferry_requests_waiting_for_kv", "gauge", "D: requests with blocks, receiving KV");
+  w.Sample("kvferry_requests_waiting_for_kv", static_cast<double>(s.waiting_kv));
+  w.Family("kvferry_requests_finished_total", "counter", "Requests answered, by outcome");
+  for (const char* outcome : {"ok", "error", "client_abort"}) {
+    auto it = s.requests_finished.find(outcome);
+    w.Sample("kvferry_requests_finished_total",
+             it == s.requests_finished.end() ? 0.0 : static_cast<double>(it->second),
+             {{"outcome", outcome}});
+  }
+  w.Family("kvferry_tokens_generated_total", "counter", "Tokens produced");
+  w.Sample("kvferry_tokens_generated_total", static_cast<double>(s.tokens_generated));
+  w.Family("kvferry_engine_steps_total", "counter", "Scheduler steps run");
+  w.Sample("kvferry_engine_steps_total", static_cast<double>(s.steps));
+  w.Family("kvferry_queue_time_seconds", "histogram", "Arrival to block admission");
+  w.Histo("kvferry_queue_time_seconds", s.queue_time);
+  w.Family("kvferry_failures_total", "counter", "Failures by stage");
+  for (const auto& [stage, n] : s.failures) {
+    w.Sample("kvferry_failures_total", static_cast<double>(n), {{"stage", stage}});
+  }
+  w.Family("kvferry_block_double_frees_total", "counter", "Frees of a free block (a bug)");
+  w.Sample("kvferry_block_double_frees_total", static_cast<double>(s.double_frees));
+
+  if (o.role == Role::kPrefill) {
+    std::uint64_t entries[3] = {0, 0, 0};
+    std::uint64_t released[6] = {};
+    std::uint64_t renew_acc = 0, renew_rej = 0, renew_ext = 0, renew_unknown = 0, late = 0,
+                  hits = 0, tombstones = 0, pulls = 0, pull_errors = 0, writes_failed = 0,
+                  writes_started = 0, malformed = 0, mismatches = 0, bytes = 0, in_flight = 0;
+    for (auto& worker : impl.prefill) {
+      control::ListenerStats ls = worker->listener().Stats(std::chrono::milliseconds(200));
+      for (int i = 0; i < 3; ++i) entries[i] += ls.hold.entries[i];
+      for (int i = 0; i < 6; ++i) released[i] += ls.hold.released[i];
+      renew_acc += ls.renewals_accepted;
+      renew_rej += ls.renewals_rejected;
+      renew_ext += ls.hold.renewals_extended;
+      renew_unknown += ls.hold.renewals_unknown;
+      late += ls.late_pulls_rejected;
+      hits += ls.hold.tombstone_hits;
+      tombstones += ls.hold.tombstones;
+      pulls += ls.pulls_received;
+      pull_errors += ls.pull_errors;
+      writes_failed += ls.writes_failed;
+      writes_started += ls.writes_started;
+      malformed += ls.messages_malformed;
+      mismatches += ls.lease_mismatches;
+      in_flight += ls.writes_in_flight;
+      bytes += worker->writer().bytes_written();
+    }
+    const char* states[3] = {"placeholder", "prefilling", "ready"};
+    const std::uint64_t rank_bytes = impl.block_len * o.geometry.tp;
+    w.Family("kvferry_hold_entries", "gauge", "P hold-table entries by state (all ranks)");
+    for (int i = 0; i < 3; ++i) {
+      w.Sample("kvferry_hold_entries", static_cast<double>(entries[i]), {{"state", states[i]}});
+    }
+    w.Family("kvferry_held_blocks", "gauge", "P blocks of transfers by hold state");
+    for (int i = 0; i < 3; ++i) {
+      w.Sample("kvferry_held_blocks", static_cast<double>(s.held_blocks[i]),
+               {{"state", states[i]}});
+    }
+    w.Family("kvferry_held_bytes", "gauge", "P KV bytes of transfers by hold state (all ranks)");
+    for (int i = 0; i < 3; ++i) {
+      w.Sample("kvferry_held_bytes", static_cast<double>(s.held_blocks[i] * rank_bytes),
+               {{"state", states[i]}});
+    }
+    w.Family("kvferry_renewals_accepted_total", "counter", "Renewal messages accepted");
+    w.Sample("kvferry_renewals_accepted_total", static_cast<double>(renew_acc));
+    w.Family("kvferry_renewals_rejected_total", "counter", "Renewal messages rejected (no lease)");
+    w.Sample("kvferry_renewals_rejected_total", static_cast<double>(renew_rej));
+    w.Family("kvferry_renewals_extended_total", "counter",
+             "Transfers whose lease a renewal extended");
+    w.Sample("kvferry_renewals_extended_total", static_cast<double>(renew_ext));
+    w.Family("kvferry_renewals_unknown_total", "counter", "Renewed ids this P does not hold");
+    w.Sample("kvferry_renewals_unknown_total", static_cast<double>(renew_unknown));
+    w.Family("kvferry_hold_released_total", "counter", "Hold entries released, by reason");
+    for (int i = 0; i < 6; ++i) {
+      w.Sample("kvferry_hold_released_total", static_cast<double>(released[i]),
+               {{"reason", core::ToString(static_cast<core::ReleaseReason>(i))}});
+    }
+    w.Family("kvferry_hold_expiries_total", "counter",
+             "Hold entries that timed out (lease/timeout, dead decoder, wait timeout)");
+    w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[1]),
+             {{"reason", "expired"}});
+    w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[2]),
+             {{"reason", "dead_decoder"}});
+    w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[3]),
+             {{"reason", "wait_timeout"}});
+    w.Family("kvferry_late_pulls_rejected_total", "counter",
+             "Pulls failed at once: KV already freed");
+    w.Sample("kvferry_late_pulls_rejected_total", static_cast<double>(late));
+    w.Family("kvferry_tombstone_hits_total", "counter", "Calls that found a tombstone");
+    w.Sample("kvferry_tombstone_hits_total", static_cast<double>(hits));
+    w.Family("kvferry_tombstones", "gauge", "Remembered freed transfer ids");
+    w.Sample("kvferry_tombstones", static_cast<double>(tombstones));
+    w.Family("kvferry_pulls_received_total", "counter", "Pull messages admitted");
+    w.Sample("kvferry_pulls_received_total", static_cast<double>(pulls));
+    w.Family("kvferry_pull_errors_total", "counter", "Pull messages answered with ERROR");
+    w.Sample("kvferry_pull_errors_total", static_cast<double>(pull_errors));
+    w.Family("kvferry_side_channel_malformed_total", "counter", "Malformed side-channel messages");
+    w.Sample("kvferry_side_channel_malformed_total", static_cast<double>(malformed));
+    w.Family("kvferry_lease_mismatches_total", "counter", "Requests failed: P and D lease differ");
+    w.Sample("kvferry_lease_mismatches_total", static_cast<double>(mismatches));
+    w.Family("kvferry_writes_started_total", "counter", "KV WRITE batches started");
+    w.Sample("kvferry_writes_started_total", static_cast<double>(writes_started));
+    w.Family("kvferry_writes_failed_total", "counter", "KV WRITE batches failed");
+    w.Sample("kvferry_writes_failed_total", static_cast<double>(writes_failed));
+    w.Family("kvferry_writes_in_flight", "gauge", "KV writes queued or running");
+    w.Sample("kvferry_writes_in_flight", static_cast<double>(in_flight));
+    w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");
+    w.Sample("kvferry_transfer_bytes_total", static_cast<double>(bytes), {{"direction", "sent"}});
+    w.Family("kvferry_write_latency_seconds", "histogram", "P: one KV WRITE batch, start to end");
+    w.Histo("kvferry_write_latency_seconds", s.write_latency);
+  } else {
+    runtime::DecodeWorkerStats d;
+    for (auto& worker : impl.decode) {
+      runtime::DecodeWorkerStats x = worker->Stats();
+      d.pulls_sent += x.pulls_sent;
+      d.pull_timeouts += x.pull_timeouts;
+      d.receives_ok += x.receives_ok;
+      d.receives_failed += x.receives_failed;
+      d.renewal_messages += x.renewal_messages;
+      d.renewals_accepted += x.renewals_accepted;
+      d.renewals_rejected += x.renewals_rejected;
+      d.renewal_failures += x.renewal_failures;
+      d.quarantined_blocks += x.quarantined_blocks;
+      d.tracked += x.tracked;
+    }
+    w.Family("kvferry_pulls_sent_total", "counter", "Pull messages sent (per P peer)");
+    w.Sample("kvferry_pulls_sent_total", static_cast<double>(d.pulls_sent));
+    w.Family("kvferry_pull_timeouts_total", "counter", "Pulls that timed out or broke");
+    w.Sample("kvferry_pull_timeouts_total", static_cast<double>(d.pull_timeouts));
+    w.Family("kvferry_receives_total", "counter", "Per-rank receives settled, by outcome");
+    w.Sample("kvferry_receives_total", static_cast<double>(d.receives_ok), {{"outcome", "ok"}});
+    w.Sample("kvferry_receives_total", static_cast<double>(d.receives_failed),
+             {{"outcome", "failed"}});
+    w.Family("kvferry_renewals_sent_total", "counter", "Renewal messages sent");
+    w.Sample("kvferry_renewals_sent_total", static_cast<double>(d.renewal_messages));
+    w.Family("kvferry_renewals_accepted_total", "counter", "Renewal messages accepted by P");
+    w.Sample("kvferry_renewals_accepted_total", static_cast<double>(d.renewals_accepted));
+    w.Family("kvferry_renewals_rejected_total", "counter", "Renewal messages rejected by P");
+    w.Sample("kvferry_renewals_rejected_total", static_cast<double>(d.renewals_rejected));
+    w.Family("kvferry_renewal_failures_total", "counter", "Renewals that got no reply");
+    w.Sample("kvferry_renewal_failures_total", static_cast<double>(d.renewal_failures));
+    w.Family("kvferry_renewal_tracked", "gauge", "Requests D renews (all ranks)");
+    w.Sample("kvferry_renewal_tracked", static_cast<double>(d.tracked));
+    w.Family("kvferry_quarantined_blocks", "gauge",
+             "D blocks whose writer state is unknown (ledger view, all ranks)");
+    w.Sample("kvferry_quarantined_blocks", static_cast<double>(d.quarantined_blocks));
+    w.Family("kvferry_blocks_awaiting_release", "gauge",
+             "D blocks of finished requests not yet back in the pool");
+    w.Sample("kvferry_blocks_awaiting_release", static_cast<double>(s.quarantined_blocks));
+    w.Family("kvferry_receive_failures_total", "counter",
+             "D: requests whose receive failed, by the first error's code");
+    for (const auto& [code, n] : s.receive_failures) {
+      w.Sample("kvferry_receive_failures_total", static_cast<double>(n), {{"code", code}});
+    }
+    w.Family("kvferry_corrupt_blocks_total", "counter", "Received blocks whose bytes were wrong");
+    w.Sample("kvferry_corrupt_blocks_total", static_cast<double>(s.corrupt_blocks));
+    w.Family("kvferry_verified_blocks_total", "counter", "Received blocks verified");
+    w.Sample("kvferry_verified_blocks_total", static_cast<double>(s.verified_blocks));
+    w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");
+    w.Sample("kvferry_transfer_bytes_total", static_cast<double>(s.received_bytes),
+             {{"direction", "received"}});
+    w.Family("kvferry_transfer_latency_seconds", "histogram",
+             "D: StartLoad to every rank's receive settled");
+    w.Histo("kvferry_transfer_latency_seconds", s.transfer_latency);
+  }
+  return w.Take();
+}
+
+}  // namespace kvferry::harness

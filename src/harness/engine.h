@@ -1,0 +1,163 @@
+// Engine: the synthetic model behind `kvferry serve` (SPEC §6). One per process; its TP ranks are
+// threads of that process, each a runtime::PrefillWorker (P) or runtime::DecodeWorker (D) with
+// its own UCX engine and KV region, all driven by one continuous-batching scheduler.
+//
+// The model: a request's cost is --prefill-us-per-token · prompt tokens (+ a per-batch cost) to
+// prefill and --decode-us-per-step per step to decode; one step runs every running request's
+// next decode token plus prefill chunks up to --max-batch-tokens. Its KV lives in a fixed-size
+// block pool (BlockPool) and its bytes are kv_pattern.h's function of the transfer id, so D
+// verifies every block it receives.
+//
+// Requests by kind:
+//   local           (no kv_transfer_params; the probe): admitted when prompt+max_tokens blocks
+//                   are free, prefilled, decoded on this instance, blocks freed.
+//   remote decode   (P, do_remote_decode): Admit'ed with every rank's hold table at arrival,
+//                   prefilled into prompt blocks, answered with its one token; PrefillDone then
+//                   hands the blocks to the hold tables, and they return to the pool when every
+//                   rank said kFreeBlocks. kAbortPrefill (dead decoder) fails the request.
+//   remote prefill  (D, do_remote_prefill): OnNewRequest at arrival (renewals start while it
+//                   queues); admitted when prompt+max_tokens blocks are free; StartLoad on every
+//                   rank; once every rank reported the receive, verified and decoded. A failed
+//                   receive fails the request (kv_load_failure_policy "fail"); its blocks go back
+//                   only when every rank's ledger allows (quarantine).
+//
+// Threads: the engine thread owns the scheduler state and the pool. HTTP threads call Submit and
+// Abort; listener threads deliver hold events and one collector thread per D rank delivers
+// receive results, all through the engine's inbox. Every wait has a deadline.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "harness/kv_pattern.h"
+#include "harness/serve_config.h"
+#include "kvferry/core/hold_table.h"
+#include "kvferry/status.h"
+#include "runtime/prefill_worker.h"
+
+namespace kvferry::harness {
+
+class TraceFile;
+
+struct EngineCosts {
+  std::uint32_t prefill_us_per_token = 2;
+  std::uint32_t prefill_us_per_batch = 1000;
+  std::uint32_t decode_us_per_step = 2000;
+  std::uint32_t max_batch_tokens = 8192;
+  std::uint32_t max_running = 256;
+};
+
+struct EngineOptions {
+  Role role = Role::kPrefill;
+  std::string engine_id;
+  KvGeometry geometry;  // geometry.tp is the instance's TP size
+  std::uint32_t num_blocks = 4096;
+  EngineCosts costs;
+  std::uint32_t max_waiting = 4096;  // queued requests beyond this get 503
+  // P: the hold (lease, abort_request_timeout) and where every rank registers.
+  core::HoldConfig hold;
+  std::string bootstrap_address;  // "host:port"
+  std::string incarnation;
+  // Faults (SPEC §8 C): err_after_write_fraction applies to err_ranks, max_write_delay to
+  // delay_ranks (other ranks write without faults).
+  runtime::WriteFaults faults;
+  std::vector<std::uint32_t> fault_err_ranks;
+  std::vector<std::uint32_t> fault_delay_ranks;
+  std::size_t num_senders = 4;
+  // D: the lease it renews and how long a pull may take before its blocks are quarantined.
+  core::Duration lease{0};
+  std::chrono::milliseconds pull_timeout{120000};
+  std::size_t num_pullers = 8;
+  // Optional JSON-lines trace (block alloc/free on both roles, WRITE start/end on P).
+  std::shared_ptr<TraceFile> trace;
+  // UCX: how ranks name their workers in UCX logs.
+  std::string ucx_name = "kvferry-serve";
+};
+
+enum class RequestKind : std::uint8_t { kLocal, kRemoteDecode, kRemotePrefill };
+
+struct CompletionSpec {
+  RequestKind kind = RequestKind::kLocal;
+  std::uint32_t prompt_tokens = 0;
+  std::uint32_t max_tokens = 1;
+  std::string transfer_id;            // remote kinds
+  std::string remote_engine_id;       // remote prefill
+  std::string remote_bootstrap_addr;  // remote prefill
+};
+
+struct StreamEvent {
+  enum class Kind : std::uint8_t { kToken, kFinished, kError };
+  Kind kind = Kind::kToken;
+  std::uint32_t token = 0;    // kToken
+  int http_status = 0;        // kError: 500 / 503
+  std::string message;        // kError: the reason
+  std::string finish_reason;  // kToken: set on the last token ("length"); kFinished: the same
+};
+
+// The engine → one HTTP handler: the request's tokens (the last one carries finish_reason), then
+// exactly one kFinished or kError.
+class RequestStream {
+ public:
+  explicit RequestStream(std::uint64_t handle) : handle_(handle) {}
+  std::uint64_t handle() const { return handle_; }
+
+  // Engine side. Events after the terminal one are dropped.
+  void Push(StreamEvent event);
+  // Handler side: every event available by `deadline` (empty if none came).
+  std::vector<StreamEvent> Wait(std::chrono::steady_clock::time_point deadline);
+
+ private:
+  const std::uint64_t handle_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<StreamEvent> events_;
+  bool closed_ = false;
+};
+
+class Engine {
+ public:
+  // Starts every rank (UCX engine, KV region, worker) and the engine thread. P ranks register
+  // with the bootstrap service at options.bootstrap_address, which must already serve.
+  [[nodiscard]] static Result<std::unique_ptr<Engine>> Start(EngineOptions options);
+  // Shutdown()s.
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a request. Errors: kInvalidArgument (does not fit this instance, wrong kind for the
+  // role), kAlreadyExists (the transfer is already held here), kTombstoned (P freed that transfer
+  // earlier: nobody will pull it), kResourceExhausted (queue full), kUnavailable (shutting down).
+  [[nodiscard]] Result<std::shared_ptr<RequestStream>> Submit(const CompletionSpec& spec);
+  // The client went away: finish the request early (its blocks follow the normal rules).
+  void Abort(std::uint64_t handle);
+
+  // Prometheus text for /metrics.
+  std::string RenderMetrics();
+
+  // Fails every request still open with 503, stops the engine thread, then the ranks (P drains
+  // in-flight writes before its memory goes). Idempotent.
+  void Shutdown();
+
+  const EngineOptions& options() const { return options_; }
+
+ private:
+  struct Impl;
+  explicit Engine(EngineOptions options);
+  EngineOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Blocks a request of `tokens` tokens occupies.
+inline std::uint32_t BlocksFor(std::uint64_t tokens, std::uint32_t block_tokens) {
+  return static_cast<std::uint32_t>((tokens + block_tokens - 1) / block_tokens);
+}
+
+}  // namespace kvferry::harness

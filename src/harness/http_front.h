@@ -1,0 +1,68 @@
+// HttpFront: the OpenAI-style HTTP face of `kvferry serve` (cpp-httplib, pimpl'd).
+//
+//   POST /v1/completions  {model, prompt: [token ids] | "text", max_tokens, stream, ignore_eos,
+//                          kv_transfer_params} → a completion JSON, or SSE chunks (one token
+//                          per chunk, the last with finish_reason, a usage chunk with no choices,
+//                          then `data: [DONE]`). Bad input → 4xx with {"object":"error",...};
+//                          engine failures → 500/503 before streaming starts, or an in-stream
+//                          `data: {"error": {...}}` followed by `data: [DONE]` after.
+//   GET  /metrics         Prometheus text (Engine::RenderMetrics).
+//   GET  /health          {"status":"ok", role, engine_id, tp, ...}.
+//
+// A streaming response begins at once and writes an SSE comment every second while it waits, so
+// a client that went away is noticed (and its request aborted) even while it is still queued.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "harness/engine.h"
+#include "kvferry/status.h"
+
+namespace kvferry::harness {
+
+struct HttpFrontOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;            // 0: any free port (see HttpFront::port)
+  std::size_t threads = 512;  // one per open connection: streaming requests hold theirs
+  std::size_t max_body_bytes = 8 << 20;
+  std::uint32_t max_model_len = 8192;  // prompt + max_tokens
+  std::string served_model = "kvferry-synthetic";
+  std::chrono::seconds request_timeout{3600};  // a request still open then is aborted (504)
+  std::string health_json = "{}";              // extra fields merged into /health (a JSON object)
+};
+
+// A parsed /v1/completions body (exposed for tests).
+struct CompletionRequest {
+  CompletionSpec spec;
+  bool stream = false;
+  std::string model;
+};
+// Errors: kInvalidArgument with a reason fit for the client.
+Result<CompletionRequest> ParseCompletionRequest(std::string_view body, Role role,
+                                                 std::uint32_t max_model_len);
+
+class HttpFront {
+ public:
+  // Binds and serves on background threads; returns once the server accepts connections.
+  [[nodiscard]] static Result<std::unique_ptr<HttpFront>> Start(HttpFrontOptions options,
+                                                                Engine* engine);
+  ~HttpFront();  // Stop()s
+  HttpFront(const HttpFront&) = delete;
+  HttpFront& operator=(const HttpFront&) = delete;
+
+  int port() const;
+  // Stops accepting and joins the server threads. Handlers still waiting on the engine return
+  // once the engine answers them (Engine::Shutdown answers every open request). Idempotent.
+  void Stop();
+
+ private:
+  struct Impl;
+  HttpFront();
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvferry::harness

@@ -1,0 +1,203 @@
+#include "harness/serve.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "control/bootstrap_server.h"
+#include "harness/http_front.h"
+#include "harness/serve_config.h"
+#include "harness/trace_file.h"
+
+namespace kvferry::harness {
+
+namespace {
+
+std::string RandomHex() {
+  std::random_device rd;
+  return fmt::format("{:08x}{:08x}", rd(), rd());
+}
+
+// Writes `content` to `path` atomically (tmp + rename), so a reader never sees half of it.
+Status WriteFileAtomic(const std::string& path, const std::string& content) {
+  const std::string tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "w");
+  if (f == nullptr) return Status(ErrorCode::kUnavailable, fmt::format("cannot write {}", tmp));
+  const bool ok = std::fwrite(content.data(), 1, content.size(), f) == content.size();
+  if (std::fclose(f) != 0 || !ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return Status(ErrorCode::kUnavailable, fmt::format("cannot write {}", path));
+  }
+  return Status::Ok();
+}
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "kvferry serve: %s\n", message.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int RunServe(const ServeOptions& options) {
+  // Before any thread starts: every thread inherits the mask, and only sigwait sees the signals.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // A client that disappears must not kill the server through a write.
+  signal(SIGPIPE, SIG_IGN);
+
+  auto config = ParseKvTransferConfig(options.kv_transfer_config,
+                                      std::getenv("KVFERRY_ABORT_REQUEST_TIMEOUT"));
+  if (!config) return Fail(config.error().ToString());
+  for (const std::string& warning : config->warnings) spdlog::warn("{}", warning);
+  if (config->role && *config->role != options.role) {
+    return Fail(fmt::format("--role {} contradicts kv_role in --kv-transfer-config",
+                            ToString(options.role)));
+  }
+  if (options.kv_heads == 0 || options.kv_bytes_per_token % options.kv_heads != 0 ||
+      options.kv_bytes_per_token == 0) {
+    return Fail(fmt::format("--kv-bytes-per-token {} must be a positive multiple of --kv-heads {}",
+                            options.kv_bytes_per_token, options.kv_heads));
+  }
+  if (options.fault_err_after_write < 0 || options.fault_err_after_write > 1) {
+    return Fail("--fault-err-after-write must be in [0, 1]");
+  }
+  for (const auto* ranks :
+       {&options.fault_ranks, &options.fault_err_ranks, &options.fault_delay_ranks}) {
+    for (std::uint32_t rank : *ranks) {
+      if (rank >= options.tp) {
+        return Fail(fmt::format("fault ranks: {} >= tp {}", rank, options.tp));
+      }
+    }
+  }
+
+  EngineOptions eo;
+  eo.role = options.role;
+  eo.engine_id = !config->engine_id.empty() ? config->engine_id
+                 : options.port != 0 ? fmt::format("{}-{}", ToString(options.role), options.port)
+                                     : fmt::format("{}-{}", ToString(options.role), getpid());
+  eo.geometry.tp = options.tp;
+  eo.geometry.kv_heads = options.kv_heads;
+  eo.geometry.block_tokens = options.block_tokens;
+  eo.geometry.head_bytes_per_token = options.kv_bytes_per_token / options.kv_heads;
+  eo.num_blocks = options.num_blocks;
+  eo.costs = options.costs;
+  eo.max_waiting = options.max_waiting;
+  eo.hold.lease = config->lease;
+  eo.hold.abort_request_timeout = config->abort_request_timeout;
+  eo.lease = config->lease;
+  eo.incarnation = RandomHex();
+  eo.faults.err_after_write_fraction = options.fault_err_after_write;
+  eo.faults.max_write_delay = std::chrono::milliseconds(options.fault_write_delay_ms);
+  eo.faults.seed = options.fault_seed;
+  eo.fault_err_ranks =
+      options.fault_err_ranks.empty() ? options.fault_ranks : options.fault_err_ranks;
+  eo.fault_delay_ranks =
+      options.fault_delay_ranks.empty() ? options.fault_ranks : options.fault_delay_ranks;
+  eo.pull_timeout =
+      std::chrono::milliseconds(static_cast<std::int64_t>(options.pull_timeout_s * 1000));
+  eo.ucx_name = eo.engine_id;
+  if (!options.trace_file.empty()) {
+    auto trace = TraceFile::Open(options.trace_file);
+    if (!trace) return Fail(trace.error().ToString());
+    eo.trace = std::move(*trace);
+  }
+
+  // P: the bootstrap service, embedded (SPEC §1); every rank registers with it.
+  std::unique_ptr<control::BootstrapServer> bootstrap;
+  int bootstrap_port = 0;
+  if (options.role == Role::kPrefill) {
+    control::BootstrapServerOptions bo;
+    bo.log = [](std::string_view line) { spdlog::info("bootstrap: {}", line); };
+    bootstrap = std::make_unique<control::BootstrapServer>(bo);
+    auto port = bootstrap->Start(options.host, config->bootstrap_port);
+    if (!port) return Fail("bootstrap service: " + port.error().ToString());
+    bootstrap_port = *port;
+    eo.bootstrap_address = fmt::format("{}:{}", options.host, bootstrap_port);
+  }
+
+  auto engine = Engine::Start(eo);
+  if (!engine) return Fail("engine: " + engine.error().ToString());
+
+  nlohmann::json info = {
+      {"role", ToString(options.role)},
+      {"engine_id", eo.engine_id},
+      {"tp", options.tp},
+      {"num_blocks", options.num_blocks},
+      {"block_tokens", options.block_tokens},
+      {"kv_lease_duration", core::ToSeconds(config->lease)},
+      {"abort_request_timeout", core::ToSeconds(config->abort_request_timeout)},
+      {"pid", getpid()},
+  };
+  if (options.role == Role::kPrefill) {
+    info["bootstrap_port"] = bootstrap_port;
+    info["bootstrap_addr"] = fmt::format("http://{}:{}", options.host, bootstrap_port);
+  }
+  HttpFrontOptions ho;
+  ho.host = options.host;
+  ho.port = options.port;
+  ho.threads = options.http_threads;
+  ho.max_model_len = options.max_model_len;
+  ho.served_model = options.served_model;
+  ho.request_timeout = std::chrono::seconds(static_cast<std::int64_t>(options.request_timeout_s));
+  ho.health_json = info.dump();
+  auto http = HttpFront::Start(ho, engine->get());
+  if (!http) {
+    (*engine)->Shutdown();
+    return Fail("http: " + http.error().ToString());
+  }
+  info["port"] = (*http)->port();
+  spdlog::info("kvferry serve: {} {} tp {} on http://{}:{}{}", ToString(options.role), eo.engine_id,
+               options.tp, options.host, (*http)->port(),
+               bootstrap ? fmt::format(", bootstrap http://{}:{}", options.host, bootstrap_port)
+                         : std::string());
+  if (!options.ready_file.empty()) {
+    Status written = WriteFileAtomic(options.ready_file, info.dump() + "\n");
+    if (!written.ok()) spdlog::error("{}", written.ToString());
+  }
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  spdlog::info("kvferry serve: signal {}, shutting down", signal_number);
+  // The watchdog bounds the shutdown (see ServeOptions::shutdown_timeout_s).
+  std::mutex watchdog_mu;
+  std::condition_variable watchdog_cv;
+  bool shut_down = false;
+  std::thread watchdog([&] {
+    std::unique_lock<std::mutex> lock(watchdog_mu);
+    const auto deadline =
+        std::chrono::steady_clock::now() +
+        std::chrono::milliseconds(static_cast<std::int64_t>(options.shutdown_timeout_s * 1000));
+    if (!watchdog_cv.wait_until(lock, deadline, [&] { return shut_down; })) {
+      spdlog::warn(
+          "kvferry serve: shutdown still waiting after {} s (pulls in flight); "
+          "exiting without them",
+          options.shutdown_timeout_s);
+      spdlog::default_logger()->flush();
+      std::_Exit(0);
+    }
+  });
+  (*http)->Stop();
+  (*engine)->Shutdown();
+  if (bootstrap) bootstrap->Stop();
+  {
+    std::lock_guard<std::mutex> lock(watchdog_mu);
+    shut_down = true;
+  }
+  watchdog_cv.notify_all();
+  watchdog.join();
+  spdlog::info("kvferry serve: stopped");
+  return 0;
+}
+
+}  // namespace kvferry::harness

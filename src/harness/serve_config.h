@@ -1,0 +1,44 @@
+// The `--kv-transfer-config` JSON of `kvferry serve`, read with vLLM's key names so that the same
+// string works for both (SPEC §2):
+//
+//   {"kv_connector": "...", "kv_role": "kv_producer" | "kv_consumer", "engine_id": "...",
+//    "kv_load_failure_policy": "fail",
+//    "kv_connector_extra_config": {"kv_lease_duration": 30, "abort_request_timeout": 480,
+//                                  "bootstrap_port": 8998}}
+//
+// Unknown keys are accepted and reported as warnings (vLLM's configs carry many keys the harness
+// has no use for); malformed JSON, wrong types and out-of-range values are errors.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvferry/core/time.h"
+#include "kvferry/status.h"
+
+namespace kvferry::harness {
+
+enum class Role { kPrefill, kDecode };
+const char* ToString(Role role);
+// "prefill" / "decode"; kInvalidArgument otherwise.
+Result<Role> ParseRole(std::string_view text);
+
+struct KvTransferConfig {
+  std::optional<Role> role;  // from kv_role, when present
+  std::string engine_id;     // empty: the caller picks a default
+  core::Duration lease{0};   // kv_lease_duration; 0 = off
+  core::Duration abort_request_timeout = std::chrono::seconds(480);
+  int bootstrap_port = 8998;  // P: where its embedded bootstrap service listens (0: any)
+  std::string kv_load_failure_policy = "fail";
+  std::vector<std::string> warnings;  // one line per ignored key
+};
+
+// Parses `json`. `env_abort_timeout` is the value of KVFERRY_ABORT_REQUEST_TIMEOUT (null when
+// unset); it applies only when the JSON has no abort_request_timeout. Errors: kInvalidArgument
+// with the offending key in the message.
+Result<KvTransferConfig> ParseKvTransferConfig(std::string_view json,
+                                               const char* env_abort_timeout);
+
+}  // namespace kvferry::harness

@@ -1,0 +1,384 @@
+// proxy, load and probe against a tiny fake OpenAI server on 127.0.0.1 (OS-chosen ports).
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "client_http.h"
+#include "client_load.h"
+#include "client_probe.h"
+#include "client_proxy.h"
+#include "demo_process.h"
+
+namespace kvferry::harness {
+namespace {
+
+using nlohmann::json;
+
+// A fake completions server: streams `max_tokens` SSE events (or answers JSON), records every
+// request body, and fails or delays requests when told to.
+class FakeServer {
+ public:
+  std::function<int(const json&)> fail_status = [](const json&) { return 0; };
+  std::function<double(const json&, int)> delay_s = [](const json&, int) { return 0.0; };
+
+  FakeServer() {
+    svr_.new_task_queue = [] { return new httplib::ThreadPool(64); };
+    svr_.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      const json body = json::parse(req.body);
+      int n = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        n = static_cast<int>(bodies_.size());
+        bodies_.push_back(body);
+      }
+      const double d = delay_s(body, n);
+      if (d > 0) std::this_thread::sleep_for(std::chrono::duration<double>(d));
+      if (const int st = fail_status(body); st != 0) {
+        res.status = st;
+        res.set_content(
+            json{{"error",
+                  {{"message", "kv transfer failed for xfer-" + std::to_string(1000 + n)},
+                   {"type", "kv_transfer"}}}}
+                .dump(),
+            "application/json");
+        return;
+      }
+      const int tokens = body.value("max_tokens", 1);
+      if (!body.value("stream", false)) {
+        res.set_content(json{{"choices", {{{"text", "x"}, {"index", 0}}}}}.dump(),
+                        "application/json");
+        return;
+      }
+      res.set_chunked_content_provider("text/event-stream", [tokens](std::size_t,
+                                                                     httplib::DataSink& sink) {
+        for (int i = 0; i < tokens; ++i) {
+          const std::string ev =
+              "data: " + json{{"choices", {{{"text", "t" + std::to_string(i)}}}}}.dump() + "\n\n";
+          // Split each event over two writes to exercise the SSE parser.
+          sink.write(ev.data(), 7);
+          sink.write(ev.data() + 7, ev.size() - 7);
+        }
+        sink.write("data: [DONE]\n\n", 14);
+        sink.done();
+        return true;
+      });
+    });
+    svr_.Get("/metrics", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content(
+          "# HELP kvferry_kv_blocks_total x\nkvferry_kv_blocks_total 100\n"
+          "kvferry_kv_blocks_used{rank=\"0\"} 30\nkvferry_kv_blocks_used{rank=\"1\"} 12\n",
+          "text/plain");
+    });
+    port_ = svr_.bind_to_any_port("127.0.0.1");
+    RaiseListenBacklog(port_);
+    thread_ = std::thread([this] { svr_.listen_after_bind(); });
+    WaitFor([this] { return svr_.is_running(); }, 5);
+  }
+  ~FakeServer() {
+    svr_.stop();
+    thread_.join();
+  }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  std::vector<json> bodies() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bodies_;
+  }
+
+ private:
+  httplib::Server svr_;
+  int port_ = 0;
+  std::thread thread_;
+  std::mutex mu_;
+  std::vector<json> bodies_;
+};
+
+TEST(ClientHttp, ParseUrl) {
+  auto hp = ParseUrl("http://127.0.0.1:8000");
+  ASSERT_TRUE(hp);
+  EXPECT_EQ(hp->host, "127.0.0.1");
+  EXPECT_EQ(hp->port, 8000);
+  EXPECT_TRUE(ParseUrl("127.0.0.1:80/"));
+  EXPECT_FALSE(ParseUrl("http://127.0.0.1"));
+  EXPECT_FALSE(ParseUrl("http://127.0.0.1:99999"));
+  EXPECT_FALSE(ParseUrl("http://127.0.0.1:80/v1"));
+}
+
+TEST(ClientHttp, SseParserHandlesSplitsAndCrLf) {
+  std::vector<std::string> got;
+  SseParser p([&](const std::string& d) { got.push_back(d); });
+  const std::string s = "data: {\"a\":1}\r\n\r\nevent: x\ndata:[DONE]\n\n";
+  for (char c : s) p.Feed(&c, 1);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0], "{\"a\":1}");
+  EXPECT_EQ(got[1], "[DONE]");
+}
+
+TEST(ClientHttp, NormalizeReasonGroupsIds) {
+  EXPECT_EQ(NormalizeReason("transfer xfer-3f2a9c1e-1b2c-4d5e-8f90-123456789abc failed after 20 s"),
+            NormalizeReason("transfer xfer-00000000-1111-4222-8333-444444444444 failed after 3 s"));
+  EXPECT_EQ(NormalizeReason("HTTP 500: TOMBSTONED"), "HTTP N: TOMBSTONED");
+}
+
+TEST(ClientHttp, PrometheusSumsSeriesAndPercentiles) {
+  const auto m = ParsePrometheus("# x\na 1\nb{r=\"0\"} 2.5\nb{r=\"1\"} 1.5\nbad{ 3\nc NaN\n");
+  EXPECT_EQ(m.at("a"), 1);
+  EXPECT_EQ(m.at("b"), 4);
+  EXPECT_EQ(Percentile({3, 1, 2, 4}, 50), 2);
+  EXPECT_EQ(Percentile({3, 1, 2, 4}, 100), 4);
+  EXPECT_EQ(Percentile({}, 50), -1);
+  EXPECT_NE(RandomUuid(), RandomUuid());
+  EXPECT_EQ(RandomUuid().size(), 36u);
+}
+
+TEST(Proxy, SendsPrefillAndDecodeCopiesAndStreamsDecode) {
+  FakeServer p, d;
+  ProxyOptions o;
+  o.prefills = {{p.url(), "127.0.0.1:8998", "engine-p0"}};
+  o.decodes = {d.url()};
+  Proxy proxy(o);
+  std::string err;
+  ASSERT_TRUE(proxy.Start(&err)) << err;
+  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  ASSERT_TRUE(WaitFor([&] { return HttpGet(url, "/health", 1).has_value(); }, 5));
+
+  const CompletionOutcome r =
+      PostCompletion({url, CompletionBody({1, 2, 3}, 5, true, true), true, 10, nullptr});
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.tokens, 5);
+  EXPECT_TRUE(r.saw_done);
+  EXPECT_GE(r.ttft_s, 0);
+
+  ASSERT_TRUE(WaitFor([&] { return p.bodies().size() == 1; }, 5));
+  const json pb = p.bodies()[0];
+  const json db = d.bodies().at(0);
+  EXPECT_EQ(pb["max_tokens"], 1);
+  EXPECT_EQ(pb["stream"], false);
+  EXPECT_EQ(pb["prompt"], json({1, 2, 3}));
+  EXPECT_EQ(pb["kv_transfer_params"]["do_remote_decode"], true);
+  EXPECT_EQ(pb["kv_transfer_params"]["do_remote_prefill"], false);
+  const std::string tid = pb["kv_transfer_params"]["transfer_id"];
+  EXPECT_EQ(tid.rfind("xfer-", 0), 0u);
+  EXPECT_EQ(tid.size(), 5u + 36u);
+  EXPECT_EQ(db["max_tokens"], 5);
+  EXPECT_EQ(db["stream"], true);
+  EXPECT_EQ(db["kv_transfer_params"]["transfer_id"], tid);
+  EXPECT_EQ(db["kv_transfer_params"]["do_remote_prefill"], true);
+  EXPECT_EQ(db["kv_transfer_params"]["do_remote_decode"], false);
+  EXPECT_EQ(db["kv_transfer_params"]["remote_engine_id"], "engine-p0");
+  EXPECT_EQ(db["kv_transfer_params"]["remote_bootstrap_addr"], "http://127.0.0.1:8998");
+  proxy.Stop();
+  EXPECT_EQ(proxy.stats().requests, 1u);
+}
+
+TEST(Proxy, SendsDecodeAtOnceEvenWhilePrefillIsSlow) {
+  FakeServer p, d;
+  p.delay_s = [](const json&, int) { return 1.5; };
+  ProxyOptions o;
+  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
+  o.decodes = {d.url()};
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  const CompletionOutcome r =
+      PostCompletion({url, CompletionBody({1}, 2, true, true), true, 10, nullptr});
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_LT(r.latency_s, 1.0);  // D's answer did not wait for P's
+  proxy.Stop();                 // cancels P's background request; joins promptly
+}
+
+TEST(Proxy, ForwardsDecodeErrorsAndRoundRobins) {
+  FakeServer p, d0, d1;
+  d1.fail_status = [](const json&) { return 503; };
+  ProxyOptions o;
+  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
+  o.decodes = {d0.url(), d1.url()};
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  int ok = 0, failed = 0;
+  for (int i = 0; i < 4; ++i) {
+    const auto r = PostCompletion({url, CompletionBody({1}, 2, true, true), true, 10, nullptr});
+    if (r.ok) {
+      ++ok;
+    } else {
+      ++failed;
+      EXPECT_EQ(r.http_status, 503);
+      EXPECT_NE(r.error.find("kv transfer failed"), std::string::npos) << r.error;
+    }
+  }
+  EXPECT_EQ(ok, 2);
+  EXPECT_EQ(failed, 2);
+  EXPECT_EQ(d0.bodies().size(), 2u);
+  EXPECT_EQ(d1.bodies().size(), 2u);
+  // A dead decode instance: a 502 with a reason, not a hang.
+  ProxyOptions dead = o;
+  dead.decodes = {"http://127.0.0.1:" + std::to_string(FreePort())};
+  Proxy proxy2(dead);
+  ASSERT_TRUE(proxy2.Start(nullptr));
+  const auto r = PostCompletion({"http://127.0.0.1:" + std::to_string(proxy2.port()),
+                                 CompletionBody({1}, 2, true, true), true, 10, nullptr});
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.http_status, 502);
+}
+
+TEST(Proxy, BurstOfConnectionsDoesNotStall) {
+  // 64 connects at once: with httplib's backlog of 5 some would sit in SYN retransmission
+  // (1 s, 3 s, ...); the proxy raises its backlog, as does this fake server.
+  FakeServer p, d;
+  ProxyOptions o;
+  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
+  o.decodes = {d.url()};
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  EXPECT_TRUE(RaiseListenBacklog(proxy.port()));
+  EXPECT_FALSE(RaiseListenBacklog(FreePort()));
+  LoadOptions lo;
+  lo.url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  lo.requests = 64;
+  lo.prompt_tokens = 4;
+  lo.max_tokens = 2;
+  lo.timeout_s = 20;
+  lo.progress_every_s = 0;
+  const LoadResult r = RunLoad(lo);
+  EXPECT_EQ(r.summary.succeeded, 64);
+  EXPECT_LT(r.summary.latency_max, 0.9) << "a connect waited for a SYN retransmission";
+}
+
+TEST(Load, CountsSuccessesAndFailureReasons) {
+  FakeServer s;
+  std::atomic<int> n{0};
+  s.fail_status = [&](const json&) { return n.fetch_add(1) % 5 == 4 ? 500 : 0; };
+  LoadOptions o;
+  o.url = s.url();
+  o.requests = 20;
+  o.prompt_tokens = 16;
+  o.max_tokens = 3;
+  o.timeout_s = 10;
+  o.progress_every_s = 0;
+  const LoadResult r = RunLoad(o);
+  EXPECT_EQ(r.summary.total, 20);
+  EXPECT_EQ(r.summary.succeeded, 16);
+  EXPECT_EQ(r.summary.failed, 4);
+  ASSERT_EQ(r.summary.failure_reasons.size(), 1u);  // ids normalized away
+  EXPECT_EQ(r.summary.failure_reasons.begin()->second, 4);
+  EXPECT_GT(r.summary.latency_p50, 0);
+  EXPECT_GE(r.summary.ttft_p50, 0);
+  EXPECT_EQ(s.bodies().size(), 20u);
+  EXPECT_EQ(s.bodies()[0]["prompt"].size(), 16u);
+  EXPECT_EQ(s.bodies()[0]["ignore_eos"], true);
+  const json j = json::parse(LoadResultJson(o, r));
+  EXPECT_EQ(j["summary"]["failed"], 4);
+  EXPECT_EQ(j["requests"].size(), 20u);
+}
+
+TEST(Load, TimesOutAndCancels) {
+  FakeServer s;
+  s.delay_s = [](const json&, int) { return 3.0; };
+  LoadOptions o;
+  o.url = s.url();
+  o.requests = 3;
+  o.prompt_tokens = 4;
+  o.max_tokens = 1;
+  o.timeout_s = 0.5;
+  o.progress_every_s = 0;
+  auto t0 = SteadyClock::now();
+  LoadResult r = RunLoad(o);
+  EXPECT_EQ(r.summary.failed, 3);
+  EXPECT_LT(SecondsSince(t0), 2.5);
+  EXPECT_NE(r.summary.failure_reasons.begin()->first.find("timeout"), std::string::npos)
+      << r.summary.failure_reasons.begin()->first;
+
+  CancelGroup cancel;
+  o.timeout_s = 30;
+  t0 = SteadyClock::now();
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    cancel.CancelAll();
+  });
+  r = RunLoad(o, &cancel);
+  canceller.join();
+  EXPECT_EQ(r.summary.failed, 3);
+  EXPECT_LT(SecondsSince(t0), 2.5);
+}
+
+TEST(Probe, StuckProbeDoesNotDelayTheNext) {
+  FakeServer s;
+  s.delay_s = [](const json&, int n) { return n == 0 ? 1.0 : 0.0; };
+  ProbeOptions o;
+  o.url = s.url();
+  o.every_s = 0.2;
+  o.duration_s = 0.5;
+  o.prompt_tokens = 8;
+  o.timeout_s = 5;
+  Prober prober(o);
+  prober.Start();
+  prober.Wait();
+  const auto recs = prober.Records();
+  ASSERT_EQ(recs.size(), 3u);  // t = 0, 0.2, 0.4
+  for (std::size_t i = 0; i < recs.size(); ++i) {
+    EXPECT_TRUE(recs[i].finished);
+    EXPECT_TRUE(recs[i].outcome.ok) << recs[i].outcome.error;
+    EXPECT_NEAR(recs[i].sent_s, 0.2 * static_cast<double>(i), 0.1);
+  }
+  EXPECT_GT(recs[0].outcome.latency_s, 0.9);
+  EXPECT_LT(recs[1].outcome.latency_s, 0.5);
+  const json b = s.bodies()[0];
+  EXPECT_EQ(b["max_tokens"], 1);
+  EXPECT_EQ(b["stream"], false);
+  EXPECT_FALSE(b.contains("kv_transfer_params"));
+  EXPECT_EQ(b["prompt"].size(), 8u);
+}
+
+TEST(Probe, StopCancelsOutstandingProbes) {
+  FakeServer s;
+  s.delay_s = [](const json&, int) { return 5.0; };
+  ProbeOptions o;
+  o.url = s.url();
+  o.every_s = 10;
+  o.duration_s = 100;
+  o.timeout_s = 60;
+  Prober prober(o);
+  prober.Start();
+  ASSERT_TRUE(WaitFor([&] { return s.bodies().size() == 1; }, 5));
+  const auto t0 = SteadyClock::now();
+  prober.Stop(0.1);
+  EXPECT_LT(SecondsSince(t0), 2.0);
+  const auto recs = prober.Records();
+  ASSERT_EQ(recs.size(), 1u);
+  EXPECT_FALSE(recs[0].outcome.ok);
+}
+
+TEST(ChildProcess, StopKillsTheWholeGroup) {
+  std::string err;
+  auto child =
+      ChildProcess::Spawn({"/bin/sh", "-c", "sleep 100 & sleep 100 & wait"}, "/dev/null", {}, &err);
+  ASSERT_TRUE(child) << err;
+  const pid_t pgid = child->pid();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_TRUE(child->Running());
+  EXPECT_EQ(::kill(-pgid, 0), 0);
+  child->Stop(1.0);
+  EXPECT_FALSE(child->Running());
+  // The grandchildren (sleep) were in the group and are gone too (possibly zombies of init
+  // for a moment, so poll).
+  EXPECT_TRUE(WaitFor([&] { return ::kill(-pgid, 0) != 0; }, 3));
+}
+
+TEST(ChildProcess, KillIsImmediate) {
+  auto child = ChildProcess::Spawn({"/bin/sleep", "100"}, "/dev/null", {}, nullptr);
+  ASSERT_TRUE(child);
+  const auto t0 = SteadyClock::now();
+  child->Kill();
+  EXPECT_FALSE(child->Running());
+  EXPECT_LT(SecondsSince(t0), 1.0);
+  EXPECT_FALSE(ChildProcess::Spawn({}, "/dev/null", {}, nullptr));
+}
+
+}  // namespace
+}  // namespace kvferry::harness

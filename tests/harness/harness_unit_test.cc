@@ -1,0 +1,197 @@
+// Unit tests of the serving engine's pieces: the --kv-transfer-config parser, the KV byte
+// pattern (and that TP slices composed through core/tp_plan verify on D), the block pool's
+// generations, and the /v1/completions body parser.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "harness/block_pool.h"
+#include "harness/http_front.h"
+#include "harness/kv_pattern.h"
+#include "harness/metrics.h"
+#include "harness/serve_config.h"
+#include "kvferry/core/tp_plan.h"
+
+namespace kvferry::harness {
+namespace {
+
+TEST(KvTransferConfig, ReadsVllmKeys) {
+  auto c = ParseKvTransferConfig(
+      R"({"kv_connector":"MooncakeConnector","kv_role":"kv_producer","engine_id":"p0",
+          "kv_load_failure_policy":"fail",
+          "kv_connector_extra_config":{"kv_lease_duration":30,"abort_request_timeout":20,
+                                       "bootstrap_port":8998,"device_name":"mlx5"}})",
+      nullptr);
+  ASSERT_TRUE(c.has_value()) << c.error().ToString();
+  EXPECT_EQ(c->role, Role::kPrefill);
+  EXPECT_EQ(c->engine_id, "p0");
+  EXPECT_EQ(c->lease, std::chrono::seconds(30));
+  EXPECT_EQ(c->abort_request_timeout, std::chrono::seconds(20));
+  EXPECT_EQ(c->bootstrap_port, 8998);
+  ASSERT_EQ(c->warnings.size(), 1u);  // device_name
+  EXPECT_NE(c->warnings[0].find("device_name"), std::string::npos);
+}
+
+TEST(KvTransferConfig, DefaultsAndEnvironment) {
+  auto c = ParseKvTransferConfig(R"({"kv_role":"kv_consumer"})", nullptr);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->role, Role::kDecode);
+  EXPECT_EQ(c->lease.count(), 0);
+  EXPECT_EQ(c->abort_request_timeout, std::chrono::seconds(480));
+  // The environment applies only when the key is absent.
+  auto env = ParseKvTransferConfig(R"({})", "20");
+  ASSERT_TRUE(env.has_value());
+  EXPECT_EQ(env->abort_request_timeout, std::chrono::seconds(20));
+  auto key_wins =
+      ParseKvTransferConfig(R"({"kv_connector_extra_config":{"abort_request_timeout":7}})", "20");
+  ASSERT_TRUE(key_wins.has_value());
+  EXPECT_EQ(key_wins->abort_request_timeout, std::chrono::seconds(7));
+}
+
+TEST(KvTransferConfig, RejectsBadInput) {
+  for (const char* bad : {"{", "[]", "nope", R"({"kv_role":"kv_both"})", R"({"kv_role":1})",
+                          R"({"kv_load_failure_policy":"recompute"})",
+                          R"({"kv_connector_extra_config":{"kv_lease_duration":-1}})",
+                          R"({"kv_connector_extra_config":{"kv_lease_duration":"30"}})",
+                          R"({"kv_connector_extra_config":{"abort_request_timeout":0}})",
+                          R"({"kv_connector_extra_config":{"bootstrap_port":70000}})",
+                          R"({"kv_connector_extra_config":[]})"}) {
+    EXPECT_FALSE(ParseKvTransferConfig(bad, nullptr).has_value()) << bad;
+  }
+  EXPECT_FALSE(ParseKvTransferConfig("{}", "abc").has_value());
+}
+
+TEST(KvPattern, VerifiesOnlyTheRightTransferAndHeads) {
+  KvGeometry g{.tp = 1, .kv_heads = 4, .block_tokens = 16, .head_bytes_per_token = 16};
+  ASSERT_TRUE(g.Validate().ok());
+  std::vector<std::byte> block(g.block_len());
+  EXPECT_FALSE(VerifyBlock(block.data(), g, 0, SeedOfTransfer("x"), 0));  // zero-filled
+  FillBlock(block.data(), g, 0, SeedOfTransfer("x"), 3);
+  EXPECT_TRUE(VerifyBlock(block.data(), g, 0, SeedOfTransfer("x"), 3));
+  EXPECT_FALSE(VerifyBlock(block.data(), g, 0, SeedOfTransfer("y"), 3));  // other request
+  EXPECT_FALSE(VerifyBlock(block.data(), g, 0, SeedOfTransfer("x"), 2));  // other position
+  block[5] ^= std::byte{1};
+  EXPECT_FALSE(VerifyBlock(block.data(), g, 0, SeedOfTransfer("x"), 3));
+}
+
+// P TP2 writes its two head slices into D TP1's block as core::PlanSlice says: the result is
+// exactly what D expects; swapped slices are not.
+TEST(KvPattern, TpSlicesComposeOnDecode) {
+  const KvGeometry p{.tp = 2, .kv_heads = 4, .block_tokens = 16, .head_bytes_per_token = 16};
+  const KvGeometry d{.tp = 1, .kv_heads = 4, .block_tokens = 16, .head_bytes_per_token = 16};
+  const std::uint64_t seed = SeedOfTransfer("xfer-tp");
+  std::vector<std::byte> dst(d.block_len()), swapped(d.block_len());
+  for (std::uint32_t rank = 0; rank < 2; ++rank) {
+    std::vector<std::byte> src(p.block_len());
+    FillBlock(src.data(), p, rank, seed, 7);
+    auto slice = core::PlanSlice(rank, {2, 4, p.block_len()}, 0, {1, 4, d.block_len()});
+    ASSERT_TRUE(slice.has_value());
+    std::memcpy(dst.data() + slice->dst_offset, src.data() + slice->src_offset, slice->length);
+    std::memcpy(swapped.data() + (slice->length - slice->dst_offset),
+                src.data() + slice->src_offset, slice->length);
+  }
+  EXPECT_TRUE(VerifyBlock(dst.data(), d, 0, seed, 7));
+  EXPECT_FALSE(VerifyBlock(swapped.data(), d, 0, seed, 7));
+}
+
+TEST(KvPattern, ReplicatedHeads) {
+  // tp 4 over 2 heads: ranks 0,1 hold head 0; ranks 2,3 hold head 1.
+  const KvGeometry g{.tp = 4, .kv_heads = 2, .block_tokens = 4, .head_bytes_per_token = 8};
+  ASSERT_TRUE(g.Validate().ok());
+  EXPECT_EQ(g.first_head(1), 0u);
+  EXPECT_EQ(g.first_head(2), 1u);
+  std::vector<std::byte> a(g.block_len()), b(g.block_len());
+  FillBlock(a.data(), g, 0, 1, 0);
+  FillBlock(b.data(), g, 1, 1, 0);
+  EXPECT_EQ(a, b);
+  EXPECT_FALSE(VerifyBlock(a.data(), g, 2, 1, 0));
+  EXPECT_FALSE((KvGeometry{.tp = 3, .kv_heads = 4}).Validate().ok());
+}
+
+TEST(BlockPool, GenerationsAndFifoReuse) {
+  BlockPool pool(4, nullptr, "decode");
+  auto a = pool.Allocate(3, "a");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(pool.used(), 3u);
+  EXPECT_FALSE(pool.Allocate(2, "b").has_value());  // all or nothing
+  EXPECT_EQ(pool.used(), 3u);
+  EXPECT_EQ(pool.generation((*a)[0]), 1u);
+  pool.Free(*a, "a");
+  EXPECT_EQ(pool.used(), 0u);
+  EXPECT_EQ(pool.generation((*a)[0]), 2u);
+  // FIFO: the never-used block 3 comes first, then the freed ones in order.
+  auto b = pool.Allocate(2, "b");
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ((*b)[0], 3u);
+  EXPECT_EQ((*b)[1], (*a)[0]);
+  EXPECT_EQ(pool.generation((*a)[0]), 3u);
+  pool.Free(*a, "a");  // a[0] is b's now; a[1], a[2] are free: both double frees
+  EXPECT_EQ(pool.double_frees(), 2u);
+}
+
+TEST(CompletionRequest, ParsesKvTransferParams) {
+  auto p = ParseCompletionRequest(
+      R"({"model":"m","prompt":[1,2,3],"max_tokens":1,"stream":false,
+          "kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,
+                                "transfer_id":"xfer-1"}})",
+      Role::kPrefill, 100);
+  ASSERT_TRUE(p.has_value()) << p.error().ToString();
+  EXPECT_EQ(p->spec.kind, RequestKind::kRemoteDecode);
+  EXPECT_EQ(p->spec.prompt_tokens, 3u);
+  EXPECT_EQ(p->spec.transfer_id, "xfer-1");
+  auto d = ParseCompletionRequest(
+      R"({"prompt":"hello","max_tokens":4,"stream":true,"ignore_eos":true,
+          "kv_transfer_params":{"do_remote_prefill":true,"transfer_id":"xfer-1",
+                                "remote_engine_id":"p0",
+                                "remote_bootstrap_addr":"http://127.0.0.1:8998"}})",
+      Role::kDecode, 100);
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_EQ(d->spec.kind, RequestKind::kRemotePrefill);
+  EXPECT_EQ(d->spec.prompt_tokens, 5u);
+  EXPECT_TRUE(d->stream);
+  auto local =
+      ParseCompletionRequest(R"({"prompt":[5],"kv_transfer_params":null})", Role::kPrefill, 100);
+  ASSERT_TRUE(local.has_value());
+  EXPECT_EQ(local->spec.kind, RequestKind::kLocal);
+}
+
+TEST(CompletionRequest, RejectsBadBodies) {
+  const std::string deep = std::string(100, '[') + std::string(100, ']');
+  for (
+      const std::string& bad : std::vector<std::string>{
+          "", "{", "[]", deep, R"({"max_tokens":1})", R"({"prompt":[]})", R"({"prompt":[[1,2]]})",
+          R"({"prompt":[-1]})", R"({"prompt":[1.5]})", R"({"prompt":[1],"max_tokens":0})",
+          R"({"prompt":[1],"max_tokens":"3"})",
+          R"({"prompt":[1],"max_tokens":100})",  // exceeds max_model_len
+          R"({"prompt":[1],"stream":"yes"})", R"({"prompt":[1],"kv_transfer_params":[]})",
+          R"({"prompt":[1],"kv_transfer_params":{"do_remote_decode":true}})",
+          R"({"prompt":[1],"kv_transfer_params":{"do_remote_prefill":true,"transfer_id":"x"}})",
+          R"({"prompt":[1],"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":true,"transfer_id":"x"}})",
+          R"({"prompt":[1],"kv_transfer_params":{"do_remote_decode":true,"transfer_id":""}})"}) {
+    EXPECT_FALSE(ParseCompletionRequest(bad, Role::kPrefill, 64).has_value()) << bad;
+  }
+  // Role checks.
+  EXPECT_FALSE(
+      ParseCompletionRequest(
+          R"({"prompt":[1],"kv_transfer_params":{"do_remote_decode":true,"transfer_id":"x"}})",
+          Role::kDecode, 64)
+          .has_value());
+}
+
+TEST(Metrics, HistogramIsCumulative) {
+  Histogram h;
+  h.Observe(0.0001);
+  h.Observe(0.003);
+  h.Observe(1000);
+  PromWriter w;
+  w.Family("x_seconds", "histogram", "test");
+  w.Histo("x_seconds", h, {{"a", "b\"c"}});
+  const std::string text = w.Take();
+  EXPECT_NE(text.find("x_seconds_bucket{a=\"b\\\"c\",le=\"0.0005\"} 1"), std::string::npos) << text;
+  EXPECT_NE(text.find("x_seconds_bucket{a=\"b\\\"c\",le=\"+Inf\"} 3"), std::string::npos) << text;
+  EXPECT_NE(text.find("x_seconds_count{a=\"b\\\"c\"} 3"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace kvferry::harness

@@ -1,0 +1,482 @@
+// Real `kvferry serve` processes on 127.0.0.1: a P and a D instance, UCX over lo, requests sent
+// by hand as the proxy would (P: do_remote_decode; D: do_remote_prefill with the same
+// transfer_id). Every process a test starts is killed in its teardown.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+// One `kvferry serve` child process; SIGTERM then SIGKILL on destruction.
+class ServeProcess {
+ public:
+  ServeProcess(const fs::path& dir, const std::string& name, std::vector<std::string> args)
+      : dir_(dir), name_(name) {
+    ready_ = dir / (name + ".ready.json");
+    log_ = dir / (name + ".log");
+    std::vector<std::string> argv = {KVFERRY_BINARY, "serve",         "--port",         "0",
+                                     "--ready-file", ready_.string(), "--http-threads", "32"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::vector<char*> cargv;
+    for (std::string& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    setenv("UCX_NET_DEVICES", "lo", 0);
+    if (posix_spawn(&pid_, KVFERRY_BINARY, &actions, nullptr, cargv.data(), environ) != 0)
+      pid_ = -1;
+    posix_spawn_file_actions_destroy(&actions);
+  }
+  ~ServeProcess() { Kill(); }
+
+  // Waits for the ready file; false after `timeout` or if the process died.
+  bool WaitReady(std::chrono::seconds timeout = std::chrono::seconds(15)) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      if (pid_ <= 0 || waitpid(pid_, &status_, WNOHANG) == pid_) {
+        pid_ = -1;
+        return false;
+      }
+      std::ifstream in(ready_);
+      if (in) {
+        info_ = json::parse(in, nullptr, false);
+        if (info_.is_object()) return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  // SIGTERM and wait up to `timeout` for a clean exit; the exit status, or -1.
+  int Terminate(std::chrono::seconds timeout = std::chrono::seconds(10)) {
+    if (pid_ <= 0) return -1;
+    kill(pid_, SIGTERM);
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      if (waitpid(pid_, &status_, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status_) ? WEXITSTATUS(status_) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    Kill();
+    return -1;
+  }
+
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, &status_, 0);
+    pid_ = -1;
+  }
+
+  int port() const { return info_.value("port", 0); }
+  std::string engine_id() const { return info_.value("engine_id", ""); }
+  std::string bootstrap_addr() const { return info_.value("bootstrap_addr", ""); }
+  std::string Log() const {
+    std::ifstream in(log_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+ private:
+  fs::path dir_;
+  std::string name_;
+  fs::path ready_;
+  fs::path log_;
+  pid_t pid_ = -1;
+  int status_ = 0;
+  json info_;
+};
+
+struct HttpResult {
+  int status = 0;
+  std::string body;
+};
+
+HttpResult Post(int port, const json& body, double timeout_s = 15) {
+  httplib::Client cli("127.0.0.1", port);
+  cli.set_read_timeout(std::chrono::milliseconds(static_cast<int>(timeout_s * 1000)));
+  auto res = cli.Post("/v1/completions", body.dump(), "application/json");
+  if (!res) return {};
+  return {res->status, res->body};
+}
+
+std::string Get(int port, const std::string& path) {
+  httplib::Client cli("127.0.0.1", port);
+  cli.set_read_timeout(std::chrono::seconds(5));
+  auto res = cli.Get(path.c_str());
+  return res && res->status == 200 ? res->body : std::string();
+}
+
+// Prometheus text → sum over each metric's series (labels dropped), for `name{...}` filters
+// pass the full series text.
+double Metric(const std::string& text, const std::string& series) {
+  std::istringstream in(text);
+  std::string line;
+  double sum = 0;
+  bool found = false;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const auto space = line.rfind(' ');
+    const std::string key = line.substr(0, space);
+    const std::string bare = key.substr(0, key.find('{'));
+    if (key == series || (series.find('{') == std::string::npos && bare == series)) {
+      sum += std::stod(line.substr(space + 1));
+      found = true;
+    }
+  }
+  return found ? sum : -1;
+}
+
+// Waits until `series` on `port` equals `want` (or the deadline); returns the last value.
+double WaitMetric(int port, const std::string& series, double want,
+                  std::chrono::milliseconds timeout = std::chrono::milliseconds(5000)) {
+  const auto deadline = Clock::now() + timeout;
+  double v = -1;
+  while (Clock::now() < deadline) {
+    v = Metric(Get(port, "/metrics"), series);
+    if (v == want) return v;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return v;
+}
+
+json Prompt(int n) {
+  json p = json::array();
+  for (int i = 0; i < n; ++i) p.push_back(100 + i);
+  return p;
+}
+
+json PrefillBody(int prompt, const std::string& transfer) {
+  return {{"model", "m"},
+          {"prompt", Prompt(prompt)},
+          {"max_tokens", 1},
+          {"stream", false},
+          {"kv_transfer_params",
+           {{"do_remote_decode", true}, {"do_remote_prefill", false}, {"transfer_id", transfer}}}};
+}
+
+json DecodeBody(int prompt, int max_tokens, bool stream, const std::string& transfer,
+                const ServeProcess& p) {
+  return {{"model", "m"},
+          {"prompt", Prompt(prompt)},
+          {"max_tokens", max_tokens},
+          {"stream", stream},
+          {"ignore_eos", true},
+          {"kv_transfer_params",
+           {{"do_remote_prefill", true},
+            {"do_remote_decode", false},
+            {"transfer_id", transfer},
+            {"remote_engine_id", p.engine_id()},
+            {"remote_bootstrap_addr", p.bootstrap_addr()}}}};
+}
+
+// Tokens in an SSE body: data events carrying a non-empty choices list.
+int StreamTokens(const std::string& body, bool* done, bool* error) {
+  std::istringstream in(body);
+  std::string line;
+  int tokens = 0;
+  while (std::getline(in, line)) {
+    if (line.rfind("data: ", 0) != 0) continue;
+    const std::string data = line.substr(6);
+    if (data == "[DONE]") {
+      *done = true;
+      continue;
+    }
+    json j = json::parse(data, nullptr, false);
+    if (j.contains("error")) *error = true;
+    if (j.contains("choices") && !j["choices"].empty()) ++tokens;
+  }
+  return tokens;
+}
+
+class ServeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("kvferry_serve_test_" + std::to_string(getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (HasFailure()) {
+      for (auto& p : procs_) std::fprintf(stderr, "---- log ----\n%s\n", p->Log().c_str());
+    }
+    procs_.clear();  // kills every process
+    fs::remove_all(dir_);
+  }
+
+  ServeProcess& Start(const std::string& name, std::vector<std::string> args) {
+    procs_.push_back(std::make_unique<ServeProcess>(dir_, name, std::move(args)));
+    EXPECT_TRUE(procs_.back()->WaitReady()) << procs_.back()->Log();
+    return *procs_.back();
+  }
+  ServeProcess& StartPrefill(std::vector<std::string> extra = {},
+                             const std::string& extra_cfg = "") {
+    std::vector<std::string> args = {
+        "--role",
+        "prefill",
+        "--kv-transfer-config",
+        R"({"kv_role":"kv_producer","kv_connector_extra_config":{"bootstrap_port":0)" + extra_cfg +
+            "}}",
+        "--num-blocks",
+        "512",
+        "--decode-us-per-step",
+        "500",
+        "--prefill-us-per-batch",
+        "200"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Start("prefill", args);
+  }
+  ServeProcess& StartDecode(std::vector<std::string> extra = {},
+                            const std::string& extra_cfg = "") {
+    std::vector<std::string> args = {
+        "--role",
+        "decode",
+        "--kv-transfer-config",
+        R"({"kv_role":"kv_consumer","kv_connector_extra_config":{"abort_request_timeout":30)" +
+            extra_cfg + "}}",
+        "--num-blocks",
+        "512",
+        "--decode-us-per-step",
+        "500",
+        "--pull-timeout",
+        "10"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Start("decode", args);
+  }
+
+  // One request pair as the proxy sends it; checks D's answer.
+  void RunPair(ServeProcess& p, ServeProcess& d, const std::string& transfer, int prompt,
+               int max_tokens, bool stream) {
+    auto p_call = std::async(std::launch::async,
+                             [&] { return Post(p.port(), PrefillBody(prompt, transfer)); });
+    HttpResult dr = Post(d.port(), DecodeBody(prompt, max_tokens, stream, transfer, p));
+    HttpResult pr = p_call.get();
+    ASSERT_EQ(pr.status, 200) << pr.body;
+    ASSERT_EQ(dr.status, 200) << dr.body;
+    if (stream) {
+      bool done = false, error = false;
+      EXPECT_EQ(StreamTokens(dr.body, &done, &error), max_tokens) << dr.body;
+      EXPECT_TRUE(done);
+      EXPECT_FALSE(error) << dr.body;
+    } else {
+      json j = json::parse(dr.body);
+      EXPECT_EQ(j["usage"]["completion_tokens"], max_tokens);
+      EXPECT_EQ(j["choices"][0]["token_ids"].size(), static_cast<std::size_t>(max_tokens));
+    }
+  }
+
+  fs::path dir_;
+  std::vector<std::unique_ptr<ServeProcess>> procs_;
+};
+
+TEST_F(ServeTest, RequestPairTp1) {
+  ServeProcess& p = StartPrefill();
+  ServeProcess& d = StartDecode();
+  ASSERT_FALSE(HasFailure());
+  RunPair(p, d, "xfer-tp1-a", 300, 8, /*stream=*/true);
+  RunPair(p, d, "xfer-tp1-b", 17, 3, /*stream=*/false);
+  const std::string dm = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(dm, "kvferry_corrupt_blocks_total"), 0);
+  EXPECT_EQ(Metric(dm, "kvferry_verified_blocks_total"), 19 + 2);
+  EXPECT_EQ(WaitMetric(d.port(), "kvferry_kv_blocks_used", 0), 0);
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_kv_blocks_used", 0), 0);
+  EXPECT_EQ(Metric(Get(p.port(), "/metrics"), "kvferry_hold_released_total{reason=\"sent\"}"), 2);
+  EXPECT_EQ(p.Terminate(), 0);
+  EXPECT_EQ(d.Terminate(), 0);
+}
+
+// P TP2 → D TP1: each P rank's head slice lands at its offset of D's block (SPEC §5).
+TEST_F(ServeTest, RequestPairPrefillTp2DecodeTp1) {
+  ServeProcess& p = StartPrefill({"--tp", "2"});
+  ServeProcess& d = StartDecode();
+  ASSERT_FALSE(HasFailure());
+  for (int i = 0; i < 4; ++i)
+    RunPair(p, d, "xfer-tp2-" + std::to_string(i), 100 + 40 * i, 5, i % 2 == 0);
+  const std::string dm = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(dm, "kvferry_corrupt_blocks_total"), 0);
+  EXPECT_GT(Metric(dm, "kvferry_verified_blocks_total"), 0);
+  EXPECT_EQ(Metric(dm, "kvferry_pulls_sent_total"), 8);  // two P peers per request
+  EXPECT_EQ(WaitMetric(d.port(), "kvferry_kv_blocks_used", 0), 0);
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_kv_blocks_used", 0), 0);
+  EXPECT_EQ(p.Terminate(), 0);
+  EXPECT_EQ(d.Terminate(), 0);
+}
+
+// D TP2 ← P TP1: each D rank pulls its slice from the one P rank.
+TEST_F(ServeTest, RequestPairPrefillTp1DecodeTp2) {
+  ServeProcess& p = StartPrefill();
+  ServeProcess& d = StartDecode({"--tp", "2"});
+  ASSERT_FALSE(HasFailure());
+  RunPair(p, d, "xfer-d2", 64, 4, true);
+  EXPECT_EQ(Metric(Get(d.port(), "/metrics"), "kvferry_corrupt_blocks_total"), 0);
+  EXPECT_EQ(WaitMetric(d.port(), "kvferry_kv_blocks_used", 0), 0);
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_kv_blocks_used", 0), 0);
+}
+
+// A pull for a transfer P already freed fails at once (SPEC §8 D), and D's blocks come back.
+TEST_F(ServeTest, LatePullFailsAtOnce) {
+  ServeProcess& p = StartPrefill();
+  ServeProcess& d = StartDecode();
+  ASSERT_FALSE(HasFailure());
+  RunPair(p, d, "xfer-late", 50, 2, false);
+  const auto t0 = Clock::now();
+  HttpResult again = Post(d.port(), DecodeBody(50, 2, false, "xfer-late", p));
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_EQ(again.status, 503) << again.body;
+  EXPECT_NE(again.body.find("TOMBSTONED"), std::string::npos) << again.body;
+  EXPECT_LT(seconds, 2.0);
+  EXPECT_EQ(Metric(Get(p.port(), "/metrics"), "kvferry_late_pulls_rejected_total"), 1);
+  EXPECT_EQ(WaitMetric(d.port(), "kvferry_kv_blocks_used", 0), 0);
+  // Streaming: the failure arrives in-stream, then [DONE].
+  HttpResult streamed = Post(d.port(), DecodeBody(50, 2, true, "xfer-late", p));
+  bool done = false, error = false;
+  EXPECT_EQ(StreamTokens(streamed.body, &done, &error), 0);
+  EXPECT_TRUE(error);
+  EXPECT_TRUE(done);
+}
+
+// With a lease and no decoder renewing, P frees the KV after one lease (SPEC §2, case A).
+TEST_F(ServeTest, LeaseExpiresWithoutDecoder) {
+  ServeProcess& p = StartPrefill({}, R"(,"kv_lease_duration":1)");
+  ASSERT_FALSE(HasFailure());
+  HttpResult r = Post(p.port(), PrefillBody(160, "xfer-orphan"));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_held_blocks{state=\"ready\"}", 10,
+                       std::chrono::milliseconds(500)),
+            10);
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_kv_blocks_used", 0, std::chrono::milliseconds(4000)), 0);
+  EXPECT_EQ(Metric(Get(p.port(), "/metrics"), "kvferry_hold_expiries_total{reason=\"expired\"}"),
+            1);
+  // The probe path: a plain request is served on P.
+  HttpResult probe = Post(p.port(), {{"prompt", Prompt(512)}, {"max_tokens", 1}});
+  EXPECT_EQ(probe.status, 200) << probe.body;
+  EXPECT_EQ(p.Terminate(), 0);
+}
+
+// SPEC §8 C in small: P TP2 → D TP1, P0 fails a third of its requests after a successful WRITE,
+// P1 delays every WRITE. D must wait for P1 before it reuses blocks: no corrupt block, every
+// failure reported as an error, and D's pool empty at the end.
+TEST_F(ServeTest, MultiPeerFaultsNeverCorrupt) {
+  ServeProcess& p =
+      StartPrefill({"--tp", "2", "--fault-err-after-write", "0.3", "--fault-err-ranks", "0",
+                    "--fault-write-delay-ms", "100", "--fault-delay-ranks", "1"});
+  // A small D pool, so freed blocks are reused at once.
+  ServeProcess& d = Start("decode", {"--role", "decode", "--num-blocks", "40",
+                                     "--decode-us-per-step", "200", "--pull-timeout", "10"});
+  ASSERT_FALSE(HasFailure());
+  constexpr int kRequests = 16;
+  std::vector<std::future<std::pair<HttpResult, HttpResult>>> calls;
+  for (int i = 0; i < kRequests; ++i) {
+    calls.push_back(std::async(std::launch::async, [&, i] {
+      const std::string transfer = "xfer-c-" + std::to_string(i);
+      auto pc =
+          std::async(std::launch::async, [&] { return Post(p.port(), PrefillBody(64, transfer)); });
+      HttpResult dr = Post(d.port(), DecodeBody(64, 4, i % 2 == 0, transfer, p));
+      return std::make_pair(pc.get(), dr);
+    }));
+  }
+  int ok = 0, failed = 0;
+  for (auto& c : calls) {
+    auto [pr, dr] = c.get();
+    EXPECT_EQ(pr.status, 200) << pr.body;
+    bool done = false, error = false;
+    const bool streamed = dr.body.rfind("data: ", 0) == 0 || dr.body.rfind(": keepalive", 0) == 0;
+    if (dr.status == 200 && (!streamed || (StreamTokens(dr.body, &done, &error) == 4 && !error))) {
+      ++ok;
+    } else {
+      ++failed;
+      EXPECT_NE(dr.body.find("injected failure"), std::string::npos) << dr.body;
+    }
+  }
+  EXPECT_EQ(ok + failed, kRequests);
+  EXPECT_GT(ok, 0);
+  const std::string dm = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(dm, "kvferry_corrupt_blocks_total"), 0);
+  EXPECT_EQ(Metric(dm, "kvferry_failures_total{stage=\"receive\"}"), failed == 0 ? -1 : failed);
+  EXPECT_EQ(WaitMetric(d.port(), "kvferry_kv_blocks_used", 0), 0);
+  EXPECT_EQ(p.Terminate(), 0);
+  EXPECT_EQ(d.Terminate(), 0);
+}
+
+// SIGTERM with requests still open: they are answered, and both processes exit 0.
+TEST_F(ServeTest, ShutdownWithOpenRequestsExitsCleanly) {
+  ServeProcess& p = StartPrefill();
+  // Its pull outlives the shutdown bound: the process must exit anyway, in time.
+  ServeProcess& d = StartDecode({"--shutdown-timeout", "2"});
+  ASSERT_FALSE(HasFailure());
+  // D waits for a prefill that never comes (P holds a placeholder).
+  auto pending = std::async(std::launch::async, [&] {
+    return Post(d.port(), DecodeBody(32, 4, false, "xfer-never", p), 20);
+  });
+  auto probe = std::async(std::launch::async, [&] {
+    return Post(p.port(), {{"prompt", Prompt(32)}, {"max_tokens", 8000}}, 20);
+  });
+  EXPECT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting_for_kv", 1), 1);
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_requests_running", 1), 1);
+  const auto t0 = Clock::now();
+  EXPECT_EQ(d.Terminate(), 0);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 4.0);
+  EXPECT_EQ(p.Terminate(), 0);
+  EXPECT_EQ(pending.get().status, 503);
+  EXPECT_EQ(probe.get().status, 503);
+}
+
+TEST_F(ServeTest, BadInputIsRefusedAndChangesNothing) {
+  ServeProcess& d = Start("decode", {"--role", "decode", "--num-blocks", "64"});
+  ASSERT_FALSE(HasFailure());
+  httplib::Client cli("127.0.0.1", d.port());
+  for (
+      const std::string& body :
+      {std::string("{"), std::string("[]"), std::string(200, '['),
+       std::string(R"({"prompt":[[1]]})"), std::string(R"({"prompt":[1],"max_tokens":1000000})"),
+       std::string(
+           R"({"prompt":[1],"kv_transfer_params":{"do_remote_decode":true,"transfer_id":"x"}})")}) {
+    auto res = cli.Post("/v1/completions", body, "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400) << body << " -> " << res->body;
+  }
+  // A request that could never fit the pool.
+  HttpResult big = Post(d.port(), {{"prompt", Prompt(10)}, {"max_tokens", 8000}});
+  EXPECT_EQ(big.status, 400) << big.body;
+  const std::string health = Get(d.port(), "/health");
+  EXPECT_NE(health.find("\"role\":\"decode\""), std::string::npos) << health;
+  EXPECT_EQ(Metric(Get(d.port(), "/metrics"), "kvferry_kv_blocks_used"), 0);
+  EXPECT_EQ(d.Terminate(), 0);
+}
+
+TEST_F(ServeTest, MalformedConfigFailsAtStartup) {
+  ServeProcess bad(dir_, "bad", {"--role", "decode", "--kv-transfer-config", "{not json"});
+  EXPECT_FALSE(bad.WaitReady(std::chrono::seconds(5)));
+  EXPECT_NE(bad.Log().find("not valid JSON"), std::string::npos) << bad.Log();
+}
+
+}  // namespace
