@@ -67,7 +67,16 @@ bool HoldTable::IsTombstoned(const TransferId& id) const {
 }
 
 TimePoint HoldTable::RealDeadline(const Entry& e) const {
-  if (e.phase == HoldPhase::kReady) return e.sending_mask != 0 ? kNever : e.expire;
+  if (e.phase == HoldPhase::kReady) {
+    if (e.sending_mask != 0) return kNever;
+    // A transfer D stopped renewing for a whole lease is dropped, also when its prefill ended
+    // after the last renewal (its own expire would run a full lease from the prefill's end).
+    // A live D renews every lease/6, so this never binds while D is alive.
+    if (config_.lease_enabled() && e.last_renewal != kNever) {
+      return std::min(e.expire, e.last_renewal + config_.lease);
+    }
+    return e.expire;
+  }
   TimePoint deadline = e.waiting_pulls > 0 ? e.wait_deadline : kNever;
   if (config_.lease_enabled() && e.last_renewal != kNever) {
     deadline = std::min(deadline, e.last_renewal + config_.lease);

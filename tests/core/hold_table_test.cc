@@ -441,6 +441,30 @@ TEST(HoldTableRules, PlaceholdersAreBounded) {
   EXPECT_EQ(t.AdmitPull("d", 0, 1, std::nullopt, t0).verdict, Verdict::kWait);
 }
 
+TEST(HoldTableRules, DeadDecoderKvIsFreedWithinALeaseOfItsLastRenewal) {
+  // D renewed while P was still prefilling, then died; the prefill ends later. Its KV must not
+  // get a fresh full lease from the prefill's end: nobody renewed it for a whole lease.
+  HoldTable t(LeaseConfig(30));
+  ASSERT_TRUE(t.Admit("x", 1, t0).ok());
+  ASSERT_TRUE(t.Renew(std::vector<Fingerprint>{Fp("x")}, t0 + seconds(5)).has_value());
+  ASSERT_TRUE(t.PrefillDone("x", 4, t0 + seconds(20)).ok());
+  EXPECT_EQ(t.DeadlineOf("x"), t0 + seconds(35)) << "last renewal + lease, not 20 + 30";
+  t.Expire(t0 + seconds(35));
+  EXPECT_TRUE(HasEvent(t.TakeEvents(), Kind::kFreeBlocks, "x", ReleaseReason::kExpired));
+}
+
+TEST(HoldTableRules, LiveDecoderRenewalsKeepReadyKvPastItsFirstLease) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_TRUE(t.Admit("x", 1, t0).ok());
+  ASSERT_TRUE(t.PrefillDone("x", 4, t0).ok());
+  for (int s = 5; s <= 120; s += 5) {
+    ASSERT_TRUE(t.Renew(std::vector<Fingerprint>{Fp("x")}, t0 + seconds(s)).has_value());
+    t.Expire(t0 + seconds(s));
+  }
+  EXPECT_TRUE(t.Contains("x"));
+  EXPECT_EQ(t.DeadlineOf("x"), t0 + seconds(140));
+}
+
 TEST(HoldTableRules, NextDeadlineIsALowerBound) {
   HoldTable t(LeaseConfig(30));
   EXPECT_EQ(t.NextDeadline(), kNever);

@@ -16,7 +16,8 @@
 //
 // Deadlines (all in this process's clock):
 //   kReady:       expire = prefill_done + (lease or abort_request_timeout); a renewal sets
-//                 expire = max(expire, now + 2/3·lease). A send in flight defers expiry.
+//                 expire = max(expire, now + 2/3·lease); once renewed, the entry also goes at
+//                 last_renewal + lease. A send in flight defers expiry.
 //   wait:         a pull that waits for an unfinished prefill fails at first_wait + abort_timeout.
 //   dead decoder: with a lease, an entry renewed at least once and not prefilled is dropped
 //                 (its prefill aborted) at last_renewal + lease.
