@@ -967,18 +967,18 @@ std::string Engine::RenderMetrics() {
   }
   const std::string role = ToString(o.role);
   PromWriter w;
-  w.Family("kvferry_kv_blocks_total", "gauge", "KV blocks in the pool (per rank region)");
-  w.Sample("kvferry_kv_blocks_total", o.num_blocks);
-  w.Family("kvferry_kv_blocks_used", "gauge", "KV blocks allocated");
-  w.Sample("kvferry_kv_blocks_used", static_cast<double>(s.blocks_used));
-  w.Family("kvferry_kv_usage_ratio", "gauge", "kvferry_kv_blocks_used / kvferry_kv_blocks_total");
-  w.Sample("kvferry_kv_usage_ratio", static_cast<double>(s.blocks_used) / o.num_blocks);
-  w.Family("kvferry_requests_waiting", "gauge", "Requests queued for blocks");
-  w.Sample("kvferry_requests_waiting", static_cast<double>(s.waiting));
-  w.Family("kvferry_requests_running", "gauge", "Requests prefilling or decoding");
-  w.Sample("kvferry_requests_running", static_cast<double>(s.running));
-  w.Family("kvferry_requests_waiting_for_kv", "gauge", "D: requests with blocks, receiving KV");
-  w.Sample("kvferry_requests_waiting_for_kv", static_cast<double>(s.waiting_kv));
+  w.Single("kvferry_kv_blocks_total", "gauge", "KV blocks in the pool (per rank region)",
+           o.num_blocks);
+  w.Single("kvferry_kv_blocks_used", "gauge", "KV blocks allocated",
+           static_cast<double>(s.blocks_used));
+  w.Single("kvferry_kv_usage_ratio", "gauge", "kvferry_kv_blocks_used / kvferry_kv_blocks_total",
+           static_cast<double>(s.blocks_used) / o.num_blocks);
+  w.Single("kvferry_requests_waiting", "gauge", "Requests queued for blocks",
+           static_cast<double>(s.waiting));
+  w.Single("kvferry_requests_running", "gauge", "Requests prefilling or decoding",
+           static_cast<double>(s.running));
+  w.Single("kvferry_requests_waiting_for_kv", "gauge", "D: requests with blocks, receiving KV",
+           static_cast<double>(s.waiting_kv));
   w.Family("kvferry_requests_finished_total", "counter", "Requests answered, by outcome");
   for (const char* outcome : {"ok", "error", "client_abort"}) {
     auto it = s.requests_finished.find(outcome);
@@ -986,18 +986,18 @@ std::string Engine::RenderMetrics() {
              it == s.requests_finished.end() ? 0.0 : static_cast<double>(it->second),
              {{"outcome", outcome}});
   }
-  w.Family("kvferry_tokens_generated_total", "counter", "Tokens produced");
-  w.Sample("kvferry_tokens_generated_total", static_cast<double>(s.tokens_generated));
-  w.Family("kvferry_engine_steps_total", "counter", "Scheduler steps run");
-  w.Sample("kvferry_engine_steps_total", static_cast<double>(s.steps));
+  w.Single("kvferry_tokens_generated_total", "counter", "Tokens produced",
+           static_cast<double>(s.tokens_generated));
+  w.Single("kvferry_engine_steps_total", "counter", "Scheduler steps run",
+           static_cast<double>(s.steps));
   w.Family("kvferry_queue_time_seconds", "histogram", "Arrival to block admission");
   w.Histo("kvferry_queue_time_seconds", s.queue_time);
   w.Family("kvferry_failures_total", "counter", "Failures by stage");
   for (const auto& [stage, n] : s.failures) {
     w.Sample("kvferry_failures_total", static_cast<double>(n), {{"stage", stage}});
   }
-  w.Family("kvferry_block_double_frees_total", "counter", "Frees of a free block (a bug)");
-  w.Sample("kvferry_block_double_frees_total", static_cast<double>(s.double_frees));
+  w.Single("kvferry_block_double_frees_total", "counter", "Frees of a free block (a bug)",
+           static_cast<double>(s.double_frees));
 
   if (o.role == Role::kPrefill) {
     std::uint64_t entries[3] = {0, 0, 0};
@@ -1041,15 +1041,14 @@ std::string Engine::RenderMetrics() {
       w.Sample("kvferry_held_bytes", static_cast<double>(s.held_blocks[i] * rank_bytes),
                {{"state", states[i]}});
     }
-    w.Family("kvferry_renewals_accepted_total", "counter", "Renewal messages accepted");
-    w.Sample("kvferry_renewals_accepted_total", static_cast<double>(renew_acc));
-    w.Family("kvferry_renewals_rejected_total", "counter", "Renewal messages rejected (no lease)");
-    w.Sample("kvferry_renewals_rejected_total", static_cast<double>(renew_rej));
-    w.Family("kvferry_renewals_extended_total", "counter",
-             "Transfers whose lease a renewal extended");
-    w.Sample("kvferry_renewals_extended_total", static_cast<double>(renew_ext));
-    w.Family("kvferry_renewals_unknown_total", "counter", "Renewed ids this P does not hold");
-    w.Sample("kvferry_renewals_unknown_total", static_cast<double>(renew_unknown));
+    w.Single("kvferry_renewals_accepted_total", "counter", "Renewal messages accepted",
+             static_cast<double>(renew_acc));
+    w.Single("kvferry_renewals_rejected_total", "counter", "Renewal messages rejected (no lease)",
+             static_cast<double>(renew_rej));
+    w.Single("kvferry_renewals_extended_total", "counter",
+             "Transfers whose lease a renewal extended", static_cast<double>(renew_ext));
+    w.Single("kvferry_renewals_unknown_total", "counter", "Renewed ids this P does not hold",
+             static_cast<double>(renew_unknown));
     w.Family("kvferry_hold_released_total", "counter", "Hold entries released, by reason");
     for (int i = 0; i < 6; ++i) {
       w.Sample("kvferry_hold_released_total", static_cast<double>(released[i]),
@@ -1063,27 +1062,26 @@ std::string Engine::RenderMetrics() {
              {{"reason", "dead_decoder"}});
     w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[3]),
              {{"reason", "wait_timeout"}});
-    w.Family("kvferry_late_pulls_rejected_total", "counter",
-             "Pulls failed at once: KV already freed");
-    w.Sample("kvferry_late_pulls_rejected_total", static_cast<double>(late));
-    w.Family("kvferry_tombstone_hits_total", "counter", "Calls that found a tombstone");
-    w.Sample("kvferry_tombstone_hits_total", static_cast<double>(hits));
-    w.Family("kvferry_tombstones", "gauge", "Remembered freed transfer ids");
-    w.Sample("kvferry_tombstones", static_cast<double>(tombstones));
-    w.Family("kvferry_pulls_received_total", "counter", "Pull messages admitted");
-    w.Sample("kvferry_pulls_received_total", static_cast<double>(pulls));
-    w.Family("kvferry_pull_errors_total", "counter", "Pull messages answered with ERROR");
-    w.Sample("kvferry_pull_errors_total", static_cast<double>(pull_errors));
-    w.Family("kvferry_side_channel_malformed_total", "counter", "Malformed side-channel messages");
-    w.Sample("kvferry_side_channel_malformed_total", static_cast<double>(malformed));
-    w.Family("kvferry_lease_mismatches_total", "counter", "Requests failed: P and D lease differ");
-    w.Sample("kvferry_lease_mismatches_total", static_cast<double>(mismatches));
-    w.Family("kvferry_writes_started_total", "counter", "KV WRITE batches started");
-    w.Sample("kvferry_writes_started_total", static_cast<double>(writes_started));
-    w.Family("kvferry_writes_failed_total", "counter", "KV WRITE batches failed");
-    w.Sample("kvferry_writes_failed_total", static_cast<double>(writes_failed));
-    w.Family("kvferry_writes_in_flight", "gauge", "KV writes queued or running");
-    w.Sample("kvferry_writes_in_flight", static_cast<double>(in_flight));
+    w.Single("kvferry_late_pulls_rejected_total", "counter",
+             "Pulls failed at once: KV already freed", static_cast<double>(late));
+    w.Single("kvferry_tombstone_hits_total", "counter", "Calls that found a tombstone",
+             static_cast<double>(hits));
+    w.Single("kvferry_tombstones", "gauge", "Remembered freed transfer ids",
+             static_cast<double>(tombstones));
+    w.Single("kvferry_pulls_received_total", "counter", "Pull messages admitted",
+             static_cast<double>(pulls));
+    w.Single("kvferry_pull_errors_total", "counter", "Pull messages answered with ERROR",
+             static_cast<double>(pull_errors));
+    w.Single("kvferry_side_channel_malformed_total", "counter", "Malformed side-channel messages",
+             static_cast<double>(malformed));
+    w.Single("kvferry_lease_mismatches_total", "counter", "Requests failed: P and D lease differ",
+             static_cast<double>(mismatches));
+    w.Single("kvferry_writes_started_total", "counter", "KV WRITE batches started",
+             static_cast<double>(writes_started));
+    w.Single("kvferry_writes_failed_total", "counter", "KV WRITE batches failed",
+             static_cast<double>(writes_failed));
+    w.Single("kvferry_writes_in_flight", "gauge", "KV writes queued or running",
+             static_cast<double>(in_flight));
     w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");
     w.Sample("kvferry_transfer_bytes_total", static_cast<double>(bytes), {{"direction", "sent"}});
     w.Family("kvferry_write_latency_seconds", "histogram", "P: one KV WRITE batch, start to end");
@@ -1103,39 +1101,39 @@ std::string Engine::RenderMetrics() {
       d.quarantined_blocks += x.quarantined_blocks;
       d.tracked += x.tracked;
     }
-    w.Family("kvferry_pulls_sent_total", "counter", "Pull messages sent (per P peer)");
-    w.Sample("kvferry_pulls_sent_total", static_cast<double>(d.pulls_sent));
-    w.Family("kvferry_pull_timeouts_total", "counter", "Pulls that timed out or broke");
-    w.Sample("kvferry_pull_timeouts_total", static_cast<double>(d.pull_timeouts));
+    w.Single("kvferry_pulls_sent_total", "counter", "Pull messages sent (per P peer)",
+             static_cast<double>(d.pulls_sent));
+    w.Single("kvferry_pull_timeouts_total", "counter", "Pulls that timed out or broke",
+             static_cast<double>(d.pull_timeouts));
     w.Family("kvferry_receives_total", "counter", "Per-rank receives settled, by outcome");
     w.Sample("kvferry_receives_total", static_cast<double>(d.receives_ok), {{"outcome", "ok"}});
     w.Sample("kvferry_receives_total", static_cast<double>(d.receives_failed),
              {{"outcome", "failed"}});
-    w.Family("kvferry_renewals_sent_total", "counter", "Renewal messages sent");
-    w.Sample("kvferry_renewals_sent_total", static_cast<double>(d.renewal_messages));
-    w.Family("kvferry_renewals_accepted_total", "counter", "Renewal messages accepted by P");
-    w.Sample("kvferry_renewals_accepted_total", static_cast<double>(d.renewals_accepted));
-    w.Family("kvferry_renewals_rejected_total", "counter", "Renewal messages rejected by P");
-    w.Sample("kvferry_renewals_rejected_total", static_cast<double>(d.renewals_rejected));
-    w.Family("kvferry_renewal_failures_total", "counter", "Renewals that got no reply");
-    w.Sample("kvferry_renewal_failures_total", static_cast<double>(d.renewal_failures));
-    w.Family("kvferry_renewal_tracked", "gauge", "Requests D renews (all ranks)");
-    w.Sample("kvferry_renewal_tracked", static_cast<double>(d.tracked));
-    w.Family("kvferry_quarantined_blocks", "gauge",
-             "D blocks whose writer state is unknown (ledger view, all ranks)");
-    w.Sample("kvferry_quarantined_blocks", static_cast<double>(d.quarantined_blocks));
-    w.Family("kvferry_blocks_awaiting_release", "gauge",
-             "D blocks of finished requests not yet back in the pool");
-    w.Sample("kvferry_blocks_awaiting_release", static_cast<double>(s.quarantined_blocks));
+    w.Single("kvferry_renewals_sent_total", "counter", "Renewal messages sent",
+             static_cast<double>(d.renewal_messages));
+    w.Single("kvferry_renewals_accepted_total", "counter", "Renewal messages accepted by P",
+             static_cast<double>(d.renewals_accepted));
+    w.Single("kvferry_renewals_rejected_total", "counter", "Renewal messages rejected by P",
+             static_cast<double>(d.renewals_rejected));
+    w.Single("kvferry_renewal_failures_total", "counter", "Renewals that got no reply",
+             static_cast<double>(d.renewal_failures));
+    w.Single("kvferry_renewal_tracked", "gauge", "Requests D renews (all ranks)",
+             static_cast<double>(d.tracked));
+    w.Single("kvferry_quarantined_blocks", "gauge",
+             "D blocks whose writer state is unknown (ledger view, all ranks)",
+             static_cast<double>(d.quarantined_blocks));
+    w.Single("kvferry_blocks_awaiting_release", "gauge",
+             "D blocks of finished requests not yet back in the pool",
+             static_cast<double>(s.quarantined_blocks));
     w.Family("kvferry_receive_failures_total", "counter",
              "D: requests whose receive failed, by the first error's code");
     for (const auto& [code, n] : s.receive_failures) {
       w.Sample("kvferry_receive_failures_total", static_cast<double>(n), {{"code", code}});
     }
-    w.Family("kvferry_corrupt_blocks_total", "counter", "Received blocks whose bytes were wrong");
-    w.Sample("kvferry_corrupt_blocks_total", static_cast<double>(s.corrupt_blocks));
-    w.Family("kvferry_verified_blocks_total", "counter", "Received blocks verified");
-    w.Sample("kvferry_verified_blocks_total", static_cast<double>(s.verified_blocks));
+    w.Single("kvferry_corrupt_blocks_total", "counter", "Received blocks whose bytes were wrong",
+             static_cast<double>(s.corrupt_blocks));
+    w.Single("kvferry_verified_blocks_total", "counter", "Received blocks verified",
+             static_cast<double>(s.verified_blocks));
     w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");
     w.Sample("kvferry_transfer_bytes_total", static_cast<double>(s.received_bytes),
              {{"direction", "received"}});

@@ -35,6 +35,11 @@ class PromWriter {
   // Starts a family; `type` is "counter", "gauge" or "histogram".
   void Family(std::string_view name, std::string_view type, std::string_view help);
   void Sample(std::string_view name, double value, const Labels& labels = {});
+  // A family with one unlabelled sample.
+  void Single(std::string_view name, std::string_view type, std::string_view help, double value) {
+    Family(name, type, help);
+    Sample(name, value);
+  }
   void Histo(std::string_view name, const Histogram& h, const Labels& labels = {});
   std::string Take() { return std::move(out_); }
 
