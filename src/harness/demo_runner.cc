@@ -295,6 +295,37 @@ std::optional<Instance> StartProxy(Env& env, const std::string& name, const Inst
   return std::nullopt;
 }
 
+// One /metrics value of an instance; -1 when it cannot be read.
+double MetricOf(const Instance& inst, const char* name) {
+  const auto text = HttpGet(inst.url, "/metrics", 2);
+  if (!text) return -1;
+  const auto m = ParsePrometheus(*text);
+  const auto it = m.find(name);
+  return it == m.end() ? 0.0 : it->second;
+}
+
+// How an instance ended: its pool back to empty (no leaked block) and, on D, no corrupt block.
+struct EndState {
+  bool checked = false;
+  double blocks_used = -1;
+  double corrupt = -1;  // D only
+  bool drained() const { return blocks_used == 0 && corrupt <= 0; }
+  std::string Text() const {
+    return corrupt < 0 ? fmt::format("{} blocks in use", blocks_used)
+                       : fmt::format("{} blocks in use, {} corrupt", blocks_used, corrupt);
+  }
+};
+
+// Waits up to `timeout_s` for the instance's pool to drain.
+EndState WaitDrained(const Instance& inst, bool decode, double timeout_s) {
+  EndState e;
+  e.checked = true;
+  (void)WaitFor([&] { return MetricOf(inst, "kvferry_kv_blocks_used") == 0; }, timeout_s, 0.05);
+  e.blocks_used = MetricOf(inst, "kvferry_kv_blocks_used");
+  if (decode) e.corrupt = MetricOf(inst, "kvferry_corrupt_blocks_total");
+  return e;
+}
+
 std::vector<std::string> EngineArgs(int blocks, int block_tokens, int prefill_us_per_token,
                                     int prefill_us_per_batch, int decode_us_per_step,
                                     int max_model_len) {
@@ -409,6 +440,7 @@ struct PolicyRun {
   std::vector<Sample> samples;
   std::vector<ProbeRecord> probes;
   LoadResult load;
+  EndState p_end, d_end;  // pools at the end (not waited for where a hold outlives the run)
 };
 
 json HoldConfig(bool lease, double timeout_s, double lease_s) {
@@ -524,6 +556,10 @@ PolicyRun RunDeployment(Env& env, const std::string& tag, const ParamsA& p, bool
   sampler.Stop();
   run.samples = sampler.samples();
   run.probes = prober.Records();
+  // The end state. Without a lease after D's crash, P holds the dead decoder's KV for the whole
+  // (scaled) 480 s by design, which outlives the run: that pool is not waited for.
+  if (lease || !kill_d) run.p_end = WaitDrained(*P, false, p.lease_s * 2 + 5);
+  if (!kill_d) run.d_end = WaitDrained(*D, true, 10);
   X->proc->Stop(5);
   P->proc->Stop(10);
   D->proc->Stop(10);
@@ -781,6 +817,8 @@ void ScenarioA(Env& env) {
             fmt::format("A/timeout: without the lease P still holds the dead decoder's KV one "
                         "lease after the crash ({}% >= 90%)",
                         Fixed(held)));
+  env.Check(l.p_end.drained(),
+            fmt::format("A/lease: P's pool back to empty at the end ({})", l.p_end.Text()));
 }
 
 void ScenarioB(Env& env) {
@@ -852,6 +890,12 @@ void ScenarioB(Env& env) {
   env.Check(l.load.summary.succeeded == l.load.summary.total && l.load.summary.total == p.requests,
             fmt::format("B/lease: every request succeeded ({}/{})", l.load.summary.succeeded,
                         p.requests));
+  for (const PolicyRun* r : {&t, &l}) {
+    const char* name = r == &l ? "lease" : "timeout";
+    env.Check(r->p_end.drained() && r->d_end.drained(),
+              fmt::format("B/{}: both pools back to empty, nothing corrupt (P: {}; D: {})", name,
+                          r->p_end.Text(), r->d_end.Text()));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -919,6 +963,15 @@ void ScenarioC(Env& env) {
     const auto it = dm.find(k);
     return it == dm.end() ? 0.0 : it->second;
   };
+  // Without a lease P keeps the KV of a request whose WRITE it reported as failed until its
+  // abort_request_timeout (a failed send does not count as sent; behaviour unchanged from
+  // today's), so P's pool ends holding exactly those requests' blocks.
+  const double failed_blocks = static_cast<double>(total.failed) * BlocksFor(p.prompt, p.block_tokens);
+  (void)WaitFor([&] { return MetricOf(*P, "kvferry_kv_blocks_used") == failed_blocks; }, 10);
+  EndState c_p_end;
+  c_p_end.checked = true;
+  c_p_end.blocks_used = MetricOf(*P, "kvferry_kv_blocks_used");
+  const EndState c_d_end = WaitDrained(*D, true, 10);
   X->proc->Stop(5);
   P->proc->Stop(10);
   D->proc->Stop(10);
@@ -981,6 +1034,11 @@ void ScenarioC(Env& env) {
             "C: D verified every received block (0 corrupt)");
   env.Check(total.failed > 0,
             fmt::format("C: the injected errors reached D ({} requests failed)", total.failed));
+  env.Check(c_p_end.blocks_used == failed_blocks && c_d_end.drained(),
+            fmt::format("C: D's pool back to empty, nothing corrupt ({}); P holds only the {} "
+                        "requests whose WRITE failed, until their timeout ({} of {:.0f} "
+                        "expected)",
+                        c_d_end.Text(), total.failed, c_p_end.Text(), failed_blocks));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -993,6 +1051,7 @@ struct LatePull {
   double pulled_at = -1;  // P's prefill answer -> D's request
   CompletionOutcome d;
   double late_pulls_rejected = 0;
+  EndState p_end, d_end;
 };
 
 LatePull RunLatePull(Env& env, const std::string& tag, bool lease, const ParamsD& p) {
@@ -1049,6 +1108,8 @@ LatePull RunLatePull(Env& env, const std::string& tag, bool lease, const ParamsD
   out.d = PostCompletion({D->url, db.dump(), true, p.hold_s * 24 + 30, nullptr});
   out.late_pulls_rejected = p_metric("kvferry_late_pulls_rejected_total");
   out.ran = true;
+  out.p_end = WaitDrained(*P, false, 5);
+  out.d_end = WaitDrained(*D, true, 5);
   P->proc->Stop(10);
   D->proc->Stop(10);
   return out;
@@ -1089,6 +1150,9 @@ void ScenarioD(Env& env) {
         fmt::format("D/{}: the late pull failed in {:.1f} ms (< 1 s; P counted {:.0f} late "
                     "pull(s) rejected)",
                     lease ? "lease" : "timeout", r->d.latency_s * 1000, r->late_pulls_rejected));
+    env.Check(r->p_end.drained() && r->d_end.drained(),
+              fmt::format("D/{}: both pools back to empty (P: {}; D: {})",
+                          lease ? "lease" : "timeout", r->p_end.Text(), r->d_end.Text()));
   }
 }
 
