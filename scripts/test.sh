@@ -22,9 +22,9 @@ echo "== tests"
 (cd build && ctest --output-on-failure -j "$jobs" --timeout 300)
 
 if [ "${KVFERRY_SKIP_ASAN:-0}" != 1 ]; then
-  echo "== sanitizers: core, wire and simulator tests under ASan + UBSan (build-asan/)"
+  echo "== sanitizers: core, wire, protocol and simulator tests under ASan + UBSan (build-asan/)"
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVFERRY_SANITIZE=ON \
-    -DKVFERRY_BENCH=OFF -DKVFERRY_MODULES="core;wire;sim" >/dev/null
+    -DKVFERRY_BENCH=OFF -DKVFERRY_MODULES="core;wire;protocol;sim" >/dev/null
   cmake --build build-asan -j "$jobs"
   (cd build-asan && ctest --output-on-failure -j "$jobs" --timeout 300)
 fi

@@ -1,15 +1,16 @@
-// PrefillListener: one P worker's side channel (SPEC §1, §2.4, §3.5, §4). A ZeroMQ ROUTER that
-// answers D's renewals and serves D's pulls, driving the worker's core::HoldTable.
+// PrefillListener: one P worker's side channel (SPEC §1, §2.4, §3.5, §4): a thin ZeroMQ pump
+// around protocol::PrefillSession, which makes every protocol decision (pairing, parking,
+// waves, replies, renewals, expiry, limits; see protocol/prefill_session.h for the contracts).
 //
 // Threads and ownership (one owner per resource):
-//  - The listener thread owns the ROUTER socket, the HoldTable, the parked pulls and the
-//    descriptor cache. It reads every message, answers renewals itself at once (so renewals are
-//    never stuck behind writes or unfinished prefills), admits pulls and runs the expiry pass at
-//    HoldTable::NextDeadline().
-//  - `num_senders` sender threads call KvWriter::Write and report the result back to the
-//    listener through its command queue (the listener does BeginSend/EndSend).
+//  - The listener thread owns the ROUTER socket and the PrefillSession. It feeds the session
+//    every message (renewals are answered at once, so they are never stuck behind writes or
+//    unfinished prefills), the engine's calls, write completions and the time, and carries out
+//    what comes back: replies go out on the socket, write jobs to the senders, hold events to
+//    the engine. It wakes at PrefillSession::NextDeadline() for the expiry pass.
+//  - `num_senders` sender threads call KvWriter::Write and post the outcome back.
 //  - Engine threads call Admit / PrefillDone / EngineFinished; these are queued commands the
-//    listener drains (woken through an eventfd). Each returns a future with the HoldTable's
+//    listener drains (woken through an eventfd). Each returns a future with the session's
 //    Status, so a refusal (e.g. kTombstoned: nobody will pull this KV) reaches the engine.
 //  - Hold events kFreeBlocks / kAbortPrefill reach the engine through `on_hold_event`, called on
 //    the listener thread.
@@ -17,15 +18,6 @@
 // Wire framing (docs/protocol.md §1): a message arrives as [identity][payload] and each reply
 // goes out as [identity][payload] with the request's wire `id` copied into it, which is how D
 // matches replies to requests. Any other frame count is answered with ERROR and not served.
-//
-// Replies: a Renewal gets one RenewalReply (kAccepted with counts, kRejected when P has no
-// lease, kError when it does not decode); p_lease_ms is always filled. A Pull gets one
-// PullResponse per readiness wave — CONTINUE, with FINISH on the last one, which may carry that
-// wave's ok/err lists too — and every request of the pull is listed exactly once in some ok or
-// err; or one ERROR when the whole message is unusable (undecodable, unsupported version, wrong
-// type, wrong frame count, D rank not paired with this P rank, unknown region descriptor,
-// duplicate d_req_id).
-// Malformed input changes nothing in the HoldTable.
 #pragma once
 
 #include <chrono>
@@ -40,30 +32,9 @@
 #include "kvferry/core/ids.h"
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"
+#include "protocol/prefill_session.h"
 
 namespace kvferry::control {
-
-// The D side of one pull, as the writer needs it. Shared (read-only) by every job of the pull.
-struct PullContext {
-  core::EngineId d_engine_id;
-  std::uint32_t d_tp_size = 1;
-  std::uint32_t d_tp_rank = 0;
-  std::uint32_t p_tp_size = 1;
-  std::uint32_t p_tp_rank = 0;
-  // D's region descriptor (from this pull, or cached from an earlier one of this D rank).
-  // Never null.
-  std::shared_ptr<const std::vector<std::uint8_t>> region_descriptor;
-  std::uint64_t block_len = 0;   // D's block stride in bytes
-  std::uint32_t num_blocks = 0;  // blocks D registered (every dst id was checked against it)
-};
-
-// One request of a pull, ready to be written: the transfer's KV goes into `dst_block_ids`.
-struct WriteJob {
-  core::TransferId transfer_id;
-  std::uint64_t handle = 0;  // the engine's cookie given to Admit (finds the source blocks)
-  core::RequestId d_req_id;
-  std::vector<core::BlockId> dst_block_ids;
-};
 
 // The data plane as the listener sees it. Implementations plan slices (core/tp_plan.h) and
 // write them.
@@ -71,10 +42,13 @@ class KvWriter {
  public:
   virtual ~KvWriter() = default;
 
-  // Writes the job's KV into D and returns when the bytes landed (OK) or the write failed; the
-  // error is listed in the pull's `err`. Called on sender threads, up to `num_senders` at once.
-  // Must not throw. Must return soon after CancelWrites().
-  virtual Status Write(const PullContext& context, const WriteJob& job) = 0;
+  // Writes the job's KV into D and returns when the bytes landed (kLanded) or the write failed:
+  // kFailed when nothing more of it can land (its reason is listed in the pull's `err`),
+  // kUnsettled when that cannot be proved (e.g. the peer could not be fenced: the request is
+  // left unanswered so D quarantines its blocks). Called on sender threads, up to `num_senders`
+  // at once. Must not throw. Must return soon after CancelWrites().
+  virtual protocol::WriteOutcome Write(const protocol::PullContext& context,
+                                       const protocol::WriteJob& job) = 0;
 
   // Called once from the listener thread when Stop() finds writes still running after
   // `drain_timeout`: make every blocked Write return (e.g. close the data-plane endpoints).
@@ -100,34 +74,16 @@ struct ListenerOptions {
   std::chrono::milliseconds cancel_grace{1000};
   // How long the socket may take to flush the last replies when it closes.
   std::chrono::milliseconds linger{1000};
-  // Region descriptors remembered per (d_engine_id, d_tp_rank); beyond this, one is evicted.
+  // PrefillSessionOptions' limits (protocol/prefill_session.h).
   std::size_t max_cached_descriptors = 4096;
+  std::size_t max_pulls_in_progress = 16384;
+  std::size_t max_parked_requests = 65536;
 };
 
-// A snapshot of the listener's counters (Prometheus style: monotonic totals, plus gauges).
-struct ListenerStats {
-  std::uint64_t messages_received = 0;
-  std::uint64_t messages_malformed = 0;  // answered with ERROR / RenewalReply kError
-  std::uint64_t renewals_accepted = 0;   // messages, not fingerprints (see hold for those)
-  std::uint64_t renewals_rejected = 0;   // messages answered kRejected (no lease on P)
-  std::uint64_t pulls_received = 0;      // Pull messages admitted (not ERROR)
-  std::uint64_t pull_errors = 0;         // Pull messages answered with ERROR
-  std::uint64_t requests_ok = 0;
-  std::uint64_t requests_err = 0;
-  std::uint64_t late_pulls_rejected = 0;  // requests failed kTombstoned
-  std::uint64_t lease_mismatches = 0;     // requests failed kLeaseMismatch
-  std::uint64_t writes_started = 0;
-  std::uint64_t writes_failed = 0;
-  std::uint64_t responses_sent = 0;         // PullResponse + RenewalReply messages
-  std::uint64_t replies_dropped = 0;        // peer gone or its queue full (ROUTER_MANDATORY)
-  std::uint64_t hold_events_delivered = 0;  // kFreeBlocks + kAbortPrefill
-  // Gauges.
-  std::uint64_t pulls_in_progress = 0;
-  std::uint64_t requests_parked = 0;   // waiting for a prefill
-  std::uint64_t writes_in_flight = 0;  // queued or running on a sender
-  // The HoldTable's own view.
-  core::HoldStats hold;
-  std::size_t hold_entries = 0;
+// A snapshot of the listener's counters: the session's, and what the socket did with its replies.
+struct ListenerStats : protocol::PrefillStats {
+  std::uint64_t responses_sent = 0;   // PullResponse + RenewalReply messages sent
+  std::uint64_t replies_dropped = 0;  // peer gone or its queue full (ROUTER_MANDATORY)
 };
 
 class PrefillListener {
@@ -158,7 +114,7 @@ class PrefillListener {
   ListenerStats Stats(std::chrono::milliseconds wait = std::chrono::milliseconds(1000));
 
   // Stops reading the socket; fails parked pulls and queued writes with kCancelled (answered
-  // to D); waits up to drain_timeout (+ cancel_grace after KvWriter::CancelWrites) for running
+  // to D: PrefillSession::Shutdown); waits up to drain_timeout (+ cancel_grace after KvWriter::CancelWrites) for running
   // writes and answers them; flushes replies (linger) and joins every thread. Idempotent.
   // Returns kTimeout if some write never returned in time (those pulls are left unanswered:
   // D's timeout quarantines their blocks).

@@ -77,7 +77,7 @@ TimePoint HoldTable::RealDeadline(const Entry& e) const {
     }
     return e.expire;
   }
-  TimePoint deadline = e.waiting_pulls > 0 ? e.wait_deadline : kNever;
+  TimePoint deadline = e.waiting_mask != 0 ? e.wait_deadline : kNever;
   if (config_.lease_enabled() && e.last_renewal != kNever) {
     deadline = std::min(deadline, e.last_renewal + config_.lease);
   }
@@ -131,8 +131,8 @@ Status HoldTable::PrefillDone(const TransferId& id, std::uint32_t num_blocks, Ti
   stats_.blocks_ready += num_blocks;
   e->expire = now + (config_.lease_enabled() ? config_.lease : config_.abort_request_timeout);
   e->wait_deadline = kNever;
-  if (e->waiting_pulls > 0) {
-    e->waiting_pulls = 0;
+  if (e->waiting_mask != 0) {
+    e->waiting_mask = 0;
     events_.push_back({HoldEvent::Kind::kPullsReady, e->id, e->handle, ReleaseReason::kSent, {}});
   }
   Rearm(*e);
@@ -264,8 +264,14 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
             {}};
   }
   if (e.phase == HoldPhase::kReady) return {V::kReady, {}, {}};
-  if (e.waiting_pulls == 0) e.wait_deadline = now + config_.abort_request_timeout;
-  ++e.waiting_pulls;
+  if ((e.waiting_mask >> d_rank) & 1) {
+    return {V::kFail,
+            Status(ErrorCode::kAlreadyExists,
+                   fmt::format("decoder rank {} already waits for transfer {}", d_rank, id)),
+            {}};
+  }
+  if (e.waiting_mask == 0) e.wait_deadline = now + config_.abort_request_timeout;
+  e.waiting_mask |= std::uint64_t{1} << d_rank;
   Rearm(e);
   return {V::kWait, {}, e.wait_deadline};
 }
@@ -375,7 +381,7 @@ void HoldTable::Rearm(Entry& e) {
 }
 
 void HoldTable::Release(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now) {
-  if (e.waiting_pulls > 0) {
+  if (e.waiting_mask != 0) {
     events_.push_back({HoldEvent::Kind::kPullsFailed, e.id, e.handle, reason, pull_error});
   }
   if (e.phase == HoldPhase::kReady) {

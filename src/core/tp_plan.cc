@@ -8,6 +8,10 @@ namespace kvferry::core {
 
 Result<int> TpRatio(std::uint32_t local_tp, std::uint32_t remote_tp) {
   if (local_tp == 0 || remote_tp == 0) return Err(ErrorCode::kInvalidArgument, "tp size is 0");
+  if (local_tp > kMaxTpSize || remote_tp > kMaxTpSize) {
+    return Err(ErrorCode::kOutOfRange, fmt::format("tp sizes {} and {}: at most {} ranks", local_tp,
+                                                   remote_tp, kMaxTpSize));
+  }
   if (local_tp >= remote_tp) {
     if (local_tp % remote_tp != 0) {
       return Err(ErrorCode::kInvalidArgument,

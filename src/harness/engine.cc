@@ -264,8 +264,8 @@ Status Engine::Impl::StartRanks() {
       if (listed(options.fault_delay_ranks))
         o.faults.max_write_delay = options.faults.max_write_delay;
       TraceFile* trace = options.trace.get();
-      o.trace = [this, trace, rank](runtime::WritePhase phase, const control::PullContext& ctx,
-                                    const control::WriteJob& job, core::TimePoint t,
+      o.trace = [this, trace, rank](runtime::WritePhase phase, const protocol::PullContext& ctx,
+                                    const protocol::WriteJob& job, core::TimePoint t,
                                     const Status& status) {
         // Start and end of one write run on the same sender thread (Write is synchronous).
         thread_local core::TimePoint started{};

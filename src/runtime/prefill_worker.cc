@@ -78,13 +78,17 @@ void TransportKvWriter::DropPeer(const std::vector<std::uint8_t>& descriptor,
   (void)engine_->ClosePeer(id, Deadline(std::chrono::milliseconds(1000)));
 }
 
-Status TransportKvWriter::Write(const control::PullContext& context, const control::WriteJob& job) {
+protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& context,
+                                                const protocol::WriteJob& job) {
+  using protocol::WriteOutcome;
+  // Every failure before SubmitWrites wrote nothing.
+  auto failed = [](Status why) { return WriteOutcome::Failed(std::move(why)); };
   auto source = source_(job.handle);
-  if (!source) return source.error();
+  if (!source) return failed(source.error());
   if (source->size() < job.dst_block_ids.size()) {
-    return Status(ErrorCode::kOutOfRange,
-                  fmt::format("transfer {}: prefill holds {} blocks, decoder asked for {}",
-                              job.transfer_id, source->size(), job.dst_block_ids.size()));
+    return failed(Status(ErrorCode::kOutOfRange,
+                         fmt::format("transfer {}: prefill holds {} blocks, decoder asked for {}",
+                                     job.transfer_id, source->size(), job.dst_block_ids.size())));
   }
   // D may already hold a prefix (a cache hit): it asks only for the last blocks.
   std::span<const core::BlockId> src(*source);
@@ -92,11 +96,11 @@ Status TransportKvWriter::Write(const control::PullContext& context, const contr
 
   const core::TpLayout d_layout{context.d_tp_size, options_.layout.kv_heads, context.block_len};
   auto slice = core::PlanSlice(options_.p_tp_rank, options_.layout, context.d_tp_rank, d_layout);
-  if (!slice) return slice.error();
+  if (!slice) return failed(slice.error());
   auto ops = core::PlanWrites(src, job.dst_block_ids, *slice, options_.layout.block_len,
                               context.block_len);
-  if (!ops) return ops.error();
-  if (ops->empty()) return Status::Ok();  // replicated KV another P rank writes
+  if (!ops) return failed(ops.error());
+  if (ops->empty()) return WriteOutcome::Landed();  // replicated KV another P rank writes
 
   // Injected faults: draw both decisions up front, under the lock (senders run in parallel).
   bool fail_after_write = false;
@@ -116,7 +120,7 @@ Status TransportKvWriter::Write(const control::PullContext& context, const contr
   if (delay.count() > 0) std::this_thread::sleep_for(delay);
 
   auto peer = PeerFor(*context.region_descriptor);
-  if (!peer) return peer.error();
+  if (!peer) return failed(peer.error());
   std::vector<transport::WriteOp> batch;
   batch.reserve(ops->size());
   std::uint64_t bytes = 0;
@@ -132,7 +136,7 @@ Status TransportKvWriter::Write(const control::PullContext& context, const contr
     if (submitted.error().code() == ErrorCode::kUnavailable) {
       DropPeer(*context.region_descriptor, peer->id);
     }
-    return submitted.error();
+    return failed(submitted.error());
   }
   Status status = waiter.Wait(Deadline(options_.write_timeout));
   if (status.code() == ErrorCode::kTimeout || status.code() == ErrorCode::kUnavailable) {
@@ -142,9 +146,10 @@ Status TransportKvWriter::Write(const control::PullContext& context, const contr
     DropPeer(*context.region_descriptor, peer->id);
     Status fenced = waiter.Wait(Deadline(kFenceWait));
     if (fenced.code() == ErrorCode::kTimeout) {
-      return Status(ErrorCode::kInternal,
-                    fmt::format("write of {} could not be fenced within {} ms", job.transfer_id,
-                                kFenceWait.count()));
+      // Bytes of this batch may still land: the request stays unanswered so D quarantines it.
+      return WriteOutcome::Unsettled(
+          Status(ErrorCode::kInternal, fmt::format("write of {} could not be fenced within {} ms",
+                                                   job.transfer_id, kFenceWait.count())));
     }
     if (status.code() == ErrorCode::kTimeout) {
       status = Status(ErrorCode::kTimeout,
@@ -159,10 +164,12 @@ Status TransportKvWriter::Write(const control::PullContext& context, const contr
     ++batches_;
   }
   if (status.ok() && fail_after_write) {
-    return Status(ErrorCode::kInternal,
-                  fmt::format("injected failure after a successful write of {}", job.transfer_id));
+    return failed(Status(ErrorCode::kInternal, fmt::format("injected failure after a successful "
+                                                           "write of {}",
+                                                           job.transfer_id)));
   }
-  return status;
+  // The batch completed (or failed and was fenced): nothing more of it can land.
+  return status.ok() ? WriteOutcome::Landed() : failed(std::move(status));
 }
 
 void TransportKvWriter::CancelWrites() {

@@ -42,8 +42,8 @@ struct WriteFaults {
 // What a trace hook sees: the moment a write of `job` starts or ends (steady clock, which is
 // system-wide on Linux, so traces of several processes on one host can be merged).
 enum class WritePhase : std::uint8_t { kStart, kEnd };
-using WriteTraceFn = std::function<void(WritePhase, const control::PullContext&,
-                                        const control::WriteJob&, core::TimePoint, const Status&)>;
+using WriteTraceFn = std::function<void(WritePhase, const protocol::PullContext&,
+                                        const protocol::WriteJob&, core::TimePoint, const Status&)>;
 
 // KvWriter over a transport::Engine: plans the slice of every block this P rank owes the pulling
 // D rank (core/tp_plan.h), coalesces contiguous runs, and writes them as one batch.
@@ -61,7 +61,8 @@ class TransportKvWriter : public control::KvWriter {
                     SourceBlocksFn source);
   ~TransportKvWriter() override;
 
-  Status Write(const control::PullContext& context, const control::WriteJob& job) override;
+  protocol::WriteOutcome Write(const protocol::PullContext& context,
+                               const protocol::WriteJob& job) override;
   void CancelWrites() override;
 
   // Bytes written and batches, for metrics.

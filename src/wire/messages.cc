@@ -10,6 +10,8 @@
 
 #include "wire/messages.h"
 
+#include "kvferry/core/tp_plan.h"
+
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -445,6 +447,10 @@ Status Validate(const Pull& msg) {
   if (msg.d_engine_id.size() > kMaxIdBytes)
     return bad(ErrorCode::kOutOfRange, "d_engine_id: too long");
   if (msg.d_tp_size == 0) return bad(ErrorCode::kOutOfRange, "d_tp_size: must be >= 1");
+  if (msg.d_tp_size > core::kMaxTpSize) {
+    return bad(ErrorCode::kOutOfRange,
+               "d_tp_size: at most " + std::to_string(core::kMaxTpSize) + " ranks");
+  }
   if (msg.d_tp_rank >= msg.d_tp_size) {
     return bad(ErrorCode::kOutOfRange, "d_tp_rank: must be < d_tp_size");
   }
@@ -493,7 +499,7 @@ Result<Pull> DecodePull(const std::uint8_t* data, std::size_t size) {
   KVF_ASSIGN(engine, GetStr(*f[kPEngine], kPullLabels[kPEngine], kMaxIdBytes, true));
   std::uint64_t tp_size = 0;
   std::uint64_t tp_rank = 0;
-  KVF_ASSIGN(tp_size, GetUint(*f[kPTpSize], kPullLabels[kPTpSize], UINT32_MAX));
+  KVF_ASSIGN(tp_size, GetUint(*f[kPTpSize], kPullLabels[kPTpSize], core::kMaxTpSize));
   KVF_ASSIGN(tp_rank, GetUint(*f[kPTpRank], kPullLabels[kPTpRank], UINT32_MAX));
   if (tp_size == 0) return FieldErr(ErrorCode::kOutOfRange, kPullLabels[kPTpSize], "must be >= 1");
   if (tp_rank >= tp_size) {

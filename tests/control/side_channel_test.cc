@@ -32,7 +32,8 @@ using wire::testing::Raw;
 // A KvWriter whose writes block while its gate is closed (CancelWrites opens it).
 class GateWriter : public KvWriter {
  public:
-  Status Write(const PullContext& context, const WriteJob& job) override {
+  protocol::WriteOutcome Write(const protocol::PullContext& context,
+                               const protocol::WriteJob& job) override {
     std::unique_lock<std::mutex> lock(mu_);
     ++running_;
     jobs_.push_back(job);
@@ -40,8 +41,11 @@ class GateWriter : public KvWriter {
     cv_.notify_all();
     cv_.wait(lock, [this] { return open_; });
     --running_;
-    if (fail_) return Status(ErrorCode::kUnavailable, "injected write failure");
-    return Status::Ok();
+    if (fail_) {
+      return protocol::WriteOutcome::Failed(
+          Status(ErrorCode::kUnavailable, "injected write failure"));
+    }
+    return protocol::WriteOutcome::Landed();
   }
   void CancelWrites() override {
     cancelled_ = true;
@@ -60,11 +64,11 @@ class GateWriter : public KvWriter {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, timeout, [&] { return running_ >= n; });
   }
-  std::vector<WriteJob> jobs() {
+  std::vector<protocol::WriteJob> jobs() {
     std::lock_guard<std::mutex> lock(mu_);
     return jobs_;
   }
-  std::vector<PullContext> contexts() {
+  std::vector<protocol::PullContext> contexts() {
     std::lock_guard<std::mutex> lock(mu_);
     return contexts_;
   }
@@ -76,8 +80,8 @@ class GateWriter : public KvWriter {
   bool open_ = true;
   bool fail_ = false;
   int running_ = 0;
-  std::vector<WriteJob> jobs_;
-  std::vector<PullContext> contexts_;
+  std::vector<protocol::WriteJob> jobs_;
+  std::vector<protocol::PullContext> contexts_;
 };
 
 class EventLog {

@@ -267,6 +267,25 @@ TEST(HoldTableRules, PullBeforeAdmitWaitsThenSendsWhenPrefillDone) {
   EXPECT_EQ(events[0].handle, 5u);
 }
 
+// One wait per D rank and transfer: a D rank repeating its pull cannot grow anything, and no
+// counter can wrap (a 16-bit count once wrapped after 65,536 waits and dropped the deadline).
+TEST(HoldTableRules, SecondWaitOfOneDecoderRankIsRefusedAndKeepsTheDeadline) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, seconds(30), t0).verdict, Verdict::kWait);
+  for (int i = 0; i < 70000; ++i) {
+    PullAdmission again = t.AdmitPull("x", 0, 2, seconds(30), t0 + seconds(1));
+    ASSERT_EQ(again.verdict, Verdict::kFail);
+    ASSERT_EQ(again.error.code(), ErrorCode::kAlreadyExists);
+  }
+  EXPECT_EQ(t.DeadlineOf("x"), t0 + seconds(480));
+  // Another rank of the same transfer still waits.
+  EXPECT_EQ(t.AdmitPull("x", 1, 2, seconds(30), t0).verdict, Verdict::kWait);
+  MakeReady(t, "x", t0 + seconds(2));
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, Kind::kPullsReady);
+}
+
 TEST(HoldTableRules, UnadmittedPlaceholderFailsAfterAbortRequestTimeout) {
   HoldTable t(NoLeaseConfig(480));
   ASSERT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, t0).verdict, Verdict::kWait);

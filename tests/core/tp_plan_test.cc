@@ -16,6 +16,14 @@ TEST(TpPlanRules, RatioIsLocalOverRemoteOrNegative) {
   EXPECT_FALSE(TpRatio(0, 2).has_value());
 }
 
+// Sizes come from the wire: 2^31 once overflowed `int` and made P allocate per rank.
+TEST(TpPlanRules, SizesAboveTheRankLimitAreRefused) {
+  EXPECT_EQ(*TpRatio(kMaxTpSize, 1), static_cast<int>(kMaxTpSize));
+  EXPECT_EQ(TpRatio(kMaxTpSize + 1, 1).error().code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(TpRatio(1, 1u << 31).error().code(), ErrorCode::kOutOfRange);
+  EXPECT_FALSE(PairedDecoderRanks(0, 1, 1u << 31).has_value());
+}
+
 TEST(TpPlanRules, DecoderTpAtLeastPrefillPullsFromOneRank) {
   // P TP1 → D TP2: both D ranks pull from P0.
   EXPECT_EQ(*PullTargets(0, 2, 1), V{0});

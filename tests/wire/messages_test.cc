@@ -501,8 +501,12 @@ TEST(WirePullFields, ValueRules) {
               "'ts' (d_tp_size): must be >= 1");
   ExpectError(DecodePull(PullWith("", "tr", Raw().Uint(2))), ErrorCode::kOutOfRange,
               "2 is not below d_tp_size 2");
-  ExpectError(DecodePull(PullWith("", "ts", Raw().Uint(1ull << 32))), ErrorCode::kOutOfRange,
-              "'ts' (d_tp_size): 4294967296 exceeds 4294967295");
+  // Bounded by the 64-rank limit before P does any per-rank work (a 46-byte pull naming 2^31
+  // ranks once made P allocate per rank and exit with bad_alloc).
+  ExpectError(DecodePull(PullWith("", "ts", Raw().Uint(65))), ErrorCode::kOutOfRange,
+              "'ts' (d_tp_size): 65 exceeds 64");
+  ExpectError(DecodePull(PullWith("", "ts", Raw().Uint(1ull << 31))), ErrorCode::kOutOfRange,
+              "'ts' (d_tp_size): 2147483648 exceeds 64");
   ExpectError(DecodePull(PullWith("", "bl", Raw().Uint(0))), ErrorCode::kOutOfRange,
               "'bl' (block_len): must be >= 1");
   ExpectError(DecodePull(PullWith("", "nb", Raw().Uint(1ull << 32))), ErrorCode::kOutOfRange,

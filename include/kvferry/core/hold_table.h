@@ -151,7 +151,9 @@ class HoldTable {
   // say; leases are compared in whole milliseconds, the wire's unit). Unknown ids get a
   // placeholder and wait. Fails at once for tombstoned ids and lease mismatches (which also
   // release the entry, or tombstone the id if P has not seen it: D fails the request and will
-  // not pull it again), and for a `need_send` that differs from the one the first pull gave.
+  // not pull it again), for a `need_send` that differs from the one the first pull gave, and
+  // (kAlreadyExists, nothing changed) for a second pull of a D rank that already waits for,
+  // is being sent or was sent this transfer.
   PullAdmission AdmitPull(const TransferId& id, std::uint32_t d_rank, std::uint32_t need_send,
                           std::optional<Duration> d_lease, TimePoint now);
 
@@ -189,10 +191,12 @@ class HoldTable {
     TimePoint last_renewal = kNever;   // kNever: never renewed
     std::uint64_t sent_mask = 0;       // D ranks that pulled successfully (ranks < 64)
     std::uint64_t sending_mask = 0;    // D ranks whose write is in flight
+    // D ranks with a pull waiting for the prefill: one wait per rank, so a D rank that repeats
+    // its pull cannot grow anything, and the count (its popcount) cannot wrap.
+    std::uint64_t waiting_mask = 0;
     std::uint32_t heap_pos = kNotInHeap;
     std::uint32_t num_blocks = 0;
     std::uint16_t need_send = 0;  // 0 until the first pull says
-    std::uint16_t waiting_pulls = 0;
     HoldPhase phase = HoldPhase::kPlaceholder;
     // Set when the entry must go (engine abort, lease mismatch) while a send still reads its
     // blocks: it is released with this reason as soon as the last send ends.

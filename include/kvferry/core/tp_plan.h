@@ -27,7 +27,14 @@ struct TpLayout {
   std::uint64_t block_len = 0;  // bytes of one block in one region on one rank
 };
 
-// local/remote ratio: local/remote when local >= remote, else -(remote/local). Sizes must divide.
+// The largest tensor-parallel size kvferry accepts, on either side. P tracks which D ranks pulled
+// a transfer in 64-bit masks (hold_table.h), and every size that arrives from the wire is
+// checked against this before anything is allocated per rank (a pull naming d_tp_size 2^31 must
+// cost nothing).
+inline constexpr std::uint32_t kMaxTpSize = 64;
+
+// local/remote ratio: local/remote when local >= remote, else -(remote/local). Sizes must divide
+// and be in [1, kMaxTpSize] (kOutOfRange otherwise).
 Result<int> TpRatio(std::uint32_t local_tp, std::uint32_t remote_tp);
 
 // The P ranks D rank `d_rank` pulls from: [r / ratio] when D TP >= P TP, else

@@ -1,0 +1,544 @@
+#include "protocol/prefill_session.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string_view>
+#include <utility>
+
+#include "kvferry/core/tp_plan.h"
+
+namespace kvferry::protocol {
+namespace {
+
+using core::TimePoint;
+
+std::string Truncated(std::string text) {
+  if (text.size() > wire::kMaxTextBytes) text.resize(wire::kMaxTextBytes);
+  return text;
+}
+
+std::string LeaseMsText(std::uint64_t ms) { return ms == 0 ? "off" : fmt::format("{} ms", ms); }
+
+}  // namespace
+
+Status PrefillSession::ValidateOptions(const PrefillSessionOptions& options) {
+  if (options.p_tp_size == 0 || options.p_tp_size > core::kMaxTpSize ||
+      options.p_tp_rank >= options.p_tp_size) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("p_tp_rank {} of tp {}: tp must be 1..{} and the rank below it",
+                              options.p_tp_rank, options.p_tp_size, core::kMaxTpSize));
+  }
+  return Status::Ok();
+}
+
+PrefillSession::PrefillSession(PrefillSessionOptions options)
+    : options_(std::move(options)),
+      p_lease_ms_(static_cast<std::uint64_t>(
+          std::chrono::duration_cast<std::chrono::milliseconds>(options_.hold.lease).count())),
+      table_(options_.hold) {}
+
+// ---- input from D ----
+
+void PrefillSession::OnMessage(const PeerAddress& peer, std::span<const std::uint8_t> payload,
+                               TimePoint now) {
+  ++counters_.messages_received;
+  if (payload.size() > wire::kMaxFrameBytes) {
+    RejectMessage(peer, ErrorCode::kOutOfRange,
+                  fmt::format("frame of {} bytes exceeds the limit of {} bytes", payload.size(),
+                              wire::kMaxFrameBytes));
+    return;
+  }
+  Result<wire::MessageType> type = wire::PeekType(payload);
+  if (!type) {
+    RejectMessage(peer, type.error().code(), type.error().message());
+    return;
+  }
+  switch (*type) {
+    case wire::MessageType::kRenewal: {
+      Result<wire::Renewal> renewal = wire::DecodeRenewal(payload);
+      if (!renewal) {
+        ++counters_.messages_malformed;
+        wire::RenewalReply reply;
+        reply.p_lease_ms = p_lease_ms_;
+        reply.status = wire::RenewalStatus::kError;
+        reply.message = Truncated(renewal.error().ToString());
+        Emit(peer, std::move(reply));
+        return;
+      }
+      OnRenewal(peer, *renewal, now);
+      return;
+    }
+    case wire::MessageType::kPull: {
+      Result<wire::Pull> pull = wire::DecodePull(payload);
+      if (!pull) {
+        ++counters_.pull_errors;
+        RejectMessage(peer, pull.error().code(), pull.error().message());  // id unreadable
+        return;
+      }
+      OnPull(peer, std::move(*pull), now);
+      return;
+    }
+    case wire::MessageType::kRenewalReply:
+    case wire::MessageType::kPullResponse:
+      break;
+  }
+  RejectMessage(
+      peer, ErrorCode::kProtocol,
+      fmt::format("unexpected {} message on a prefill side channel", wire::ToString(*type)));
+}
+
+void PrefillSession::RejectMessage(const PeerAddress& peer, ErrorCode code, std::string reason) {
+  ++counters_.messages_malformed;
+  ReplyPullError(peer, code, std::move(reason), 0);
+}
+
+void PrefillSession::OnRenewal(const PeerAddress& peer, const wire::Renewal& renewal,
+                               TimePoint now) {
+  wire::RenewalReply reply;
+  reply.id = renewal.id;
+  reply.p_lease_ms = p_lease_ms_;
+  if (shut_down_) {
+    reply.status = wire::RenewalStatus::kError;
+    reply.message = "prefill worker is shutting down";
+    Emit(peer, std::move(reply));
+    return;
+  }
+  Result<core::HoldTable::RenewResult> result = table_.Renew(renewal.fingerprints, now);
+  if (!result) {
+    ++counters_.renewals_rejected;
+    reply.status = wire::RenewalStatus::kRejected;
+    reply.message = Truncated(result.error().message());
+  } else {
+    ++counters_.renewals_accepted;
+    reply.status = wire::RenewalStatus::kAccepted;
+    reply.extended = result->extended;
+    reply.unknown = result->unknown;
+    if (renewal.d_lease_ms != p_lease_ms_) {
+      reply.message = fmt::format("kv_lease_duration mismatch: decoder has {}, prefiller has {}",
+                                  LeaseMsText(renewal.d_lease_ms), LeaseMsText(p_lease_ms_));
+    }
+  }
+  Emit(peer, std::move(reply));
+  DrainHoldEvents(now);
+  Flush();
+}
+
+std::optional<std::uint32_t> PrefillSession::CheckPull(const PeerAddress& peer,
+                                                       const wire::Pull& pull) {
+  auto refuse = [&](ErrorCode code, std::string why) -> std::optional<std::uint32_t> {
+    ++counters_.pull_errors;
+    ReplyPullError(peer, code, std::move(why), pull.id);
+    return std::nullopt;
+  };
+  if (shut_down_) return refuse(ErrorCode::kUnavailable, "prefill worker is shutting down");
+  // Pairing first, bounded: d_tp_size comes from the wire and sizes the pairing computation.
+  Result<std::vector<std::uint32_t>> paired =
+      core::PairedDecoderRanks(options_.p_tp_rank, options_.p_tp_size, pull.d_tp_size);
+  if (!paired || std::find(paired->begin(), paired->end(), pull.d_tp_rank) == paired->end()) {
+    ++counters_.pulls_unpaired;
+    return refuse(ErrorCode::kInvalidArgument,
+                  fmt::format("decoder rank {} of tp {} is not paired with prefill rank {} of "
+                              "tp {}{}",
+                              pull.d_tp_rank, pull.d_tp_size, options_.p_tp_rank,
+                              options_.p_tp_size, paired ? "" : ": " + paired.error().message()));
+  }
+  std::unordered_set<std::string_view> seen;
+  for (const wire::PullRequest& r : pull.requests) {
+    if (!seen.insert(r.d_req_id).second) {
+      return refuse(ErrorCode::kInvalidArgument,
+                    fmt::format("d_req_id {} appears twice in one pull", r.d_req_id));
+    }
+  }
+  if (!pull.requests.empty() && pulls_.size() >= options_.max_pulls_in_progress) {
+    ++counters_.pulls_over_limit;
+    return refuse(ErrorCode::kResourceExhausted,
+                  fmt::format("{} pulls already in progress on this prefill worker",
+                              options_.max_pulls_in_progress));
+  }
+  return static_cast<std::uint32_t>(paired->size());
+}
+
+std::shared_ptr<const std::vector<std::uint8_t>> PrefillSession::Descriptor(
+    const PeerAddress& peer, wire::Pull& pull) {
+  const std::string key = fmt::format("{}\n{}", pull.d_engine_id, pull.d_tp_rank);
+  auto cached = descriptors_.find(key);
+  if (!pull.region_descriptor) {
+    if (cached != descriptors_.end()) return cached->second;
+    ++counters_.pull_errors;
+    ReplyPullError(peer, ErrorCode::kNotFound,
+                   fmt::format("no region descriptor known for decoder {} rank {}; resend it",
+                               pull.d_engine_id, pull.d_tp_rank),
+                   pull.id);
+    return nullptr;
+  }
+  auto descriptor =
+      std::make_shared<const std::vector<std::uint8_t>>(std::move(*pull.region_descriptor));
+  if (cached != descriptors_.end()) {
+    if (*cached->second != *descriptor) ++counters_.descriptors_replaced;
+    cached->second = descriptor;
+    return descriptor;
+  }
+  if (descriptors_.size() >= options_.max_cached_descriptors && !descriptors_.empty()) {
+    descriptors_.erase(descriptors_.begin());  // that D resends it (ERROR kNotFound) if needed
+    ++counters_.descriptors_evicted;
+  }
+  descriptors_.emplace(key, descriptor);
+  return descriptor;
+}
+
+void PrefillSession::OnPull(const PeerAddress& peer, wire::Pull pull, TimePoint now) {
+  // A transport duplicate of a pull still in progress must not be answered: D cannot tell an
+  // answer to the copy ("already sending": err) from the original's, and would reuse blocks the
+  // original still writes.
+  if (pull.id != 0 && pull_ids_.count({peer, pull.id}) != 0) {
+    ++counters_.pulls_duplicate;
+    return;
+  }
+  // Whole-message checks first, so a refused message changes nothing.
+  std::optional<std::uint32_t> need_send = CheckPull(peer, pull);
+  if (!need_send) return;
+  std::shared_ptr<const std::vector<std::uint8_t>> descriptor = Descriptor(peer, pull);
+  if (descriptor == nullptr) return;
+  ++counters_.pulls_received;
+  if (pull.requests.empty()) {
+    // Notify-only pull: nothing to write, just close it.
+    wire::PullResponse finish;
+    finish.status = wire::PullStatus::kFinish;
+    finish.id = pull.id;
+    Emit(peer, std::move(finish));
+    return;
+  }
+
+  auto context = std::make_shared<PullContext>();
+  context->d_engine_id = pull.d_engine_id;
+  context->d_tp_size = pull.d_tp_size;
+  context->d_tp_rank = pull.d_tp_rank;
+  context->p_tp_size = options_.p_tp_size;
+  context->p_tp_rank = options_.p_tp_rank;
+  context->region_descriptor = std::move(descriptor);
+  context->block_len = pull.block_len;
+  context->num_blocks = pull.num_blocks;
+
+  const std::uint64_t key = next_pull_key_++;
+  PendingPull& pending = pulls_[key];
+  pending.peer = peer;
+  pending.id = pull.id;
+  pending.context = std::move(context);
+  pending.requests = std::move(pull.requests);
+  pending.need_send = *need_send;
+  if (pull.d_lease_ms) pending.d_lease = std::chrono::milliseconds(*pull.d_lease_ms);
+  if (pending.id != 0) pull_ids_.emplace(std::make_pair(peer, pending.id), key);
+  touched_.push_back(key);
+  const auto count = static_cast<std::uint32_t>(pending.requests.size());
+  for (std::uint32_t i = 0; i < count; ++i) AdmitRequest(key, i, now);
+  Flush();
+}
+
+void PrefillSession::AdmitRequest(std::uint64_t key, std::uint32_t index, TimePoint now) {
+  PendingPull& pull = pulls_.at(key);
+  const wire::PullRequest& request = pull.requests[index];
+  Status blocks = wire::CheckBlockIds(request, pull.context->num_blocks);
+  if (!blocks.ok()) {
+    AddErr(key, OpenWave(pull, key), index, blocks);
+    return;
+  }
+  // The parked cap is checked before the table is touched: a refused request changes nothing.
+  const std::optional<core::HoldPhase> phase = table_.PhaseOf(request.transfer_id);
+  if (parked_count_ >= options_.max_parked_requests && phase != core::HoldPhase::kReady &&
+      !table_.IsTombstoned(request.transfer_id)) {
+    ++counters_.requests_over_limit;
+    AddErr(key, OpenWave(pull, key), index,
+           Status(ErrorCode::kResourceExhausted,
+                  fmt::format("{} requests already wait for prefills on this worker",
+                              options_.max_parked_requests)));
+    return;
+  }
+  core::PullAdmission admission = table_.AdmitPull(request.transfer_id, pull.context->d_tp_rank,
+                                                   pull.need_send, pull.d_lease, now);
+  switch (admission.verdict) {
+    case core::PullAdmission::Verdict::kFail:
+      AddErr(key, OpenWave(pull, key), index, admission.error);
+      break;
+    case core::PullAdmission::Verdict::kWait:
+      parked_[request.transfer_id].push_back({key, index});
+      ++parked_count_;
+      break;
+    case core::PullAdmission::Verdict::kReady:
+      Dispatch(key, index, now);
+      break;
+  }
+  // A lease mismatch releases the entry, which may fail other parked pulls.
+  DrainHoldEvents(now);
+}
+
+void PrefillSession::Dispatch(std::uint64_t key, std::uint32_t index, TimePoint now) {
+  PendingPull& pull = pulls_.at(key);
+  wire::PullRequest& request = pull.requests[index];
+  std::uint32_t wave_index = 0;
+  Wave& wave = OpenWave(pull, key, &wave_index);
+  Status begin = table_.BeginSend(request.transfer_id, pull.context->d_tp_rank, now);
+  if (!begin.ok()) {
+    AddErr(key, wave, index, begin);
+    return;
+  }
+  WriteJob job;
+  job.ticket = next_ticket_++;
+  job.pull_id = pull.id;
+  job.context = pull.context;
+  job.transfer_id = request.transfer_id;
+  auto handle = handles_.find(request.transfer_id);
+  job.handle = handle == handles_.end() ? 0 : handle->second;
+  job.d_req_id = request.d_req_id;
+  job.dst_block_ids = std::move(request.block_ids);  // not needed here any more
+  ++wave.outstanding;
+  ++counters_.writes_started;
+  writes_.emplace(job.ticket, Ticket{{key, index}, wave_index});
+  new_writes_.push_back(std::move(job));
+}
+
+PrefillSession::Wave& PrefillSession::OpenWave(PendingPull& pull, std::uint64_t key,
+                                               std::uint32_t* index) {
+  if (pull.open_step != step_ || pull.waves.count(pull.open_wave) == 0) {
+    pull.open_wave = pull.next_wave++;
+    pull.open_step = step_;
+    pull.waves[pull.open_wave];
+    touched_.push_back(key);
+  }
+  if (index != nullptr) *index = pull.open_wave;
+  return pull.waves[pull.open_wave];
+}
+
+void PrefillSession::AddOk(std::uint64_t key, Wave& wave, std::uint32_t index) {
+  wave.ok.push_back(pulls_.at(key).requests[index].d_req_id);
+  ++counters_.requests_ok;
+  touched_.push_back(key);
+}
+
+void PrefillSession::AddErr(std::uint64_t key, Wave& wave, std::uint32_t index,
+                            const Status& status) {
+  wire::RequestError error;
+  error.d_req_id = pulls_.at(key).requests[index].d_req_id;
+  error.code = status.ok() ? ErrorCode::kInternal : status.code();
+  error.reason = Truncated(status.message().empty() ? status.ToString() : status.message());
+  wave.err.push_back(std::move(error));
+  ++counters_.requests_err;
+  if (status.code() == ErrorCode::kTombstoned) ++counters_.late_pulls_rejected;
+  if (status.code() == ErrorCode::kLeaseMismatch) ++counters_.lease_mismatches;
+  touched_.push_back(key);
+}
+
+void PrefillSession::DrainHoldEvents(TimePoint now) {
+  for (core::HoldEvent& event : table_.TakeEvents()) {
+    switch (event.kind) {
+      case core::HoldEvent::Kind::kFreeBlocks:
+      case core::HoldEvent::Kind::kAbortPrefill:
+        handles_.erase(event.id);
+        ++counters_.hold_events_delivered;
+        engine_events_.push_back(std::move(event));
+        break;
+      case core::HoldEvent::Kind::kPullsReady:
+      case core::HoldEvent::Kind::kPullsFailed: {
+        auto it = parked_.find(event.id);
+        if (it == parked_.end()) break;
+        std::vector<RequestRef> refs = std::move(it->second);
+        parked_.erase(it);
+        for (const RequestRef& ref : refs) {
+          --parked_count_;
+          auto pull = pulls_.find(ref.pull_key);
+          if (pull == pulls_.end()) continue;
+          if (event.kind == core::HoldEvent::Kind::kPullsReady) {
+            Dispatch(ref.pull_key, ref.request, now);
+          } else {
+            AddErr(ref.pull_key, OpenWave(pull->second, ref.pull_key), ref.request, event.status);
+          }
+        }
+        break;
+      }
+    }
+  }
+}
+
+// ---- input from the engine ----
+
+Status PrefillSession::Admit(const core::TransferId& id, std::uint64_t handle, TimePoint now) {
+  Status status = table_.Admit(id, handle, now);
+  if (status.ok()) handles_[id] = handle;
+  DrainHoldEvents(now);
+  Flush();
+  return status;
+}
+
+Status PrefillSession::PrefillDone(const core::TransferId& id, std::uint32_t num_blocks,
+                                   TimePoint now) {
+  Status status = table_.PrefillDone(id, num_blocks, now);
+  DrainHoldEvents(now);
+  Flush();
+  return status;
+}
+
+void PrefillSession::EngineFinished(const core::TransferId& id, TimePoint now) {
+  table_.EngineFinished(id, now);
+  handles_.erase(id);
+  DrainHoldEvents(now);
+  Flush();
+}
+
+// ---- input from the data plane ----
+
+void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outcome,
+                                 TimePoint now) {
+  const WriteEnd end = outcome.end;
+  const Status& status = outcome.status;
+  auto it = writes_.find(ticket);
+  if (it == writes_.end()) return;
+  const Ticket t = it->second;
+  writes_.erase(it);
+  PendingPull& pull = pulls_.at(t.ref.pull_key);
+  const wire::PullRequest& request = pull.requests[t.ref.request];
+  // The entry may have left the table while we wrote (e.g. the engine aborted it); the write's
+  // outcome is still what D must hear.
+  (void)table_.EndSend(request.transfer_id, pull.context->d_tp_rank, end == WriteEnd::kLanded,
+                       now);
+  Wave& wave = pull.waves.at(t.wave);
+  --wave.outstanding;
+  touched_.push_back(t.ref.pull_key);
+  switch (end) {
+    case WriteEnd::kLanded:
+      AddOk(t.ref.pull_key, wave, t.ref.request);
+      break;
+    case WriteEnd::kFailed:
+      ++counters_.writes_failed;
+      AddErr(t.ref.pull_key, wave, t.ref.request,
+             Status(status.ok() ? ErrorCode::kInternal : status.code(),
+                    fmt::format("write of {} failed: {}", request.transfer_id, status.message())));
+      break;
+    case WriteEnd::kUnsettled:
+      ++counters_.writes_failed;
+      ++counters_.writes_unsettled;
+      ++pull.unsettled;
+      break;
+  }
+  DrainHoldEvents(now);
+  Flush();
+}
+
+// ---- time ----
+
+void PrefillSession::OnTimeout(TimePoint now) {
+  table_.Expire(now);
+  DrainHoldEvents(now);
+  Flush();
+}
+
+TimePoint PrefillSession::NextDeadline() const { return table_.NextDeadline(); }
+
+void PrefillSession::Shutdown(TimePoint now) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  for (auto& [transfer, refs] : parked_) {
+    for (const RequestRef& ref : refs) {
+      --parked_count_;
+      auto pull = pulls_.find(ref.pull_key);
+      if (pull == pulls_.end()) continue;
+      AddErr(ref.pull_key, OpenWave(pull->second, ref.pull_key), ref.request,
+             Status(ErrorCode::kCancelled,
+                    fmt::format("prefill worker shut down before {} was ready", transfer)));
+    }
+  }
+  parked_.clear();
+  DrainHoldEvents(now);
+  Flush();
+}
+
+// ---- output ----
+
+void PrefillSession::ReplyPullError(const PeerAddress& peer, ErrorCode code, std::string message,
+                                    std::uint64_t id) {
+  wire::PullResponse response;
+  response.id = id;
+  response.status = wire::PullStatus::kError;
+  response.code = code == ErrorCode::kOk ? ErrorCode::kInternal : code;
+  response.message = Truncated(message.empty() ? std::string("error") : std::move(message));
+  Emit(peer, std::move(response));
+}
+
+void PrefillSession::Emit(const PeerAddress& peer, wire::PullResponse response) {
+  ++counters_.replies;
+  outgoing_.push_back({peer, std::move(response)});
+}
+
+void PrefillSession::Emit(const PeerAddress& peer, wire::RenewalReply reply) {
+  ++counters_.replies;
+  outgoing_.push_back({peer, std::move(reply)});
+}
+
+void PrefillSession::Flush() {
+  std::sort(touched_.begin(), touched_.end());
+  touched_.erase(std::unique(touched_.begin(), touched_.end()), touched_.end());
+  for (std::uint64_t key : touched_) {
+    auto it = pulls_.find(key);
+    if (it == pulls_.end()) continue;
+    PendingPull& pull = it->second;
+    const std::size_t total = pull.requests.size();
+    for (auto w = pull.waves.begin(); w != pull.waves.end();) {
+      Wave& wave = w->second;
+      if (wave.outstanding > 0) {
+        ++w;
+        continue;
+      }
+      const std::size_t listed = wave.ok.size() + wave.err.size();
+      if (listed > 0) {
+        pull.listed += listed;
+        wire::PullResponse response;
+        response.id = pull.id;
+        // FINISH tells D nothing more will be written for this pull: never while a request is
+        // unsettled (its writer may still land bytes).
+        response.status = pull.listed == total && pull.unsettled == 0
+                              ? wire::PullStatus::kFinish
+                              : wire::PullStatus::kContinue;
+        response.ok = std::move(wave.ok);
+        response.err = std::move(wave.err);
+        Emit(pull.peer, std::move(response));
+      }
+      w = pull.waves.erase(w);
+    }
+    if (pull.listed + pull.unsettled == total) {
+      if (pull.id != 0) pull_ids_.erase({pull.peer, pull.id});
+      pulls_.erase(it);
+    }
+  }
+  touched_.clear();
+  ++step_;
+}
+
+std::vector<Outgoing> PrefillSession::TakeOutgoing() {
+  std::vector<Outgoing> out;
+  out.swap(outgoing_);
+  return out;
+}
+
+std::vector<WriteJob> PrefillSession::TakeWrites() {
+  std::vector<WriteJob> out;
+  out.swap(new_writes_);
+  return out;
+}
+
+std::vector<core::HoldEvent> PrefillSession::TakeEngineEvents() {
+  std::vector<core::HoldEvent> out;
+  out.swap(engine_events_);
+  return out;
+}
+
+PrefillStats PrefillSession::stats() const {
+  PrefillStats s = counters_;
+  s.pulls_in_progress = pulls_.size();
+  s.requests_parked = parked_count_;
+  s.writes_in_flight = writes_.size();
+  s.hold = table_.stats();
+  s.hold_entries = table_.size();
+  return s;
+}
+
+}  // namespace kvferry::protocol

@@ -1,0 +1,271 @@
+// PrefillSession: the P side of the side-channel protocol for one P worker (SPEC §1–§5), sans-IO.
+//
+// It owns everything P decides: the core::HoldTable (lease, renewals, tombstones, expiry), the
+// pairing checks of each pull, the pulls that wait for a prefill (parked), the waves of writes
+// and the replies they produce, the cache of D's region descriptors, and every limit a peer can
+// push against. It owns no socket, thread or clock: every call takes `now`, and what it decides
+// comes out of the Take*() queues —
+//   TakeOutgoing()      replies (wire structs) and the peer they go to,
+//   TakeWrites()        data-plane writes to run (each must be answered once with OnWriteDone),
+//   TakeEngineEvents()  core::HoldEvent kFreeBlocks / kAbortPrefill for the engine,
+// and NextDeadline() says when OnTimeout() has work. The ZeroMQ listener
+// (control/side_channel_listener.h) is a thin pump around it, and the simulator (src/sim) drives
+// this same class, so what exploration checks is what P runs.
+//
+// Replies (docs/protocol.md): a Renewal gets one RenewalReply. A Pull gets one PullResponse per
+// readiness wave — the requests whose outcome became known in one call — CONTINUE, with FINISH on
+// the last; every request is listed exactly once in some `ok` or `err`, or the whole pull gets
+// one ERROR when it is unusable (checked before anything changes). The single exception is a
+// write whose writer could not be fenced (WriteEnd::kUnsettled): that request is never listed,
+// so D's deadline quarantines its blocks; such a pull ends with CONTINUE, never FINISH (FINISH
+// would tell D that nothing more will be written).
+//
+// Hostile input changes nothing and costs bounded memory: every size is checked before it is
+// used (d_tp_size against core::kMaxTpSize before any per-rank work), one D rank waits at most
+// once per transfer (HoldTable), and pulls in progress, parked requests and cached descriptors
+// are capped (PrefillSessionOptions). Each refusal is counted in PrefillStats.
+//
+// Not thread-safe: one owner calls everything (the listener thread; the simulator's loop).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <variant>
+#include <vector>
+
+#include "kvferry/core/hold_table.h"
+#include "kvferry/core/ids.h"
+#include "kvferry/core/time.h"
+#include "kvferry/status.h"
+#include "wire/messages.h"
+
+namespace kvferry::protocol {
+
+// The pump's name for the D socket a message came from, echoed on every reply to it (a ZeroMQ
+// routing id; a link name in the simulator). Opaque to the session.
+using PeerAddress = std::string;
+
+// The D side of one pull, as the writer needs it. Shared (read-only) by every job of the pull.
+struct PullContext {
+  core::EngineId d_engine_id;
+  std::uint32_t d_tp_size = 1;
+  std::uint32_t d_tp_rank = 0;
+  std::uint32_t p_tp_size = 1;
+  std::uint32_t p_tp_rank = 0;
+  // D's region descriptor (from this pull, or cached from an earlier one of this D rank).
+  // Never null.
+  std::shared_ptr<const std::vector<std::uint8_t>> region_descriptor;
+  std::uint64_t block_len = 0;   // D's block stride in bytes
+  std::uint32_t num_blocks = 0;  // blocks D registered (every dst id was checked against it)
+};
+
+// One request of a pull, ready to be written: the transfer's KV goes into `dst_block_ids`.
+struct WriteJob {
+  std::uint64_t ticket = 0;   // give it back to OnWriteDone
+  std::uint64_t pull_id = 0;  // the Pull's wire id (for traces)
+  std::shared_ptr<const PullContext> context;
+  core::TransferId transfer_id;
+  std::uint64_t handle = 0;  // the engine's cookie given to Admit (finds the source blocks)
+  core::RequestId d_req_id;
+  std::vector<core::BlockId> dst_block_ids;
+};
+
+// How a write ended, as far as D's blocks are concerned.
+enum class WriteEnd : std::uint8_t {
+  kLanded,     // every byte landed: listed in `ok`
+  kFailed,     // it failed and nothing more of it can land (or it never started): `err`
+  kUnsettled,  // it failed and could not be fenced: bytes may still land. Never listed, so D
+               // times out and quarantines the blocks instead of reusing them.
+};
+
+struct WriteOutcome {
+  WriteEnd end = WriteEnd::kLanded;
+  Status status;  // why, for kFailed / kUnsettled
+
+  static WriteOutcome Landed() { return {}; }
+  static WriteOutcome Failed(Status why) { return {WriteEnd::kFailed, std::move(why)}; }
+  static WriteOutcome Unsettled(Status why) { return {WriteEnd::kUnsettled, std::move(why)}; }
+};
+
+struct Outgoing {
+  PeerAddress peer;
+  std::variant<wire::PullResponse, wire::RenewalReply> message;
+};
+
+struct PrefillSessionOptions {
+  core::HoldConfig hold;
+  std::uint32_t p_tp_size = 1;
+  std::uint32_t p_tp_rank = 0;
+  // Region descriptors remembered per (d_engine_id, d_tp_rank); beyond this one is evicted (its
+  // D gets ERROR kNotFound on its next descriptor-less pull and resends it).
+  std::size_t max_cached_descriptors = 4096;
+  // Pulls with requests still unanswered; a pull beyond this gets ERROR kResourceExhausted.
+  std::size_t max_pulls_in_progress = 16384;
+  // Requests parked until a prefill finishes, over all pulls; beyond this a request that would
+  // wait is listed in `err` with kResourceExhausted (the hold table is not touched).
+  std::size_t max_parked_requests = 65536;
+};
+
+// Monotonic totals, then gauges (Prometheus style).
+struct PrefillStats {
+  std::uint64_t messages_received = 0;
+  std::uint64_t messages_malformed = 0;  // answered with ERROR / RenewalReply kError
+  std::uint64_t renewals_accepted = 0;   // messages, not fingerprints (see hold for those)
+  std::uint64_t renewals_rejected = 0;   // messages answered kRejected (no lease on P)
+  std::uint64_t pulls_received = 0;      // Pull messages admitted (not ERROR)
+  std::uint64_t pull_errors = 0;         // Pull messages answered with ERROR
+  std::uint64_t pulls_unpaired = 0;      // ... of them: D rank not paired with this P rank
+  std::uint64_t pulls_over_limit = 0;    // ... of them: max_pulls_in_progress reached
+  std::uint64_t pulls_duplicate = 0;     // a pull id already in progress from the same peer:
+                                         // dropped unanswered (the original gets the answer)
+  std::uint64_t requests_ok = 0;
+  std::uint64_t requests_err = 0;
+  std::uint64_t requests_over_limit = 0;  // max_parked_requests reached
+  std::uint64_t late_pulls_rejected = 0;  // requests failed kTombstoned
+  std::uint64_t lease_mismatches = 0;     // requests failed kLeaseMismatch
+  std::uint64_t writes_started = 0;
+  std::uint64_t writes_failed = 0;
+  std::uint64_t writes_unsettled = 0;  // left unanswered: D quarantines
+  std::uint64_t descriptors_replaced = 0;
+  std::uint64_t descriptors_evicted = 0;
+  std::uint64_t replies = 0;                // PullResponse + RenewalReply messages produced
+  std::uint64_t hold_events_delivered = 0;  // kFreeBlocks + kAbortPrefill
+  // Gauges.
+  std::uint64_t pulls_in_progress = 0;
+  std::uint64_t requests_parked = 0;   // waiting for a prefill
+  std::uint64_t writes_in_flight = 0;  // handed out by TakeWrites, not yet answered
+  // The HoldTable's own view.
+  core::HoldStats hold;
+  std::size_t hold_entries = 0;
+};
+
+class PrefillSession {
+ public:
+  // Options must satisfy ValidateOptions (the pump checks it first).
+  explicit PrefillSession(PrefillSessionOptions options);
+  PrefillSession(const PrefillSession&) = delete;
+  PrefillSession& operator=(const PrefillSession&) = delete;
+
+  // kInvalidArgument for a rank outside the tp, a tp of 0 or above core::kMaxTpSize.
+  [[nodiscard]] static Status ValidateOptions(const PrefillSessionOptions& options);
+
+  // ---- Input from D ----
+  // One message as it arrived (the payload frame). Undecodable or unexpected messages get an
+  // ERROR (a RenewalReply kError for a renewal) and change nothing.
+  void OnMessage(const PeerAddress& peer, std::span<const std::uint8_t> payload,
+                 core::TimePoint now);
+  // Already-decoded messages (what OnMessage calls after decoding).
+  void OnPull(const PeerAddress& peer, wire::Pull pull, core::TimePoint now);
+  void OnRenewal(const PeerAddress& peer, const wire::Renewal& renewal, core::TimePoint now);
+  // The pump found the message unusable before the session could read it (e.g. a wrong frame
+  // count): answers ERROR with `reason`, changes nothing.
+  void RejectMessage(const PeerAddress& peer, ErrorCode code, std::string reason);
+
+  // ---- Input from P's engine: core::HoldTable's contracts ----
+  [[nodiscard]] Status Admit(const core::TransferId& id, std::uint64_t handle, core::TimePoint now);
+  [[nodiscard]] Status PrefillDone(const core::TransferId& id, std::uint32_t num_blocks,
+                                   core::TimePoint now);
+  void EngineFinished(const core::TransferId& id, core::TimePoint now);
+
+  // ---- Input from the data plane ----
+  // The write of a job from TakeWrites ended; exactly once per ticket. `outcome.status` is the
+  // reason listed in `err` for kFailed. Unknown tickets are ignored.
+  void OnWriteDone(std::uint64_t ticket, const WriteOutcome& outcome, core::TimePoint now);
+
+  // ---- Time ----
+  // Runs the expiry pass. Call at NextDeadline() (earlier is harmless).
+  void OnTimeout(core::TimePoint now);
+  core::TimePoint NextDeadline() const;
+
+  // Stop serving: every parked request is listed in `err` (kCancelled), and later messages get
+  // ERROR kUnavailable. Writes already handed out are still answered through OnWriteDone.
+  void Shutdown(core::TimePoint now);
+
+  // ---- Output ----
+  std::vector<Outgoing> TakeOutgoing();
+  std::vector<WriteJob> TakeWrites();
+  std::vector<core::HoldEvent> TakeEngineEvents();
+
+  PrefillStats stats() const;
+  const core::HoldTable& hold() const { return table_; }
+  std::uint64_t writes_in_flight() const { return writes_.size(); }
+
+ private:
+  // The requests of one pull whose outcome became known in one call, answered together once
+  // none of them is still being written.
+  struct Wave {
+    std::uint32_t outstanding = 0;
+    std::vector<core::RequestId> ok;
+    std::vector<wire::RequestError> err;
+  };
+  struct PendingPull {
+    PeerAddress peer;
+    std::uint64_t id = 0;  // the Pull's wire id, copied into every response
+    std::shared_ptr<const PullContext> context;
+    std::vector<wire::PullRequest> requests;
+    std::uint32_t need_send = 0;
+    std::optional<core::Duration> d_lease;
+    std::size_t listed = 0;      // requests already sent in some ok/err
+    std::size_t unsettled = 0;   // requests never to be listed (WriteEnd::kUnsettled)
+    std::map<std::uint32_t, Wave> waves;
+    std::uint32_t next_wave = 0;
+    std::uint64_t open_step = UINT64_MAX;  // the step in which `open_wave` accepts more
+    std::uint32_t open_wave = 0;
+  };
+  struct RequestRef {
+    std::uint64_t pull_key;
+    std::uint32_t request;
+  };
+  struct Ticket {
+    RequestRef ref;
+    std::uint32_t wave;
+  };
+
+  void ReplyPullError(const PeerAddress& peer, ErrorCode code, std::string message,
+                      std::uint64_t id);
+  void Emit(const PeerAddress& peer, wire::PullResponse response);
+  void Emit(const PeerAddress& peer, wire::RenewalReply reply);
+  // Whole-message checks of a pull; on failure the ERROR is sent and nullopt returned.
+  std::optional<std::uint32_t> CheckPull(const PeerAddress& peer, const wire::Pull& pull);
+  std::shared_ptr<const std::vector<std::uint8_t>> Descriptor(const PeerAddress& peer,
+                                                              wire::Pull& pull);
+  void AdmitRequest(std::uint64_t key, std::uint32_t index, core::TimePoint now);
+  void Dispatch(std::uint64_t key, std::uint32_t index, core::TimePoint now);
+  Wave& OpenWave(PendingPull& pull, std::uint64_t key, std::uint32_t* index = nullptr);
+  void AddOk(std::uint64_t key, Wave& wave, std::uint32_t index);
+  void AddErr(std::uint64_t key, Wave& wave, std::uint32_t index, const Status& status);
+  void DrainHoldEvents(core::TimePoint now);
+  // Sends the waves that are complete, forgets finished pulls, closes the step.
+  void Flush();
+
+  const PrefillSessionOptions options_;
+  const std::uint64_t p_lease_ms_;
+  core::HoldTable table_;
+  bool shut_down_ = false;
+
+  std::unordered_map<std::uint64_t, PendingPull> pulls_;
+  std::uint64_t next_pull_key_ = 1;
+  // (peer, wire id) of the pulls in progress: a repeated id is a duplicate, not a new pull.
+  std::map<std::pair<PeerAddress, std::uint64_t>, std::uint64_t> pull_ids_;
+  std::unordered_map<core::TransferId, std::vector<RequestRef>> parked_;
+  std::size_t parked_count_ = 0;
+  std::unordered_map<core::TransferId, std::uint64_t> handles_;  // Admit's cookie
+  std::unordered_map<std::string, std::shared_ptr<const std::vector<std::uint8_t>>> descriptors_;
+  std::unordered_map<std::uint64_t, Ticket> writes_;
+  std::uint64_t next_ticket_ = 1;
+  std::vector<std::uint64_t> touched_;  // pulls that may have a wave to send
+  std::uint64_t step_ = 0;
+
+  std::vector<Outgoing> outgoing_;
+  std::vector<WriteJob> new_writes_;
+  std::vector<core::HoldEvent> engine_events_;
+  PrefillStats counters_;
+};
+
+}  // namespace kvferry::protocol
