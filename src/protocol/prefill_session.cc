@@ -33,11 +33,11 @@ Status PrefillSession::ValidateOptions(const PrefillSessionOptions& options) {
   return Status::Ok();
 }
 
-PrefillSession::PrefillSession(PrefillSessionOptions options)
+PrefillSession::PrefillSession(PrefillSessionOptions options, const HoldFactory& make_hold)
     : options_(std::move(options)),
       p_lease_ms_(static_cast<std::uint64_t>(
           std::chrono::duration_cast<std::chrono::milliseconds>(options_.hold.lease).count())),
-      table_(options_.hold) {}
+      table_(make_hold ? make_hold(options_.hold) : std::make_unique<CoreHold>(options_.hold)) {}
 
 // ---- input from D ----
 
@@ -105,7 +105,7 @@ void PrefillSession::OnRenewal(const PeerAddress& peer, const wire::Renewal& ren
     Emit(peer, std::move(reply));
     return;
   }
-  Result<core::HoldTable::RenewResult> result = table_.Renew(renewal.fingerprints, now);
+  Result<core::HoldTable::RenewResult> result = table_->Renew(renewal.fingerprints, now);
   if (!result) {
     ++counters_.renewals_rejected;
     reply.status = wire::RenewalStatus::kRejected;
@@ -189,18 +189,21 @@ std::shared_ptr<const std::vector<std::uint8_t>> PrefillSession::Descriptor(
 }
 
 void PrefillSession::OnPull(const PeerAddress& peer, wire::Pull pull, TimePoint now) {
-  // A transport duplicate of a pull still in progress must not be answered: D cannot tell an
-  // answer to the copy ("already sending": err) from the original's, and would reuse blocks the
-  // original still writes.
+  // A duplicate of a pull must not be answered: D cannot tell an answer to the copy ("already
+  // sending": err) from the original's, and would reuse blocks the original still writes; and a
+  // copy arriving after the original failed could write into blocks D already freed.
   if (pull.id != 0 && pull_ids_.count({peer, pull.id}) != 0) {
     ++counters_.pulls_duplicate;
     return;
   }
-  // Whole-message checks first, so a refused message changes nothing.
+  // Whole-message checks first, so a refused message changes nothing (but its id is known).
   std::optional<std::uint32_t> need_send = CheckPull(peer, pull);
-  if (!need_send) return;
-  std::shared_ptr<const std::vector<std::uint8_t>> descriptor = Descriptor(peer, pull);
-  if (descriptor == nullptr) return;
+  std::shared_ptr<const std::vector<std::uint8_t>> descriptor;
+  if (need_send) descriptor = Descriptor(peer, pull);
+  if (descriptor == nullptr) {
+    if (pull.id != 0) Remember({peer, pull.id});
+    return;
+  }
   ++counters_.pulls_received;
   if (pull.requests.empty()) {
     // Notify-only pull: nothing to write, just close it.
@@ -208,6 +211,7 @@ void PrefillSession::OnPull(const PeerAddress& peer, wire::Pull pull, TimePoint 
     finish.status = wire::PullStatus::kFinish;
     finish.id = pull.id;
     Emit(peer, std::move(finish));
+    if (pull.id != 0) Remember({peer, pull.id});
     return;
   }
 
@@ -229,7 +233,7 @@ void PrefillSession::OnPull(const PeerAddress& peer, wire::Pull pull, TimePoint 
   pending.requests = std::move(pull.requests);
   pending.need_send = *need_send;
   if (pull.d_lease_ms) pending.d_lease = std::chrono::milliseconds(*pull.d_lease_ms);
-  if (pending.id != 0) pull_ids_.emplace(std::make_pair(peer, pending.id), key);
+  if (pending.id != 0) pull_ids_.emplace(peer, pending.id);
   touched_.push_back(key);
   const auto count = static_cast<std::uint32_t>(pending.requests.size());
   for (std::uint32_t i = 0; i < count; ++i) AdmitRequest(key, i, now);
@@ -245,9 +249,9 @@ void PrefillSession::AdmitRequest(std::uint64_t key, std::uint32_t index, TimePo
     return;
   }
   // The parked cap is checked before the table is touched: a refused request changes nothing.
-  const std::optional<core::HoldPhase> phase = table_.PhaseOf(request.transfer_id);
+  const std::optional<core::HoldPhase> phase = table_->PhaseOf(request.transfer_id);
   if (parked_count_ >= options_.max_parked_requests && phase != core::HoldPhase::kReady &&
-      !table_.IsTombstoned(request.transfer_id)) {
+      !table_->IsTombstoned(request.transfer_id)) {
     ++counters_.requests_over_limit;
     AddErr(key, OpenWave(pull, key), index,
            Status(ErrorCode::kResourceExhausted,
@@ -255,7 +259,7 @@ void PrefillSession::AdmitRequest(std::uint64_t key, std::uint32_t index, TimePo
                               options_.max_parked_requests)));
     return;
   }
-  core::PullAdmission admission = table_.AdmitPull(request.transfer_id, pull.context->d_tp_rank,
+  core::PullAdmission admission = table_->AdmitPull(request.transfer_id, pull.context->d_tp_rank,
                                                    pull.need_send, pull.d_lease, now);
   switch (admission.verdict) {
     case core::PullAdmission::Verdict::kFail:
@@ -278,7 +282,7 @@ void PrefillSession::Dispatch(std::uint64_t key, std::uint32_t index, TimePoint 
   wire::PullRequest& request = pull.requests[index];
   std::uint32_t wave_index = 0;
   Wave& wave = OpenWave(pull, key, &wave_index);
-  Status begin = table_.BeginSend(request.transfer_id, pull.context->d_tp_rank, now);
+  Status begin = table_->BeginSend(request.transfer_id, pull.context->d_tp_rank, now);
   if (!begin.ok()) {
     AddErr(key, wave, index, begin);
     return;
@@ -330,7 +334,7 @@ void PrefillSession::AddErr(std::uint64_t key, Wave& wave, std::uint32_t index,
 }
 
 void PrefillSession::DrainHoldEvents(TimePoint now) {
-  for (core::HoldEvent& event : table_.TakeEvents()) {
+  for (core::HoldEvent& event : table_->TakeEvents()) {
     switch (event.kind) {
       case core::HoldEvent::Kind::kFreeBlocks:
       case core::HoldEvent::Kind::kAbortPrefill:
@@ -363,7 +367,7 @@ void PrefillSession::DrainHoldEvents(TimePoint now) {
 // ---- input from the engine ----
 
 Status PrefillSession::Admit(const core::TransferId& id, std::uint64_t handle, TimePoint now) {
-  Status status = table_.Admit(id, handle, now);
+  Status status = table_->Admit(id, handle, now);
   if (status.ok()) handles_[id] = handle;
   DrainHoldEvents(now);
   Flush();
@@ -372,14 +376,14 @@ Status PrefillSession::Admit(const core::TransferId& id, std::uint64_t handle, T
 
 Status PrefillSession::PrefillDone(const core::TransferId& id, std::uint32_t num_blocks,
                                    TimePoint now) {
-  Status status = table_.PrefillDone(id, num_blocks, now);
+  Status status = table_->PrefillDone(id, num_blocks, now);
   DrainHoldEvents(now);
   Flush();
   return status;
 }
 
 void PrefillSession::EngineFinished(const core::TransferId& id, TimePoint now) {
-  table_.EngineFinished(id, now);
+  table_->EngineFinished(id, now);
   handles_.erase(id);
   DrainHoldEvents(now);
   Flush();
@@ -399,7 +403,7 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
   const wire::PullRequest& request = pull.requests[t.ref.request];
   // The entry may have left the table while we wrote (e.g. the engine aborted it); the write's
   // outcome is still what D must hear.
-  (void)table_.EndSend(request.transfer_id, pull.context->d_tp_rank, end == WriteEnd::kLanded,
+  (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, end == WriteEnd::kLanded,
                        now);
   Wave& wave = pull.waves.at(t.wave);
   --wave.outstanding;
@@ -427,12 +431,12 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
 // ---- time ----
 
 void PrefillSession::OnTimeout(TimePoint now) {
-  table_.Expire(now);
+  table_->Expire(now);
   DrainHoldEvents(now);
   Flush();
 }
 
-TimePoint PrefillSession::NextDeadline() const { return table_.NextDeadline(); }
+TimePoint PrefillSession::NextDeadline() const { return table_->NextDeadline(); }
 
 void PrefillSession::Shutdown(TimePoint now) {
   if (shut_down_) return;
@@ -474,6 +478,15 @@ void PrefillSession::Emit(const PeerAddress& peer, wire::RenewalReply reply) {
   outgoing_.push_back({peer, std::move(reply)});
 }
 
+void PrefillSession::Remember(PullName name) {
+  pull_ids_.insert(name);
+  finished_ids_.push_back(std::move(name));
+  while (finished_ids_.size() > options_.remembered_pull_ids) {
+    pull_ids_.erase(finished_ids_.front());
+    finished_ids_.pop_front();
+  }
+}
+
 void PrefillSession::Flush() {
   std::sort(touched_.begin(), touched_.end());
   touched_.erase(std::unique(touched_.begin(), touched_.end()), touched_.end());
@@ -505,7 +518,7 @@ void PrefillSession::Flush() {
       w = pull.waves.erase(w);
     }
     if (pull.listed + pull.unsettled == total) {
-      if (pull.id != 0) pull_ids_.erase({pull.peer, pull.id});
+      if (pull.id != 0) Remember({pull.peer, pull.id});
       pulls_.erase(it);
     }
   }
@@ -536,8 +549,8 @@ PrefillStats PrefillSession::stats() const {
   s.pulls_in_progress = pulls_.size();
   s.requests_parked = parked_count_;
   s.writes_in_flight = writes_.size();
-  s.hold = table_.stats();
-  s.hold_entries = table_.size();
+  s.hold = table_->stats();
+  s.hold_entries = table_->size();
   return s;
 }
 

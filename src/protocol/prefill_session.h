@@ -29,7 +29,9 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <span>
@@ -43,6 +45,7 @@
 #include "kvferry/core/ids.h"
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"
+#include "protocol/hold.h"
 #include "wire/messages.h"
 
 namespace kvferry::protocol {
@@ -110,6 +113,10 @@ struct PrefillSessionOptions {
   // Requests parked until a prefill finishes, over all pulls; beyond this a request that would
   // wait is listed in `err` with kResourceExhausted (the hold table is not touched).
   std::size_t max_parked_requests = 65536;
+  // Finished pulls whose (socket, id) is remembered, so that a late duplicate is dropped too:
+  // answered again, it could start a second write into blocks D already settled (and freed).
+  // D numbers pulls with a 64-bit counter per socket, so a real id never comes back.
+  std::size_t remembered_pull_ids = 65536;
 };
 
 // Monotonic totals, then gauges (Prometheus style).
@@ -122,8 +129,8 @@ struct PrefillStats {
   std::uint64_t pull_errors = 0;         // Pull messages answered with ERROR
   std::uint64_t pulls_unpaired = 0;      // ... of them: D rank not paired with this P rank
   std::uint64_t pulls_over_limit = 0;    // ... of them: max_pulls_in_progress reached
-  std::uint64_t pulls_duplicate = 0;     // a pull id already in progress from the same peer:
-                                         // dropped unanswered (the original gets the answer)
+  std::uint64_t pulls_duplicate = 0;     // a pull id in progress or recently finished on the
+                                         // same socket: dropped unanswered
   std::uint64_t requests_ok = 0;
   std::uint64_t requests_err = 0;
   std::uint64_t requests_over_limit = 0;  // max_parked_requests reached
@@ -147,8 +154,9 @@ struct PrefillStats {
 
 class PrefillSession {
  public:
-  // Options must satisfy ValidateOptions (the pump checks it first).
-  explicit PrefillSession(PrefillSessionOptions options);
+  // Options must satisfy ValidateOptions (the pump checks it first). `make_hold` builds the hold
+  // table from options.hold; empty: the real one (CoreHold).
+  explicit PrefillSession(PrefillSessionOptions options, const HoldFactory& make_hold = {});
   PrefillSession(const PrefillSession&) = delete;
   PrefillSession& operator=(const PrefillSession&) = delete;
 
@@ -193,10 +201,12 @@ class PrefillSession {
   std::vector<core::HoldEvent> TakeEngineEvents();
 
   PrefillStats stats() const;
-  const core::HoldTable& hold() const { return table_; }
+  const Hold& hold() const { return *table_; }
   std::uint64_t writes_in_flight() const { return writes_.size(); }
 
  private:
+  using PullName = std::pair<PeerAddress, std::uint64_t>;  // (socket, wire id)
+
   // The requests of one pull whose outcome became known in one call, answered together once
   // none of them is still being written.
   struct Wave {
@@ -243,16 +253,20 @@ class PrefillSession {
   void DrainHoldEvents(core::TimePoint now);
   // Sends the waves that are complete, forgets finished pulls, closes the step.
   void Flush();
+  // A finished pull's id stays known for a while (remembered_pull_ids).
+  void Remember(PullName name);
 
   const PrefillSessionOptions options_;
   const std::uint64_t p_lease_ms_;
-  core::HoldTable table_;
+  std::unique_ptr<Hold> table_;
   bool shut_down_ = false;
 
   std::unordered_map<std::uint64_t, PendingPull> pulls_;
   std::uint64_t next_pull_key_ = 1;
-  // (peer, wire id) of the pulls in progress: a repeated id is a duplicate, not a new pull.
-  std::map<std::pair<PeerAddress, std::uint64_t>, std::uint64_t> pull_ids_;
+  // (peer, wire id) of the pulls in progress and of the last `remembered_pull_ids` finished
+  // ones: a repeated id is a duplicate, not a new pull.
+  std::set<PullName> pull_ids_;
+  std::deque<PullName> finished_ids_;  // oldest first
   std::unordered_map<core::TransferId, std::vector<RequestRef>> parked_;
   std::size_t parked_count_ = 0;
   std::unordered_map<core::TransferId, std::uint64_t> handles_;  // Admit's cookie

@@ -177,6 +177,35 @@ TEST_F(PrefillSessionTest, DuplicatePullIdFromOnePeerIsDroppedUnanswered) {
   EXPECT_EQ(s().stats().pulls_duplicate, 1u);
 }
 
+// A copy that arrives after its original was answered is dropped too: had the original's write
+// failed (D settled the entry and freed the blocks), answering the copy would write into them.
+TEST_F(PrefillSessionTest, LateDuplicateOfAFinishedOrRefusedPullIsDropped) {
+  PrefillSessionOptions options;
+  options.remembered_pull_ids = 2;
+  Make(options);
+  Ready("x1");
+  s().OnPull("d0", MakePull(1, {{"r1", "x1"}}), kT0);
+  std::vector<WriteJob> writes = s().TakeWrites();
+  ASSERT_EQ(writes.size(), 1u);
+  s().OnWriteDone(writes[0].ticket,
+                  WriteOutcome::Failed(Status(ErrorCode::kUnavailable, "peer closed")), kT0);
+  ASSERT_EQ(Responses().size(), 1u);
+  wire::Pull refused = MakePull(2, {{"r2", "x2"}});
+  refused.d_engine_id = "d-unknown";
+  refused.region_descriptor.reset();  // ERROR kNotFound: no descriptor known for it
+  s().OnPull("d0", refused, kT0);
+  ASSERT_EQ(Responses().size(), 1u);
+  s().OnPull("d0", MakePull(1, {{"r1", "x1"}}), kT0 + 1s);  // late copy of the failed pull
+  s().OnPull("d0", refused, kT0 + 1s);
+  EXPECT_TRUE(s().TakeWrites().empty());
+  EXPECT_TRUE(Responses().empty());
+  EXPECT_EQ(s().stats().pulls_duplicate, 2u);
+  // The memory is bounded: the oldest id is forgotten once newer ones push it out.
+  s().OnPull("d0", MakePull(3, {}), kT0 + 2s);
+  s().OnPull("d0", MakePull(1, {{"r1", "x1"}}), kT0 + 3s);
+  EXPECT_EQ(s().TakeWrites().size(), 1u);
+}
+
 // Hole 8: a writer that could not fence its write leaves the request unanswered (D's deadline
 // quarantines the blocks), and the pull never ends with FINISH.
 TEST_F(PrefillSessionTest, UnsettledWriteIsNeverListedAndThePullNeverFinishes) {
