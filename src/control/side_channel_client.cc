@@ -1,5 +1,7 @@
 #include "control/side_channel_client.h"
 
+#include "protocol/pull_reply.h"
+
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -255,27 +257,7 @@ Status DecodeChannel::Pull(const wire::Pull& pull, TimePoint deadline,
 void ApplyPullResponse(core::ReceiveLedger& ledger, core::PeerId peer,
                        std::span<const core::RequestId> pull_requests,
                        const wire::PullResponse& response) {
-  if (response.status == wire::PullStatus::kError) {
-    const Status reason(response.code == ErrorCode::kOk ? ErrorCode::kInternal : response.code,
-                        response.message);
-    for (const core::RequestId& id : pull_requests) {
-      (void)ledger.Settle(id, peer, core::Settle::kMessageError, reason);
-    }
-    return;
-  }
-  for (const core::RequestId& id : response.ok) (void)ledger.Settle(id, peer, core::Settle::kOk);
-  for (const wire::RequestError& e : response.err) {
-    (void)ledger.Settle(e.d_req_id, peer, core::Settle::kErr, Status(e.code, e.reason));
-  }
-  if (response.status == wire::PullStatus::kFinish) {
-    for (const core::RequestId& id : pull_requests) {
-      if (!ledger.IsPending(id, peer)) continue;
-      (void)ledger.Settle(
-          id, peer, core::Settle::kFinished,
-          Status(ErrorCode::kNotFound,
-                 fmt::format("prefill peer finished the pull without listing {}", id)));
-    }
-  }
+  protocol::ApplyPullResponse(ledger, peer, pull_requests, response);
 }
 
 void ApplyPullFailure(core::ReceiveLedger& ledger, core::PeerId peer,

@@ -113,8 +113,8 @@ class DecodeChannel {
 // ---- Settling a ReceiveLedger from one pull's responses (SPEC §3.1) ----
 
 // Applies one response of the pull whose requests are `pull_requests` to the entries of
-// `peer`: ok → kOk, err → kErr (with its code and reason), ERROR → every request kMessageError,
-// FINISH → after its lists, every request still pending kFinished.
+// `peer`: protocol::ApplyPullResponse (protocol/pull_reply.h), which settles only the ids the
+// pull asked for.
 void ApplyPullResponse(core::ReceiveLedger& ledger, core::PeerId peer,
                        std::span<const core::RequestId> pull_requests,
                        const wire::PullResponse& response);

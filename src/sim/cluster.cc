@@ -5,13 +5,19 @@
 #include <algorithm>
 #include <deque>
 #include <map>
+#include <set>
+#include <type_traits>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
+#include <variant>
 
 #include "kvferry/core/renewal_scheduler.h"
 #include "kvferry/core/tp_plan.h"
+#include "protocol/prefill_session.h"
+#include "protocol/pull_reply.h"
 #include "rng.h"
+#include "wire/messages.h"
 
 namespace kvferry::sim {
 
@@ -114,42 +120,42 @@ std::uint32_t BlocksFor(std::uint64_t tokens, std::uint32_t block_tokens) {
   return static_cast<std::uint32_t>((tokens + block_tokens - 1) / block_tokens);
 }
 
+// A side-channel message on a simulated link: the wire struct itself. With NetConfig::codec on
+// (the default), P's session gets the encoded bytes (OnMessage) and D decodes what P sent, so
+// the codec runs on every message of every run.
 struct Msg {
-  enum class Type : std::uint8_t { kPull, kResponse, kRenewal, kRenewalReply };
-  enum class Answer : std::uint8_t { kOk, kErr, kError, kFinishOnly };
-  Type type;
+  using Body = std::variant<wire::Pull, wire::Renewal, wire::PullResponse, wire::RenewalReply>;
   std::uint32_t d_rank = 0;
   std::uint32_t p_rank = 0;
-  int req = -1;
-  // Pull.
-  std::vector<BlockId> blocks;
-  std::vector<std::uint64_t> gens;  // simulator-only shadow: the generations the pull aimed at
-  std::uint32_t epoch = 0;          // simulator-only shadow: D's endpoint epoch for this peer
-  std::optional<Duration> d_lease;
-  std::uint32_t need_send = 1;
-  // Every pull carries an id unique per D rank. A P worker drops a pull whose id it has seen: a
-  // transport duplicate must not be answered, because D cannot tell the answer to a duplicate
-  // ("already sending": err) from a failure of the original, would settle the entry and free
-  // the blocks while the original WRITE is still in flight (found by exploration; see
-  // tests/sim/core_composition_test.cc).
-  std::uint64_t pull_id = 0;
-  // Response.
-  Answer answer = Answer::kOk;
-  Status status;
-  // Renewal and its reply.
-  std::vector<core::Fingerprint> fps;
-  bool rejected = false;
+  Body body;
 
-  std::uint64_t Bytes() const { return 64 + 4 * blocks.size() + 7 * fps.size(); }
+  // Bytes on the wire, estimated (for the link's transmit time).
+  std::uint64_t Bytes() const {
+    struct Size {
+      std::uint64_t operator()(const wire::Pull& m) const {
+        std::uint64_t n = 96;
+        for (const wire::PullRequest& r : m.requests) n += 24 + 4 * r.block_ids.size();
+        return n;
+      }
+      std::uint64_t operator()(const wire::Renewal& m) const { return 48 + 7 * m.fingerprints.size(); }
+      std::uint64_t operator()(const wire::PullResponse& m) const {
+        return 32 + 16 * (m.ok.size() + m.err.size());
+      }
+      std::uint64_t operator()(const wire::RenewalReply&) const { return 48; }
+    };
+    return std::visit(Size{}, body);
+  }
 };
 using MsgPtr = std::shared_ptr<const Msg>;
 
-struct PendingPull {
-  int req;
-  std::uint32_t d_rank;
-  std::vector<BlockId> blocks;
+// What the simulator knows of a pull beyond its wire form (never sent): whom it was for, the
+// block generations it aimed at and D's endpoint epoch, to judge the writes it causes.
+struct PullShadow {
+  int req = -1;
+  std::uint32_t d_rank = 0;
+  std::uint32_t p_rank = 0;
   std::vector<std::uint64_t> gens;
-  std::uint32_t epoch;
+  std::uint32_t epoch = 0;
 };
 
 // The simulator's own account of one hold entry, to check HoldTable's deadlines from outside.
@@ -163,12 +169,16 @@ struct Mirror {
   int sending = 0;
 };
 
+// One P worker: the real protocol session (it owns the HoldTable), and the simulator's oracle.
 struct PRank {
-  std::unique_ptr<Hold> hold;
-  std::unordered_set<std::uint64_t> seen_pulls;
-  std::map<int, std::vector<PendingPull>> waiting;
+  std::unique_ptr<protocol::PrefillSession> session;
   std::map<int, Mirror> mirror;
   bool pass_armed = false;
+  // Fault model. A P fails a whole message (injected ERROR) only the first time it sees it, as a
+  // real P's message handling runs after its duplicate check; and it never serves a copy of a
+  // message it failed.
+  std::unordered_set<std::uint64_t> delivered_pulls;
+  std::unordered_set<std::uint64_t> errored_pulls;
 };
 
 struct PReq {
@@ -209,6 +219,7 @@ struct Write {
   std::uint32_t epoch;
   bool fenced = false;
   bool err_after = false;  // scenario C's injected P0 failure
+  std::uint64_t ticket = 0;  // the session's write ticket
 };
 
 class Sim {
@@ -222,7 +233,14 @@ class Sim {
     res_.writes_after_free.assign(c.p.tp, 0);
     res_.writes_after_realloc.assign(c.p.tp, 0);
     for (std::uint32_t r = 0; r < c.p.tp; ++r) {
-      p_ranks_.push_back({c.variants.NewHold(c.p.hold), {}, {}, {}, false});
+      protocol::PrefillSessionOptions options;
+      options.hold = c.p.hold;
+      options.p_tp_size = c.p.tp;
+      options.p_tp_rank = r;
+      PRank rank;
+      rank.session = std::make_unique<protocol::PrefillSession>(
+          options, [&c](const core::HoldConfig& hc) { return c.variants.NewHold(hc); });
+      p_ranks_.push_back(std::move(rank));
     }
     for (std::uint32_t r = 0; r < c.d.tp; ++r) {
       d_ledgers_.push_back(c.variants.NewLedger());
@@ -230,10 +248,6 @@ class Sim {
       auto targets = core::PullTargets(r, c.d.tp, c.p.tp);
       if (!targets) Violation("bad TP pair: " + targets.error().ToString());
       targets_.push_back(targets ? *targets : std::vector<std::uint32_t>{});
-    }
-    for (std::uint32_t r = 0; r < c.p.tp; ++r) {
-      auto paired = core::PairedDecoderRanks(r, c.p.tp, c.d.tp);
-      need_send_.push_back(paired ? static_cast<std::uint32_t>(paired->size()) : 1);
     }
     p_layout_ = {c.p.tp, c.model.kv_heads, BlockLen(c.p.tp)};
     d_layout_ = {c.d.tp, c.model.kv_heads, BlockLen(c.d.tp)};
@@ -284,7 +298,7 @@ class Sim {
     FinalChecks();
     res_.trace_hash = loop_.trace_hash();
     res_.events = loop_.events_fired();
-    res_.hold_stats = p_ranks_[0].hold->stats();
+    res_.hold_stats = p_ranks_[0].session->hold().stats();
     return std::move(res_);
   }
 
@@ -311,10 +325,14 @@ class Sim {
   // ---------------------------------------------------------------- control network
 
   // Link ids: direction · 2^20 + d_rank · 2^10 + p_rank.
-  void Send(bool to_p, std::uint32_t d_rank, std::uint32_t p_rank, MsgPtr m) {
+  void Send(bool to_p, std::uint32_t d_rank, std::uint32_t p_rank, Msg::Body body) {
+    auto m = std::make_shared<Msg>();
+    m->d_rank = d_rank;
+    m->p_rank = p_rank;
+    m->body = std::move(body);
     const NetConfig& n = c_.net;
     if (rng_.Chance(n.loss)) {
-      loop_.Note(0x1055, static_cast<std::uint64_t>(m->type));
+      loop_.Note(0x1055, static_cast<std::uint64_t>(m->body.index()));
       return;
     }
     const int copies = 1 + (rng_.Chance(n.duplicate) ? 1 : 0);
@@ -338,21 +356,19 @@ class Sim {
     }
   }
 
-  void Respond(const PendingPull& pull, std::uint32_t p_rank, Msg::Answer answer, Status status) {
-    auto m = std::make_shared<Msg>();
-    m->type = Msg::Type::kResponse;
-    m->d_rank = pull.d_rank;
-    m->p_rank = p_rank;
-    m->req = pull.req;
-    m->answer = answer;
-    m->status = std::move(status);
-    Send(false, pull.d_rank, p_rank, std::move(m));
-  }
+  static protocol::PeerAddress PeerOf(std::uint32_t d_rank) { return fmt::format("d{}", d_rank); }
 
   // ---------------------------------------------------------------- P engine
 
+  // P knows a transfer from the moment its request arrives (as `kvferry serve` does), not only
+  // once the scheduler gives it blocks: renewals of a queued request extend it, and a dead
+  // decoder's queued requests are dropped before they cost any compute (SPEC §4).
   void ArriveP(int idx) {
     if (p_dead_) return;
+    if (!AdmitOnRanks(idx)) {
+      preqs_[idx].st = PReq::St::kGone;  // D already gave up on this transfer: spend nothing
+      return;
+    }
     queue_p_.push_back(idx);
     KickP();
   }
@@ -392,10 +408,6 @@ class Sim {
       const std::uint32_t need = BlocksFor(p.prompt, c_.model.block_tokens);
       if (!p_pool_.CanAlloc(need)) break;
       queue_p_.pop_front();
-      if (!p.probe && !AdmitOnRanks(id)) {
-        p.st = PReq::St::kGone;  // D already gave up on this transfer: spend nothing on it
-        continue;
-      }
       p.blocks = p_pool_.Alloc(need, id);
       OnPPoolChange();
       p.st = PReq::St::kRunning;
@@ -427,7 +439,7 @@ class Sim {
     std::vector<std::uint32_t> admitted;
     bool ok = true;
     for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-      Status s = p_ranks_[r].hold->Admit(p.xfer, static_cast<std::uint64_t>(id), now());
+      Status s = p_ranks_[r].session->Admit(p.xfer, static_cast<std::uint64_t>(id), now());
       if (!s.ok()) {
         ok = false;
         break;
@@ -438,7 +450,7 @@ class Sim {
     }
     if (!ok) {
       for (std::uint32_t r : admitted) {
-        p_ranks_[r].hold->EngineFinished(p.xfer, now());
+        p_ranks_[r].session->EngineFinished(p.xfer, now());
         SyncMirror(r, id);
       }
     }
@@ -465,7 +477,7 @@ class Sim {
       const auto num_blocks = static_cast<std::uint32_t>(p.blocks.size());
       for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
         PRank& rank = p_ranks_[r];
-        if (rank.hold->PrefillDone(p.xfer, num_blocks, now()).ok()) {
+        if (rank.session->PrefillDone(p.xfer, num_blocks, now()).ok()) {
           ++p.ranks_holding;
           Mirror& m = rank.mirror[id];
           m.ready = true;
@@ -507,7 +519,7 @@ class Sim {
       // From kReady on the hold tables own the blocks (as vLLM's delay-free): each rank's
       // kFreeBlocks releases them once no WRITE reads them, and the last one frees them here.
       for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-        p_ranks_[r].hold->EngineFinished(p.xfer, now());
+        p_ranks_[r].session->EngineFinished(p.xfer, now());
         SyncMirror(r, id);
       }
       for (std::uint32_t r = 0; r < c_.p.tp; ++r) DrainP(r);
@@ -520,17 +532,24 @@ class Sim {
     p.st = PReq::St::kGone;
     p.ranks_holding = 0;
     for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-      p_ranks_[r].hold->EngineFinished(p.xfer, now());
+      p_ranks_[r].session->EngineFinished(p.xfer, now());
       SyncMirror(r, id);
     }
     if (had_blocks) FreePBlocks(id);
     for (std::uint32_t r = 0; r < c_.p.tp; ++r) DrainP(r);
   }
 
+  // Carries out what P rank `r`'s session decided: replies onto the network, writes onto the
+  // data plane, hold events to the engine. Until it has nothing more to say.
   void DrainP(std::uint32_t r) {
+    protocol::PrefillSession& session = *p_ranks_[r].session;
     while (true) {
-      std::vector<core::HoldEvent> events = p_ranks_[r].hold->TakeEvents();
-      if (events.empty()) break;
+      std::vector<protocol::Outgoing> out = session.TakeOutgoing();
+      std::vector<protocol::WriteJob> writes = session.TakeWrites();
+      std::vector<core::HoldEvent> events = session.TakeEngineEvents();
+      if (out.empty() && writes.empty() && events.empty()) break;
+      for (protocol::Outgoing& o : out) SendFromP(r, std::move(o));
+      for (protocol::WriteJob& job : writes) StartWrite(r, std::move(job));
       for (core::HoldEvent& ev : events) {
         HandleHoldEvent(r, ev);
         auto it = fp_to_req_.find(core::FingerprintOf(ev.id));
@@ -539,8 +558,18 @@ class Sim {
     }
   }
 
+  void SendFromP(std::uint32_t r, protocol::Outgoing o) {
+    const auto d_rank = static_cast<std::uint32_t>(std::stoul(o.peer.substr(1)));
+    if (auto* response = std::get_if<wire::PullResponse>(&o.message)) {
+      // Fault model: a P that omits requests from its answer (D settles them at FINISH).
+      std::erase_if(response->err, [&](const wire::RequestError& e) {
+        return omitted_.count({response->id, e.d_req_id}) != 0;
+      });
+    }
+    std::visit([&](auto& m) { Send(false, d_rank, r, std::move(m)); }, o.message);
+  }
+
   void HandleHoldEvent(std::uint32_t r, const core::HoldEvent& ev) {
-    PRank& rank = p_ranks_[r];
     auto it = fp_to_req_.find(core::FingerprintOf(ev.id));
     if (it == fp_to_req_.end()) return;
     const int id = it->second;
@@ -558,19 +587,11 @@ class Sim {
         break;
       case core::HoldEvent::Kind::kAbortPrefill:
         if (p.st == PReq::St::kRunning) StopOnP(id);
+        if (p.st == PReq::St::kQueued) DropQueued(id);
         break;
-      case core::HoldEvent::Kind::kPullsReady: {
-        std::vector<PendingPull> pulls = std::move(rank.waiting[id]);
-        rank.waiting.erase(id);
-        for (PendingPull& pull : pulls) StartSend(r, std::move(pull));
-        break;
-      }
-      case core::HoldEvent::Kind::kPullsFailed: {
-        std::vector<PendingPull> pulls = std::move(rank.waiting[id]);
-        rank.waiting.erase(id);
-        for (PendingPull& pull : pulls) Respond(pull, r, Msg::Answer::kErr, ev.status);
-        break;
-      }
+      case core::HoldEvent::Kind::kPullsReady:
+      case core::HoldEvent::Kind::kPullsFailed:
+        break;  // the session answers its parked pulls itself
     }
   }
 
@@ -578,7 +599,7 @@ class Sim {
   // one), so a later entry of the same id starts from a clean record.
   void SyncMirror(std::uint32_t r, int id) {
     PRank& rank = p_ranks_[r];
-    if (!rank.hold->Contains(preqs_[id].xfer)) rank.mirror.erase(id);
+    if (!rank.session->hold().Contains(preqs_[id].xfer)) rank.mirror.erase(id);
   }
 
   void ArmPass(std::uint32_t r) {
@@ -596,10 +617,10 @@ class Sim {
     PRank& rank = p_ranks_[r];
     rank.pass_armed = false;
     if (p_dead_) return;
-    rank.hold->Expire(now());
+    rank.session->OnTimeout(now());
     DrainP(r);
     CheckHoldBound(r);
-    if (rank.hold->size() > 0) ArmPass(r);
+    if (rank.session->hold().size() > 0) ArmPass(r);
   }
 
   // Invariant: after an expiry pass, no entry is held past its deadline as the lease rules
@@ -608,10 +629,10 @@ class Sim {
   // long P keeps a dead decoder's KV: lease after its last renewal, plus one pass.
   void CheckHoldBound(std::uint32_t r) {
     PRank& rank = p_ranks_[r];
-    const core::HoldConfig& hc = rank.hold->config();
+    const core::HoldConfig& hc = rank.session->hold().config();
     for (auto it = rank.mirror.begin(); it != rank.mirror.end();) {
       const PReq& p = preqs_[it->first];
-      if (!rank.hold->Contains(p.xfer)) {
+      if (!rank.session->hold().Contains(p.xfer)) {
         it = rank.mirror.erase(it);
         continue;
       }
@@ -646,83 +667,104 @@ class Sim {
     }
   }
 
+  // A message reaches P rank `m.p_rank`: its session decides everything (through the codec).
   void DeliverToP(const Msg& m) {
     if (p_dead_) return;
     const std::uint32_t r = m.p_rank;
     PRank& rank = p_ranks_[r];
-    if (m.type == Msg::Type::kRenewal) {
-      auto result = rank.hold->Renew(m.fps, now());
-      if (result) {
-        for (core::Fingerprint fp : m.fps) {
+    protocol::PrefillSession& session = *rank.session;
+    const protocol::PeerAddress peer = PeerOf(m.d_rank);
+    if (const auto* pull = std::get_if<wire::Pull>(&m.body)) {
+      if (rank.errored_pulls.count(pull->id) != 0) return;  // a copy of a message P failed
+      const bool first_delivery = rank.delivered_pulls.insert(pull->id).second;
+      if (first_delivery && rng_.Chance(c_.faults.peer_msg_error)) {
+        // Fault: this P fails the whole message (never reaching its protocol code).
+        rank.errored_pulls.insert(pull->id);
+        wire::PullResponse error;
+        error.id = pull->id;
+        error.status = wire::PullStatus::kError;
+        error.code = ErrorCode::kInternal;
+        error.message = fmt::format("injected: P rank {} failed the pull", r);
+        Send(false, m.d_rank, r, std::move(error));
+        return;
+      }
+      Hand(session, peer, *pull);
+      // The oracle: a pull that now waits for an unfinished prefill starts the wait deadline.
+      for (const wire::PullRequest& request : pull->requests) {
+        auto it = fp_to_req_.find(core::FingerprintOf(request.transfer_id));
+        if (it == fp_to_req_.end()) continue;
+        const std::optional<core::HoldPhase> phase = session.hold().PhaseOf(request.transfer_id);
+        if (!phase || *phase == core::HoldPhase::kReady) continue;
+        Mirror& mir = rank.mirror[it->second];
+        if (mir.wait_deadline == kNever) {
+          mir.wait_deadline = now() + session.hold().config().abort_request_timeout;
+        }
+      }
+    } else if (const auto* renewal = std::get_if<wire::Renewal>(&m.body)) {
+      Hand(session, peer, *renewal);
+      if (session.hold().config().lease_enabled()) {
+        for (core::Fingerprint fp : renewal->fingerprints) {
           auto it = fp_to_req_.find(fp);
-          if (it == fp_to_req_.end() || !rank.hold->Contains(preqs_[it->second].xfer)) continue;
+          if (it == fp_to_req_.end() || !session.hold().Contains(preqs_[it->second].xfer)) continue;
           Mirror& mir = rank.mirror[it->second];
           mir.last_renew = now();
           if (mir.ready) mir.renewed_when_ready = now();
         }
       }
-      auto reply = std::make_shared<Msg>();
-      reply->type = Msg::Type::kRenewalReply;
-      reply->d_rank = m.d_rank;
-      reply->p_rank = r;
-      reply->rejected = !result;
-      Send(false, m.d_rank, r, std::move(reply));
-      return;
-    }
-    if (m.type != Msg::Type::kPull) return;
-    if (!rank.seen_pulls.insert(m.pull_id).second) {
-      loop_.Note(0xd00b, m.pull_id);  // a transport duplicate: the original gets the answer
-      return;
-    }
-    const PReq& p = preqs_[m.req];
-    PendingPull pull{m.req, m.d_rank, m.blocks, m.gens, m.epoch};
-    if (rng_.Chance(c_.faults.peer_msg_error)) {
-      Respond(pull, r, Msg::Answer::kError,
-              Status(ErrorCode::kInternal, fmt::format("injected: P rank {} failed the pull", r)));
-      return;
-    }
-    core::PullAdmission a = rank.hold->AdmitPull(p.xfer, m.d_rank, m.need_send, m.d_lease, now());
-    switch (a.verdict) {
-      case core::PullAdmission::Verdict::kReady:
-        StartSend(r, std::move(pull));
-        break;
-      case core::PullAdmission::Verdict::kWait:
-        rank.mirror[m.req].wait_deadline = a.wait_until;
-        rank.waiting[m.req].push_back(std::move(pull));
-        ArmPass(r);
-        break;
-      case core::PullAdmission::Verdict::kFail:
-        Respond(pull, r, Msg::Answer::kErr, a.error);
-        SyncMirror(r, m.req);
-        break;
     }
     DrainP(r);
+    ArmPass(r);
   }
 
-  void StartSend(std::uint32_t r, PendingPull pull) {
+  // Gives P's session a message: as bytes through the real codec, or as the struct.
+  template <typename Message>
+  void Hand(protocol::PrefillSession& session, const protocol::PeerAddress& peer,
+            const Message& message) {
+    if (c_.net.codec) {
+      session.OnMessage(peer, wire::Encode(message), now());
+    } else if constexpr (std::is_same_v<Message, wire::Pull>) {
+      session.OnPull(peer, message, now());
+    } else {
+      session.OnRenewal(peer, message, now());
+    }
+  }
+
+  // The data plane runs a write job of P rank `r`'s session (with the faults configured).
+  void StartWrite(std::uint32_t r, protocol::WriteJob job) {
     PRank& rank = p_ranks_[r];
+    auto shadow = pulls_.find(job.pull_id);
+    if (shadow == pulls_.end()) {
+      Violation(fmt::format("P rank {} writes for pull {}, which D never sent", r, job.pull_id));
+      rank.session->OnWriteDone(job.ticket,
+                                protocol::WriteOutcome::Failed(Status(ErrorCode::kInternal, "?")),
+                                now());
+      return;
+    }
+    const PullShadow& pull = shadow->second;
     PReq& p = preqs_[pull.req];
     if (rng_.Chance(c_.faults.peer_err)) {
-      Respond(
-          pull, r, Msg::Answer::kErr,
-          Status(ErrorCode::kInternal, fmt::format("injected: P rank {} failed {}", r, p.xfer)));
+      rank.session->OnWriteDone(
+          job.ticket,
+          protocol::WriteOutcome::Failed(
+              Status(ErrorCode::kInternal, fmt::format("injected: P rank {} failed {}", r, p.xfer))),
+          now());
       return;
     }
     if (rng_.Chance(c_.faults.peer_omit)) {
-      Respond(pull, r, Msg::Answer::kFinishOnly, {});
-      return;
-    }
-    if (Status s = rank.hold->BeginSend(p.xfer, pull.d_rank, now()); !s.ok()) {
-      Respond(pull, r, Msg::Answer::kErr, s);
-      DrainP(r);
+      // Nothing is written and the request is left out of the answer (SendFromP drops it).
+      omitted_.insert({job.pull_id, job.d_req_id});
+      rank.session->OnWriteDone(
+          job.ticket, protocol::WriteOutcome::Failed(Status(ErrorCode::kInternal, "omitted")),
+          now());
       return;
     }
     ++rank.mirror[pull.req].sending;
-    auto slice = core::PlanSlice(r, p_layout_, pull.d_rank, d_layout_);
+    const std::uint32_t d_rank = job.context->d_tp_rank;
+    auto slice = core::PlanSlice(r, p_layout_, d_rank, d_layout_);
     std::uint64_t bytes = 0;
     if (slice) {
-      auto ops =
-          core::PlanWrites(p.blocks, pull.blocks, *slice, p_layout_.block_len, d_layout_.block_len);
+      auto ops = core::PlanWrites(p.blocks, job.dst_block_ids, *slice, p_layout_.block_len,
+                                  d_layout_.block_len);
       if (ops) {
         for (const core::WriteOp& op : *ops) bytes += op.length;
       } else {
@@ -731,7 +773,8 @@ class Sim {
     } else {
       Violation("PlanSlice: " + slice.error().ToString());
     }
-    Write w{pull.req, r, pull.d_rank, pull.blocks, pull.gens, pull.epoch, false, false};
+    Write w{pull.req, r,     d_rank, std::move(job.dst_block_ids), pull.gens, pull.epoch, false,
+            false,    job.ticket};
     if (r == 0 && rng_.Chance(c_.faults.p0_err_after_write)) w.err_after = true;
     Duration delay{0};
     if (r == 1 && c_.faults.p1_write_delay.count() > 0) {
@@ -804,25 +847,22 @@ class Sim {
       ++dreqs_[w.req].peers_written;
       if (dreqs_[w.req].peers_written == c_.p.tp) ++res_.requests_written_by_all_peers;
     }
-    Status s = rank.hold->EndSend(p.xfer, w.d_rank, ok, now());
-    (void)s;  // the entry may be gone (engine abort during the send): nothing more to do
     auto mit = rank.mirror.find(w.req);
     if (mit != rank.mirror.end()) {
       --mit->second.sending;
       mit->second.last_send_end = now();
     }
-    SyncMirror(w.p_rank, w.req);
-    PendingPull pull{w.req, w.d_rank, {}, {}, w.epoch};
+    protocol::WriteOutcome outcome;
     if (!ok) {
-      Respond(pull, w.p_rank, Msg::Answer::kErr,
-              Status(ErrorCode::kUnavailable, "WRITE failed: decoder endpoint closed"));
+      outcome = protocol::WriteOutcome::Failed(
+          Status(ErrorCode::kUnavailable, "WRITE failed: decoder endpoint closed"));
     } else if (w.err_after) {
       ++res_.p0_injected_failures;
-      Respond(pull, w.p_rank, Msg::Answer::kErr,
-              Status(ErrorCode::kInternal, "injected: P0 reports an error after its WRITE"));
-    } else {
-      Respond(pull, w.p_rank, Msg::Answer::kOk, {});
+      outcome = protocol::WriteOutcome::Failed(
+          Status(ErrorCode::kInternal, "injected: P0 reports an error after its WRITE"));
     }
+    rank.session->OnWriteDone(w.ticket, outcome, now());
+    SyncMirror(w.p_rank, w.req);
     DrainP(w.p_rank);
     if (p.free_pending) FreePBlocks(w.req);
   }
@@ -831,15 +871,22 @@ class Sim {
     if (p_dead_) return;
     PReq& p = preqs_[idx];
     if (p.st == PReq::St::kQueued) {
-      p.st = PReq::St::kGone;  // skipped when it reaches the head of the queue
-      for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-        p_ranks_[r].hold->EngineFinished(p.xfer, now());  // fails waiting pulls at once
-        SyncMirror(r, idx);
-        DrainP(r);
-      }
+      DropQueued(idx);
       return;
     }
     if (p.st == PReq::St::kRunning || p.st == PReq::St::kHeld) StopOnP(idx);
+  }
+
+  // A request still queued on P goes (client abort, or its decoder stopped renewing): skipped when
+  // it reaches the head of the queue, and forgotten by every rank (waiting pulls fail at once).
+  void DropQueued(int idx) {
+    PReq& p = preqs_[idx];
+    p.st = PReq::St::kGone;
+    for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
+      p_ranks_[r].session->EngineFinished(p.xfer, now());
+      SyncMirror(r, idx);
+      DrainP(r);
+    }
   }
 
   void CrashP() {
@@ -959,18 +1006,21 @@ class Sim {
         Violation("ledger Begin: " + s.ToString());
       }
       for (std::uint32_t p : targets_[r]) {
-        auto m = std::make_shared<Msg>();
-        m->type = Msg::Type::kPull;
-        m->d_rank = r;
-        m->p_rank = p;
-        m->req = idx;
-        m->blocks = d.dest;
-        m->gens = d.gens;
-        m->epoch = d_epoch_[r][p];
-        if (c_.d.send_lease) m->d_lease = c_.d.lease;
-        m->need_send = need_send_[p];
-        m->pull_id = next_pull_++;
-        Send(true, r, p, std::move(m));
+        wire::Pull pull;
+        pull.id = ++next_msg_id_;
+        pull.d_engine_id = "D";
+        pull.d_tp_size = c_.d.tp;
+        pull.d_tp_rank = r;
+        if (c_.d.send_lease) {
+          pull.d_lease_ms = static_cast<std::uint64_t>(
+              std::chrono::round<std::chrono::milliseconds>(c_.d.lease).count());
+        }
+        pull.region_descriptor = std::vector<std::uint8_t>{static_cast<std::uint8_t>(r)};
+        pull.block_len = d_layout_.block_len;
+        pull.num_blocks = c_.d.blocks;
+        pull.requests.push_back({name, preqs_[idx].xfer, d.dest});
+        pulls_[pull.id] = {idx, r, p, d.gens, d_epoch_[r][p]};
+        Send(true, r, p, std::move(pull));
         loop_.After(c_.d.pull_timeout, kPullTimeout, static_cast<std::uint64_t>(idx),
                     [this, r, p, idx] { PullTimeout(r, p, idx); });
       }
@@ -1036,32 +1086,30 @@ class Sim {
 
   void DeliverToD(const Msg& m) {
     if (d_dead_) return;
-    if (m.type == Msg::Type::kRenewalReply) {
-      if (m.rejected && renew_.NoteRejected("P")) ++res_.renewal_warnings;
+    if (const auto* reply = std::get_if<wire::RenewalReply>(&m.body)) {
+      if (reply->status == wire::RenewalStatus::kRejected && renew_.NoteRejected("P")) {
+        ++res_.renewal_warnings;
+      }
       return;
     }
-    core::Settle how = core::Settle::kOk;
-    switch (m.answer) {
-      case Msg::Answer::kOk:
-        how = core::Settle::kOk;
-        break;
-      case Msg::Answer::kErr:
-        how = core::Settle::kErr;
-        break;
-      case Msg::Answer::kError:
-        how = core::Settle::kMessageError;
-        break;
-      case Msg::Answer::kFinishOnly:
-        how = core::Settle::kFinished;
-        break;
+    wire::PullResponse response = std::get<wire::PullResponse>(m.body);
+    if (c_.net.codec) {
+      Result<wire::PullResponse> decoded = wire::DecodePullResponse(wire::Encode(response));
+      if (!decoded) {
+        Violation("P sent an undecodable PullResponse: " + decoded.error().ToString());
+        return;
+      }
+      response = std::move(*decoded);
     }
-    Status reason = m.status;
-    if (how == core::Settle::kFinished) {
-      reason =
-          Status(ErrorCode::kUnavailable,
-                 fmt::format("prefill rank {} finished without reporting the request", m.p_rank));
+    auto it = pulls_.find(response.id);
+    if (it == pulls_.end() || it->second.d_rank != m.d_rank || it->second.p_rank != m.p_rank) {
+      Violation(fmt::format("a PullResponse with id {} matches no pull of D rank {} to P rank {}",
+                            response.id, m.d_rank, m.p_rank));
+      return;
     }
-    d_ledgers_[m.d_rank]->Settle(RequestName(m.req), m.p_rank, how, reason);
+    const core::RequestId name = RequestName(it->second.req);
+    protocol::ApplyPullResponse(*d_ledgers_[m.d_rank], m.p_rank,
+                                std::span<const core::RequestId>(&name, 1), response);
     DrainD(m.d_rank);
   }
 
@@ -1134,12 +1182,13 @@ class Sim {
         for (std::uint32_t p : targets_[r]) {
           ++res_.renewals_sent;
           if (drop) continue;
-          auto m = std::make_shared<Msg>();
-          m->type = Msg::Type::kRenewal;
-          m->d_rank = r;
-          m->p_rank = p;
-          m->fps = batch.ids;
-          Send(true, r, p, std::move(m));
+          wire::Renewal renewal;
+          renewal.id = ++next_msg_id_;
+          renewal.d_engine_id = "D";
+          renewal.d_lease_ms = static_cast<std::uint64_t>(
+              std::chrono::round<std::chrono::milliseconds>(c_.d.lease).count());
+          renewal.fingerprints = batch.ids;
+          Send(true, r, p, std::move(renewal));
         }
       }
     }
@@ -1179,9 +1228,14 @@ class Sim {
     }
     if (!p_dead_) {
       for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-        if (p_ranks_[r].hold->size() != 0) {
-          Violation(
-              fmt::format("leak: P rank {} still holds {} entries", r, p_ranks_[r].hold->size()));
+        const protocol::PrefillSession& session = *p_ranks_[r].session;
+        if (session.hold().size() != 0) {
+          Violation(fmt::format("leak: P rank {} still holds {} entries", r, session.hold().size()));
+        }
+        const protocol::PrefillStats stats = session.stats();
+        if (stats.pulls_in_progress != 0 || stats.requests_parked != 0) {
+          Violation(fmt::format("leak: P rank {} still has {} pulls in progress ({} parked)", r,
+                                stats.pulls_in_progress, stats.requests_parked));
         }
       }
       if (p_pool_.used() != 0) {
@@ -1220,7 +1274,6 @@ class Sim {
   bool p_step_armed_ = false;
   bool p_dead_ = false;
   bool p_was_full_ = false;
-  std::vector<std::uint32_t> need_send_;
   std::unordered_map<core::Fingerprint, int> fp_to_req_;
 
   // D engine.
@@ -1242,7 +1295,9 @@ class Sim {
   std::unordered_map<std::uint64_t, TimePoint> link_last_;
   std::map<std::uint64_t, Write> writes_;
   std::uint64_t next_write_ = 0;
-  std::uint64_t next_pull_ = 0;
+  std::uint64_t next_msg_id_ = 0;  // wire ids of D's pulls and renewals (never 0)
+  std::unordered_map<std::uint64_t, PullShadow> pulls_;  // by wire id
+  std::set<std::pair<std::uint64_t, core::RequestId>> omitted_;  // (pull id, request): fault
 };
 
 }  // namespace

@@ -2,10 +2,11 @@
 // control network and the data plane, in virtual time (SPEC §6, "deterministic simulator").
 //
 // RunCluster(config) is a pure function of `config` (its seed included): the same config gives
-// the same run, event for event (SimResult::trace_hash). The lifetime rules are not modelled
-// here but run for real: every P rank drives a core::HoldTable, the D engine a
-// core::RenewalScheduler, every D rank a core::ReceiveLedger, pairing and slicing come from
-// core/tp_plan.h. What the simulator adds is everything around them: schedulers, block pools
+// the same run, event for event (SimResult::trace_hash). The protocol is not modelled here but
+// runs for real: every P rank is a protocol::PrefillSession (pairing, parking, waves, replies,
+// renewals, expiry; it owns the core::HoldTable) fed through the wire codec, the D engine
+// drives a core::RenewalScheduler, every D rank a core::ReceiveLedger settled by
+// protocol::ApplyPullResponse, pairing and slicing come from core/tp_plan.h. What the simulator adds is everything around them: schedulers, block pools
 // with generation counters, a lossy control network, a data plane with WRITE start/end times,
 // faults, and invariant checks (docs/simulation.md lists what is and is not modelled).
 #pragma once
@@ -35,6 +36,9 @@ struct NetConfig {
   // Links are FIFO (one TCP connection per D rank/P rank pair), except a message picked with
   // probability `reorder`, which ignores the order and may overtake or be overtaken.
   double reorder = 0;
+  // Messages go through the wire codec: P's session reads the encoded bytes and D decodes P's
+  // answers, as in real processes. Off: the structs are handed over as they are.
+  bool codec = true;
   // Renewals sent by D in [drop_renewals_from, drop_renewals_until) are lost (scenario D).
   TimePoint drop_renewals_from = core::kNever;
   TimePoint drop_renewals_until = core::kNever;

@@ -198,6 +198,10 @@ TEST(RuntimeEndToEnd, LeaseMismatchFailsNamingBothValues) {
   EXPECT_EQ(r.error.code(), ErrorCode::kLeaseMismatch) << r.error.ToString();
   EXPECT_NE(r.error.message().find("30s"), std::string::npos) << r.error.message();
   EXPECT_NE(r.error.message().find("off"), std::string::npos) << r.error.message();
+  // P freed the refused transfer's KV at once, not after abort_request_timeout.
+  const control::ListenerStats stats = c.p[0]->listener().Stats();
+  EXPECT_EQ(stats.hold.released[static_cast<int>(core::ReleaseReason::kLeaseMismatch)], 1u);
+  EXPECT_EQ(stats.hold_entries, 0u);
 }
 
 TEST(RuntimeEndToEnd, SecondLoadOfALoadingRequestIsRefused) {

@@ -17,7 +17,7 @@ namespace {
 // vLLM #58222's reaper: it walks entries in admission order and stops at the first one that has
 // not expired, so an expired entry behind a renewed (or still waiting) head is stranded. Here:
 // the real expiry pass runs only while the oldest admitted live entry's deadline has passed.
-class OrderedReaperHold final : public Hold {
+class OrderedReaperHold final : public protocol::Hold {
  public:
   explicit OrderedReaperHold(const core::HoldConfig& config) : real_(config) {}
   const core::HoldConfig& config() const override { return real_.config(); }
@@ -55,18 +55,26 @@ class OrderedReaperHold final : public Hold {
   void Expire(core::TimePoint now) override {
     while (!order_.empty() && !real_.Contains(order_.front())) order_.pop_front();
     if (!order_.empty()) {
-      const auto head = real_.table().DeadlineOf(order_.front());
+      const auto head = real_.DeadlineOf(order_.front());
       if (head && *head > now) return;  // the bug: stop at the first unexpired head
     }
     real_.Expire(now);
   }
+  core::TimePoint NextDeadline() const override { return real_.NextDeadline(); }
   std::vector<core::HoldEvent> TakeEvents() override { return real_.TakeEvents(); }
   bool Contains(const core::TransferId& id) const override { return real_.Contains(id); }
+  std::optional<core::HoldPhase> PhaseOf(const core::TransferId& id) const override {
+    return real_.PhaseOf(id);
+  }
+  std::optional<core::TimePoint> DeadlineOf(const core::TransferId& id) const override {
+    return real_.DeadlineOf(id);
+  }
+  bool IsTombstoned(const core::TransferId& id) const override { return real_.IsTombstoned(id); }
   std::size_t size() const override { return real_.size(); }
   const core::HoldStats& stats() const override { return real_.stats(); }
 
  private:
-  CoreHold real_;
+  protocol::CoreHold real_;
   std::deque<core::TransferId> order_;
 };
 
@@ -114,7 +122,7 @@ TEST(Mutation, OrderedReaperIsCaught) {
 TEST(Mutation, TheRealCoreIsWhatTheSimulatorDrivesByDefault) {
   // The seam's defaults are the core classes: exploration without variants tests src/core.
   Variants v;
-  EXPECT_NE(dynamic_cast<CoreHold*>(v.NewHold(core::HoldConfig{}).get()), nullptr);
+  EXPECT_NE(dynamic_cast<protocol::CoreHold*>(v.NewHold(core::HoldConfig{}).get()), nullptr);
   EXPECT_NE(dynamic_cast<CoreLedger*>(v.NewLedger().get()), nullptr);
 }
 
