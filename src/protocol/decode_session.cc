@@ -1,0 +1,587 @@
+#include "protocol/decode_session.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "kvferry/core/tp_plan.h"
+#include "protocol/pull_reply.h"
+
+namespace kvferry::protocol {
+namespace {
+
+using core::TimePoint;
+
+std::string Secs(core::Duration d) { return fmt::format("{}s", core::ToSeconds(d)); }
+
+std::uint64_t Millis(core::Duration d) {
+  return static_cast<std::uint64_t>(std::chrono::round<std::chrono::milliseconds>(d).count());
+}
+
+// Whether `response` settles (or, late, resolves) the one request of its pull.
+bool Answers(const wire::PullResponse& response, const core::RequestId& request) {
+  if (response.status != wire::PullStatus::kContinue) return true;  // FINISH or ERROR
+  if (std::find(response.ok.begin(), response.ok.end(), request) != response.ok.end()) return true;
+  return std::any_of(response.err.begin(), response.err.end(),
+                     [&](const wire::RequestError& e) { return e.d_req_id == request; });
+}
+
+}  // namespace
+
+Status DecodeSession::ValidateOptions(const DecodeSessionOptions& o) {
+  auto bad = [](std::string why) { return Status(ErrorCode::kInvalidArgument, std::move(why)); };
+  if (o.engine_id.empty() || o.engine_id.size() > wire::kMaxIdBytes) {
+    return bad("engine_id must be 1.." + std::to_string(wire::kMaxIdBytes) + " bytes");
+  }
+  if (o.tp_size == 0 || o.tp_size > core::kMaxTpSize || o.tp_rank >= o.tp_size) {
+    return bad(fmt::format("tp_rank {} of tp {}: tp must be 1..{} and the rank below it",
+                           o.tp_rank, o.tp_size, core::kMaxTpSize));
+  }
+  if (o.block_len == 0 || o.num_blocks == 0) {
+    return bad(fmt::format("block_len {} and num_blocks {} must be >= 1", o.block_len,
+                           o.num_blocks));
+  }
+  if (o.region_descriptor.size() > wire::kMaxDescriptorBytes) {
+    return bad(fmt::format("region descriptor of {} bytes exceeds {}", o.region_descriptor.size(),
+                           wire::kMaxDescriptorBytes));
+  }
+  if (o.lease.count() < 0 || o.renewal_reply_timeout.count() < 0) {
+    return bad("lease and renewal_reply_timeout must be >= 0");
+  }
+  if (o.lease.count() > 0 && o.renewal_reply_timeout > o.lease / 12) {
+    return bad(fmt::format("renewal_reply_timeout {} exceeds lease/12 ({}): a renewal pass could "
+                           "outlast the interval between passes",
+                           Secs(o.renewal_reply_timeout), Secs(o.lease / 12)));
+  }
+  // P answers every pull within abort_request_timeout plus the write bound; a shorter deadline
+  // turns a slow but healthy P into quarantined blocks.
+  if (o.pull_timeout <= o.abort_request_timeout + o.write_bound) {
+    return bad(fmt::format("pull_timeout {} must exceed abort_request_timeout {} + the write "
+                           "bound {}: P answers every pull within that",
+                           Secs(o.pull_timeout), Secs(o.abort_request_timeout),
+                           Secs(o.write_bound)));
+  }
+  if (o.lookup_timeout.count() <= 0 || o.lookup_failure_ttl.count() < 0) {
+    return bad("lookup_timeout must be > 0 and lookup_failure_ttl >= 0");
+  }
+  return Status::Ok();
+}
+
+DecodeSession::DecodeSession(DecodeSessionOptions options, const LedgerFactory& make_ledger)
+    : options_(std::move(options)),
+      renewal_reply_timeout_(options_.renewal_reply_timeout.count() > 0
+                                 ? options_.renewal_reply_timeout
+                                 : options_.lease / 12),
+      ledger_(make_ledger ? make_ledger() : std::make_unique<CoreLedger>()),
+      renewals_(options_.lease) {}
+
+// ---- engine ----
+
+DecodeSession::EngineState& DecodeSession::Engine(const core::EngineId& engine,
+                                                  const std::string& bootstrap_address) {
+  EngineState& state = engines_[engine];
+  // The latest address a request named is where the next lookup goes. It cannot settle
+  // anything by itself: a lookup only adds peers (see OnLookup).
+  if (!bootstrap_address.empty()) state.bootstrap_address = bootstrap_address;
+  return state;
+}
+
+void DecodeSession::OnNewRequest(const core::RequestId& request, const RemoteSource& source,
+                                 TimePoint now) {
+  (void)now;
+  Engine(source.engine_id, source.bootstrap_address);
+  if (options_.lease.count() == 0) return;
+  if (tracked_.try_emplace(request, source.transfer_id).second) {
+    renewals_.Track(source.transfer_id, source.engine_id);
+  }
+}
+
+void DecodeSession::RequestFinished(const core::RequestId& request, TimePoint now) {
+  (void)now;
+  auto it = tracked_.find(request);
+  if (it == tracked_.end()) return;
+  renewals_.Untrack(it->second);
+  tracked_.erase(it);
+}
+
+Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSource& source,
+                                std::vector<core::BlockId> blocks, TimePoint now) {
+  EngineState& state = Engine(source.engine_id, source.bootstrap_address);
+  if (blocks.empty()) return Status::Ok();  // notify-only: nothing will be written
+  if (loading_.count(request) != 0) {
+    return Status(ErrorCode::kAlreadyExists, fmt::format("request {} is already loading", request));
+  }
+  for (core::BlockId b : blocks) {
+    if (b >= options_.num_blocks) {
+      return Status(ErrorCode::kOutOfRange, fmt::format("request {}: block {} outside the {} "
+                                                        "blocks of this rank",
+                                                        request, b, options_.num_blocks));
+    }
+  }
+  loading_.insert(request);
+  Load load{request, source, std::move(blocks)};
+  if (state.view) {
+    if (state.view_stale) RequestLookup(source.engine_id, state, now);  // refresh, do not wait
+    SendLoad(std::move(load), *state.view, now);
+  } else if (state.failed_until > now) {
+    FailLoad(std::move(load), state.failure);  // the engine is known unreachable: fail at once
+  } else {
+    state.waiting_loads.push_back(std::move(load));
+    RequestLookup(source.engine_id, state, now);
+  }
+  return Status::Ok();
+}
+
+// ---- lookups ----
+
+void DecodeSession::RequestLookup(const core::EngineId& engine, EngineState& state,
+                                  TimePoint now) {
+  if (state.lookup_in_flight) return;
+  state.lookup_in_flight = true;
+  state.lookup_deadline = now + options_.lookup_timeout;
+  ++counters_.lookups;
+  lookups_out_.push_back({engine, state.bootstrap_address});
+}
+
+void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now) {
+  EngineState& state = Engine(engine.engine_id, "");
+  state.lookup_in_flight = false;
+  state.lookup_deadline = core::kNever;
+  state.failed_until = TimePoint::min();
+  state.failure = Status();
+  if (state.view && state.view->incarnation != engine.incarnation) {
+    // A new process (or another registration of the same id). It only adds peers: the old
+    // process's pulls end by their own replies or by a fence, never by this lookup.
+    renewals_.ResetEngine(engine.engine_id);
+    events_out_.push_back(Warning{fmt::format(
+        "prefill engine {} now reports incarnation {} (was {}); pulls to the old one end by "
+        "their replies or a fence",
+        engine.engine_id, engine.incarnation, state.view->incarnation)});
+  }
+  state.view = engine;
+  state.view_stale = false;
+  std::vector<Load> loads = std::move(state.waiting_loads);
+  state.waiting_loads.clear();
+  std::vector<std::vector<core::Fingerprint>> batches = std::move(state.waiting_renewals);
+  state.waiting_renewals.clear();
+  for (Load& load : loads) SendLoad(std::move(load), engine, now);
+  for (const auto& ids : batches) SendRenewals(engine.engine_id, engine, ids, now);
+}
+
+void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& why,
+                                   TimePoint now) {
+  auto it = engines_.find(engine);
+  if (it == engines_.end()) return;
+  EngineState& state = it->second;
+  state.lookup_in_flight = false;
+  state.lookup_deadline = core::kNever;
+  ++counters_.lookup_failures;
+  if (state.view) {
+    // A refresh failed: keep pulling with what is known (the pulls' own deadlines decide).
+    return;
+  }
+  state.failed_until = now + options_.lookup_failure_ttl;
+  state.failure = Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
+                         fmt::format("bootstrap lookup of {}: {}", engine, why.message()));
+  std::vector<Load> loads = std::move(state.waiting_loads);
+  state.waiting_loads.clear();
+  counters_.renewal_failures += state.waiting_renewals.size();
+  state.waiting_renewals.clear();
+  for (Load& load : loads) FailLoad(std::move(load), state.failure);
+}
+
+// ---- pulls ----
+
+std::optional<std::vector<std::uint32_t>> DecodeSession::Targets(const PeerEngine& view,
+                                                                  Status* why) const {
+  auto targets = core::PullTargets(options_.tp_rank, options_.tp_size, view.tp_size);
+  if (!targets) {
+    *why = targets.error();
+    return std::nullopt;
+  }
+  for (std::uint32_t rank : *targets) {
+    if (rank >= view.side_channels.size() || view.side_channels[rank].empty()) {
+      *why = Status(ErrorCode::kUnavailable,
+                    fmt::format("engine {} lacks the worker of rank {} this rank pulls from",
+                                view.engine_id, rank));
+      return std::nullopt;
+    }
+  }
+  return std::move(*targets);
+}
+
+EndpointId DecodeSession::EndpointFor(const std::string& address) {
+  auto [it, inserted] = endpoint_of_.try_emplace(address, 0);
+  if (inserted) {
+    it->second = static_cast<EndpointId>(endpoints_.size());
+    endpoints_.push_back(Endpoint{address});
+  }
+  return it->second;
+}
+
+core::PeerId DecodeSession::PeerFor(EndpointId endpoint, const std::string& incarnation) {
+  const PeerKey key{endpoint, incarnation, endpoints_[endpoint].epoch};
+  auto [it, inserted] = peers_.try_emplace(key, 0);
+  if (inserted) {
+    it->second = static_cast<core::PeerId>(peer_keys_.size());
+    peer_keys_.push_back(key);
+  }
+  return it->second;
+}
+
+void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
+  Status why;
+  std::optional<std::vector<std::uint32_t>> targets = Targets(view, &why);
+  if (!targets) {
+    FailLoad(std::move(load), why);
+    return;
+  }
+  std::vector<EndpointId> endpoints;
+  std::vector<core::PeerId> peers;
+  for (std::uint32_t rank : *targets) {
+    const EndpointId endpoint = EndpointFor(view.side_channels[rank]);
+    endpoints.push_back(endpoint);
+    peers.push_back(PeerFor(endpoint, view.incarnation));
+  }
+  Status begun = ledger_->Begin(load.request, load.blocks, peers, Status());
+  if (!begun.ok()) {
+    // E.g. the same request id still quarantined from an earlier receive.
+    loading_.erase(load.request);
+    ++counters_.receives_failed;
+    events_out_.push_back(ReceiveDone{load.request, false, begun, std::move(load.blocks), false});
+    return;
+  }
+  for (std::size_t i = 0; i < endpoints.size(); ++i) {
+    Endpoint& ep = endpoints_[endpoints[i]];
+    wire::Pull pull;
+    pull.id = ++ep.next_id;
+    pull.d_engine_id = options_.engine_id;
+    pull.d_tp_size = options_.tp_size;
+    pull.d_tp_rank = options_.tp_rank;
+    pull.d_lease_ms = Millis(options_.lease);
+    pull.region_descriptor = options_.region_descriptor;
+    pull.block_len = options_.block_len;
+    pull.num_blocks = options_.num_blocks;
+    pull.requests.push_back({load.request, load.source.transfer_id, load.blocks});
+    const TimePoint deadline = now + options_.pull_timeout;
+    ep.pulls.emplace(pull.id, PullOp{load.request, peers[i], deadline, false});
+    pull_deadlines_.insert({deadline, endpoints[i], pull.id});
+    ++counters_.pulls_sent;
+    messages_out_.push_back({endpoints[i], ep.address, std::move(pull)});
+  }
+  DrainLedger();
+}
+
+void DecodeSession::FailLoad(Load load, Status why) {
+  // Nothing was sent to any peer: the receive completes at once as failed (SPEC §3 rule 4).
+  Status begun = ledger_->Begin(load.request, load.blocks, {}, why);
+  if (!begun.ok()) {
+    loading_.erase(load.request);
+    ++counters_.receives_failed;
+    events_out_.push_back(ReceiveDone{load.request, false, begun, std::move(load.blocks), false});
+    return;
+  }
+  DrainLedger();
+}
+
+void DecodeSession::ForgetPull(EndpointId endpoint, std::map<std::uint64_t, PullOp>::iterator op) {
+  pull_deadlines_.erase({op->second.deadline, endpoint, op->first});
+  endpoints_[endpoint].pulls.erase(op);
+}
+
+void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse& response,
+                                   TimePoint now) {
+  (void)now;
+  if (endpoint >= endpoints_.size()) {
+    ++counters_.replies_unmatched;
+    return;
+  }
+  Endpoint& ep = endpoints_[endpoint];
+  auto op = ep.pulls.find(response.id);
+  if (op == ep.pulls.end() && response.id == 0 && ep.pulls.size() == 1) {
+    op = ep.pulls.begin();  // P could not read the id; only one pull can be meant (protocol §1)
+  }
+  if (op == ep.pulls.end()) {
+    // Unknown, or id 0 with several pulls outstanding: failing them all would settle pulls
+    // whose writes may be running. Their own deadlines (and fences) decide instead.
+    ++counters_.replies_unmatched;
+    return;
+  }
+  if (op->second.timed_out) ++counters_.late_replies;
+  const core::RequestId request = op->second.request;
+  ApplyPullResponse(*ledger_, op->second.peer, std::span<const core::RequestId>(&request, 1),
+                    response);
+  if (op->second.timed_out && response.status == wire::PullStatus::kFinish) {
+    // A late FINISH that does not list the request still says P writes nothing more for it.
+    (void)ledger_->Settle(request, op->second.peer, core::Settle::kFinished,
+                          Status(ErrorCode::kNotFound, "late FINISH without the request"));
+  }
+  if (Answers(response, request)) ForgetPull(endpoint, op);
+  DrainLedger();
+}
+
+void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
+                                 TimePoint now) {
+  (void)now;
+  if (endpoint >= endpoints_.size()) return;
+  Endpoint& ep = endpoints_[endpoint];
+  if (auto op = ep.pulls.find(wire_id); op != ep.pulls.end()) {
+    // Never left: P cannot be writing for it. A plain failure, no quarantine.
+    (void)ledger_->Settle(op->second.request, op->second.peer, core::Settle::kErr,
+                          Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
+                                 fmt::format("pull to {} not sent: {}", ep.address,
+                                             why.message())));
+    ForgetPull(endpoint, op);
+    DrainLedger();
+    return;
+  }
+  if (auto op = ep.renewals.find(wire_id); op != ep.renewals.end()) {
+    ++counters_.renewal_failures;
+    renewal_deadlines_.erase({op->second.deadline, endpoint, wire_id});
+    ep.renewals.erase(op);
+  }
+}
+
+void DecodeSession::ExpirePulls(TimePoint now) {
+  while (!pull_deadlines_.empty() && std::get<0>(*pull_deadlines_.begin()) <= now) {
+    const auto [deadline, endpoint, id] = *pull_deadlines_.begin();
+    pull_deadlines_.erase(pull_deadlines_.begin());
+    Endpoint& ep = endpoints_[endpoint];
+    auto op = ep.pulls.find(id);
+    if (op == ep.pulls.end()) continue;
+    if (!ledger_->IsPending(op->second.request, op->second.peer)) {
+      ep.pulls.erase(op);  // settled meanwhile (e.g. by a fence)
+      continue;
+    }
+    // A local timeout is not proof that P stopped writing: the entry's blocks are quarantined
+    // (the receive fails now), the pull stays known so a late reply still resolves it, and the
+    // peer is fenced if the data plane can.
+    ++counters_.pull_timeouts;
+    op->second.timed_out = true;
+    (void)ledger_->Settle(op->second.request, op->second.peer, core::Settle::kTimeout,
+                          Status(ErrorCode::kTimeout,
+                                 fmt::format("no answer from prefill worker {} within {}",
+                                             ep.address, Secs(options_.pull_timeout))));
+    auto engine = std::find_if(engines_.begin(), engines_.end(), [&](const auto& e) {
+      return e.second.view && std::find(e.second.view->side_channels.begin(),
+                                        e.second.view->side_channels.end(),
+                                        ep.address) != e.second.view->side_channels.end();
+    });
+    if (engine != engines_.end()) engine->second.view_stale = true;  // ask again next time
+    AskFence(endpoint);
+  }
+  DrainLedger();
+}
+
+// ---- fences ----
+
+void DecodeSession::AskFence(EndpointId endpoint) {
+  Endpoint& ep = endpoints_[endpoint];
+  Fence fence{endpoint, {}};
+  for (const auto& [key, peer] : peers_) {
+    if (key.endpoint == endpoint && key.epoch == ep.epoch) fence.peers.push_back(peer);
+  }
+  // Pulls sent from now on are a new epoch of the peer: the fence does not cover them.
+  ++ep.epoch;
+  if (fence.peers.empty()) return;
+  const std::uint64_t id = next_fence_++;
+  ++counters_.fences_requested;
+  fences_.emplace(id, std::move(fence));
+  fences_out_.push_back({id, endpoint, ep.address});
+}
+
+void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, TimePoint now) {
+  (void)now;
+  auto it = fences_.find(fence_id);
+  if (it == fences_.end()) return;
+  Fence fence = std::move(it->second);
+  fences_.erase(it);
+  if (!result.ok()) {
+    // Not proved: the quarantined blocks wait for the peer's late replies instead.
+    ++counters_.fences_failed;
+    if (!warned_fence_) {
+      warned_fence_ = true;
+      events_out_.push_back(Warning{fmt::format(
+          "cannot fence prefill worker {} ({}); its timed-out pulls stay quarantined until it "
+          "answers",
+          endpoints_[fence.endpoint].address, result.ToString())});
+    }
+    return;
+  }
+  // Nothing of these epochs can land any more: their unknown writers are known stopped.
+  for (core::PeerId peer : fence.peers) ledger_->PeerQuiesced(peer);
+  DrainLedger();
+}
+
+// ---- renewals ----
+
+void DecodeSession::SendRenewals(const core::EngineId& engine, const PeerEngine& view,
+                                 std::span<const core::Fingerprint> ids, TimePoint now) {
+  Status why;
+  std::optional<std::vector<std::uint32_t>> targets = Targets(view, &why);
+  if (!targets) {
+    ++counters_.renewal_failures;
+    return;
+  }
+  for (std::uint32_t rank : *targets) {
+    const EndpointId endpoint = EndpointFor(view.side_channels[rank]);
+    Endpoint& ep = endpoints_[endpoint];
+    wire::Renewal renewal;
+    renewal.id = ++ep.next_id;
+    renewal.d_engine_id = options_.engine_id;
+    renewal.d_lease_ms = Millis(options_.lease);
+    renewal.fingerprints.assign(ids.begin(), ids.end());
+    const TimePoint deadline = now + renewal_reply_timeout_;
+    ep.renewals.emplace(renewal.id, RenewalOp{engine, deadline});
+    renewal_deadlines_.insert({deadline, endpoint, renewal.id});
+    ++counters_.renewal_messages;
+    messages_out_.push_back({endpoint, ep.address, std::move(renewal)});
+  }
+}
+
+void DecodeSession::RenewalPass(TimePoint now) {
+  // Batches still waiting for a lookup from the last pass are superseded by this one.
+  for (auto& [engine, state] : engines_) {
+    counters_.renewal_failures += state.waiting_renewals.size();
+    state.waiting_renewals.clear();
+  }
+  for (core::RenewalBatch& batch : renewals_.Poll(now)) {
+    EngineState& state = Engine(batch.engine, "");
+    if (state.view) {
+      if (state.view_stale) RequestLookup(batch.engine, state, now);
+      SendRenewals(batch.engine, *state.view, batch.ids, now);
+    } else if (state.failed_until > now) {
+      ++counters_.renewal_failures;  // known unreachable: one lookup per ttl, not per batch
+    } else {
+      state.waiting_renewals.push_back(std::move(batch.ids));
+      RequestLookup(batch.engine, state, now);
+    }
+  }
+}
+
+void DecodeSession::OnRenewalReply(EndpointId endpoint, const wire::RenewalReply& reply,
+                                   TimePoint now) {
+  (void)now;
+  if (endpoint >= endpoints_.size()) {
+    ++counters_.replies_unmatched;
+    return;
+  }
+  Endpoint& ep = endpoints_[endpoint];
+  auto op = ep.renewals.find(reply.id);
+  if (op == ep.renewals.end()) {
+    ++counters_.replies_unmatched;  // unknown, or answered after its deadline
+    return;
+  }
+  const core::EngineId engine = op->second.engine;
+  renewal_deadlines_.erase({op->second.deadline, endpoint, reply.id});
+  ep.renewals.erase(op);
+  switch (reply.status) {
+    case wire::RenewalStatus::kAccepted:
+      ++counters_.renewals_accepted;
+      if (!reply.message.empty()) {
+        EngineState& state = engines_[engine];
+        if (!state.warned_lease) {
+          state.warned_lease = true;
+          events_out_.push_back(Warning{fmt::format("prefill engine {}: {}", engine, reply.message)});
+        }
+      }
+      break;
+    case wire::RenewalStatus::kRejected:
+      ++counters_.renewals_rejected;
+      if (renewals_.NoteRejected(engine)) {
+        events_out_.push_back(Warning{fmt::format(
+            "prefill engine {} runs without kv_lease_duration: renewals stop, pulls go on ({})",
+            engine, reply.message)});
+      }
+      break;
+    case wire::RenewalStatus::kError:
+      ++counters_.renewal_failures;
+      break;
+  }
+}
+
+// ---- time ----
+
+void DecodeSession::OnTimeout(TimePoint now) {
+  for (auto& [engine, state] : engines_) {
+    if (state.lookup_in_flight && state.lookup_deadline <= now) {
+      OnLookupFailed(engine, Status(ErrorCode::kTimeout, fmt::format("no answer within {}",
+                                                                     Secs(options_.lookup_timeout))),
+                     now);
+    }
+  }
+  while (!renewal_deadlines_.empty() && std::get<0>(*renewal_deadlines_.begin()) <= now) {
+    const auto [deadline, endpoint, id] = *renewal_deadlines_.begin();
+    renewal_deadlines_.erase(renewal_deadlines_.begin());
+    if (endpoints_[endpoint].renewals.erase(id) != 0) ++counters_.renewal_failures;
+  }
+  ExpirePulls(now);
+  if (renewals_.tracked() > 0 && renewals_.NextDue() <= now) RenewalPass(now);
+}
+
+TimePoint DecodeSession::NextDeadline() const {
+  TimePoint next = core::kNever;
+  if (!pull_deadlines_.empty()) next = std::min(next, std::get<0>(*pull_deadlines_.begin()));
+  if (!renewal_deadlines_.empty()) {
+    next = std::min(next, std::get<0>(*renewal_deadlines_.begin()));
+  }
+  if (renewals_.tracked() > 0) next = std::min(next, renewals_.NextDue());
+  for (const auto& [engine, state] : engines_) {
+    if (state.lookup_in_flight) next = std::min(next, state.lookup_deadline);
+  }
+  return next;
+}
+
+// ---- output ----
+
+void DecodeSession::DrainLedger() {
+  for (core::LedgerEvent& e : ledger_->TakeEvents()) {
+    if (e.kind == core::LedgerEvent::Kind::kBlocksReleased) {
+      events_out_.push_back(BlocksReleased{e.request, std::move(e.blocks)});
+      continue;
+    }
+    loading_.erase(e.request);
+    ++(e.ok ? counters_.receives_ok : counters_.receives_failed);
+    // The receive settled: stop renewing it (SPEC §2.1).
+    RequestFinished(e.request, TimePoint{});
+    events_out_.push_back(
+        ReceiveDone{e.request, e.ok, std::move(e.error), std::move(e.blocks), e.quarantined});
+  }
+}
+
+std::vector<LookupRequest> DecodeSession::TakeLookups() {
+  std::vector<LookupRequest> out;
+  out.swap(lookups_out_);
+  return out;
+}
+
+std::vector<Transmit> DecodeSession::TakeMessages() {
+  std::vector<Transmit> out;
+  out.swap(messages_out_);
+  return out;
+}
+
+std::vector<FenceRequest> DecodeSession::TakeFences() {
+  std::vector<FenceRequest> out;
+  out.swap(fences_out_);
+  return out;
+}
+
+std::vector<DecodeEvent> DecodeSession::TakeEvents() {
+  std::vector<DecodeEvent> out;
+  out.swap(events_out_);
+  return out;
+}
+
+DecodeStats DecodeSession::stats() const {
+  DecodeStats s = counters_;
+  for (const Endpoint& ep : endpoints_) s.pulls_in_flight += ep.pulls.size();
+  s.quarantined_blocks = ledger_->quarantined_blocks();
+  s.tracked = renewals_.tracked();
+  s.receiving = loading_.size();
+  return s;
+}
+
+}  // namespace kvferry::protocol

@@ -1,0 +1,295 @@
+// DecodeSession: the D side of the side-channel protocol for one D worker (rank), sans-IO
+// (SPEC §2, §3, §5). The twin of PrefillSession.
+//
+// It owns what D decides: the receive ledger (through protocol::Ledger: who may still write
+// into which blocks), the renewal schedule (core::RenewalScheduler), what D knows of each P
+// engine (lookups, their failures, incarnations), every pull in flight with its deadline, the
+// renewal passes with theirs, and the fences it asks for. No sockets, threads or clock reads:
+// every call takes `now`; decisions come out of the Take*() queues —
+//   TakeLookups()   bootstrap lookups to make (at most one in flight per engine),
+//   TakeMessages()  Pulls and Renewals to send, each to an endpoint (a P worker's side channel),
+//   TakeFences()    data-plane fences to perform (answer each with OnFenceDone),
+//   TakeEvents()    receive completions, blocks leaving quarantine, warnings, for the engine,
+// and NextDeadline() says when OnTimeout() has work. The runtime's DecodeWorker and the
+// simulator drive this same class.
+//
+// The rules it keeps (the holes of the protocol-sessions issue, each with a test):
+//  - Nothing waits behind anything: every pull and renewal goes out at once, many per endpoint
+//    (wire ids are per endpoint), so a dead P delays no pull or renewal to a live one. A renewal
+//    pass sends to every P worker at once; each reply is awaited at most `renewal_reply_timeout`
+//    (≤ lease/12); one lookup per engine per pass, and a failed lookup is cached for
+//    `lookup_failure_ttl`, during which loads from that engine fail at once (nothing sent).
+//  - A pull's deadline settles its still-pending entries as timeouts: the receive fails at once
+//    but its blocks stay quarantined (a local timeout is not proof that P stopped writing). The
+//    pull stays known, so a late reply still settles it and releases the quarantine; and the
+//    session asks for a fence of that peer, whose success (OnFenceDone OK) also releases it.
+//    Pulls sent after a fence was asked for belong to a new epoch of the peer, so the fence
+//    never releases entries it does not cover.
+//  - A new incarnation of an engine (a lookup naming another process) never settles anything by
+//    itself: the old process's pulls end by their own replies or by a fence.
+//  - Only the requests a pull asked for are settled by its replies (ApplyPullResponse).
+//  - `pull_timeout` must exceed `abort_request_timeout` + `write_bound` (P answers every pull
+//    within that, even one that waits for a prefill), or the options are refused.
+//
+// Not thread-safe: one owner calls everything.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <set>
+#include <tuple>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <variant>
+#include <vector>
+
+#include "kvferry/core/ids.h"
+#include "kvferry/core/receive_ledger.h"
+#include "kvferry/core/renewal_scheduler.h"
+#include "kvferry/core/time.h"
+#include "kvferry/status.h"
+#include "protocol/ledger.h"
+#include "wire/messages.h"
+
+namespace kvferry::protocol {
+
+using namespace std::chrono_literals;
+
+// One P worker's side channel as the session names it; stable for the session's life.
+using EndpointId = std::uint32_t;
+
+// One remote-prefill request as the router describes it (vLLM's kv_transfer_params).
+struct RemoteSource {
+  core::TransferId transfer_id;
+  core::EngineId engine_id;       // remote_engine_id
+  std::string bootstrap_address;  // remote_bootstrap_addr
+};
+
+// What a lookup found out about a P engine.
+struct PeerEngine {
+  core::EngineId engine_id;
+  std::string incarnation;  // a new value: a new process
+  std::uint32_t tp_size = 1;
+  std::vector<std::string> side_channels;  // by P rank; size() == tp_size
+};
+
+struct DecodeSessionOptions {
+  core::EngineId engine_id = "decode-0";
+  std::uint32_t tp_size = 1;
+  std::uint32_t tp_rank = 0;
+  std::uint64_t block_len = 0;  // bytes per block in this rank's region
+  std::uint32_t num_blocks = 0;
+  std::vector<std::uint8_t> region_descriptor;  // sent with every pull
+  core::Duration lease{0};                       // kv_lease_duration; 0 = off
+  // P answers every pull within abort_request_timeout (a prefill that never finishes) plus the
+  // time a write may take until it is fenced; D's deadline must be longer.
+  core::Duration abort_request_timeout = 480s;
+  core::Duration write_bound = 35s;
+  core::Duration pull_timeout = 600s;
+  core::Duration lookup_timeout = 5s;        // a lookup not answered by then failed
+  core::Duration lookup_failure_ttl = 2s;    // how long a failed lookup is believed
+  // How long one renewal reply is awaited (0: lease/12). Longer than lease/12 is refused: a
+  // pass must never run into the next one.
+  core::Duration renewal_reply_timeout{0};
+};
+
+// A bootstrap lookup to make; answer with OnLookup (or OnLookupFailed).
+struct LookupRequest {
+  core::EngineId engine_id;
+  std::string bootstrap_address;
+};
+
+struct Transmit {
+  EndpointId endpoint = 0;
+  std::string address;  // the side channel's address (e.g. "tcp://10.0.0.1:5600")
+  std::variant<wire::Pull, wire::Renewal> message;
+};
+
+// Close the data plane to `endpoint`'s P worker so that none of its writes can land any more,
+// then answer OnFenceDone(id, OK). A transport that cannot prove that answers an error: the
+// session then waits for the peer's late replies instead.
+struct FenceRequest {
+  std::uint64_t id = 0;
+  EndpointId endpoint = 0;
+  std::string address;
+};
+
+struct ReceiveDone {
+  core::RequestId request;
+  bool ok = false;
+  Status error;                        // the first failure
+  std::vector<core::BlockId> invalid;  // failed: blocks whose contents are not valid
+  bool quarantined = false;            // blocks not reusable until a BlocksReleased
+};
+struct BlocksReleased {
+  core::RequestId request;
+  std::vector<core::BlockId> blocks;
+};
+struct Warning {
+  std::string text;
+};
+using DecodeEvent = std::variant<ReceiveDone, BlocksReleased, Warning>;
+
+struct DecodeStats {
+  std::uint64_t pulls_sent = 0;
+  std::uint64_t pull_timeouts = 0;    // pulls whose deadline passed with entries pending
+  std::uint64_t late_replies = 0;     // replies to a pull after its deadline
+  std::uint64_t replies_unmatched = 0;  // replies naming no pull or renewal of that endpoint
+  std::uint64_t receives_ok = 0;
+  std::uint64_t receives_failed = 0;
+  std::uint64_t renewal_messages = 0;
+  std::uint64_t renewals_accepted = 0;
+  std::uint64_t renewals_rejected = 0;
+  std::uint64_t renewal_failures = 0;  // no reply in time, or an error reply
+  std::uint64_t lookups = 0;
+  std::uint64_t lookup_failures = 0;
+  std::uint64_t fences_requested = 0;
+  std::uint64_t fences_failed = 0;
+  // Gauges.
+  std::uint64_t pulls_in_flight = 0;  // pulls not fully answered (late ones included)
+  std::uint64_t quarantined_blocks = 0;
+  std::uint64_t tracked = 0;  // transfers renewed
+  std::uint64_t receiving = 0;
+};
+
+class DecodeSession {
+ public:
+  [[nodiscard]] static Status ValidateOptions(const DecodeSessionOptions& options);
+  // Options must satisfy ValidateOptions. `make_ledger` empty: the real ledger (CoreLedger).
+  explicit DecodeSession(DecodeSessionOptions options, const LedgerFactory& make_ledger = {});
+  DecodeSession(const DecodeSession&) = delete;
+  DecodeSession& operator=(const DecodeSession&) = delete;
+
+  // ---- Engine (vLLM's connector contract) ----
+  // A request with remote prefill arrived (it may still wait for blocks): renew it.
+  void OnNewRequest(const core::RequestId& request, const RemoteSource& source,
+                    core::TimePoint now);
+  // Its blocks are allocated: pull its KV from every paired P rank. The outcome comes exactly
+  // once as a ReceiveDone. Empty `blocks`: notify-only, nothing to wait for. kAlreadyExists if
+  // the request is still receiving (or its blocks are still quarantined); nothing is started.
+  [[nodiscard]] Status StartLoad(const core::RequestId& request, const RemoteSource& source,
+                                 std::vector<core::BlockId> blocks, core::TimePoint now);
+  // It finished or was aborted: stop renewing it.
+  void RequestFinished(const core::RequestId& request, core::TimePoint now);
+
+  // ---- Results of what the session asked for ----
+  void OnLookup(const PeerEngine& engine, core::TimePoint now);
+  void OnLookupFailed(const core::EngineId& engine, const Status& why, core::TimePoint now);
+  void OnPullResponse(EndpointId endpoint, const wire::PullResponse& response,
+                      core::TimePoint now);
+  void OnRenewalReply(EndpointId endpoint, const wire::RenewalReply& reply, core::TimePoint now);
+  // A message could not be sent (it never left): its requests settle as failed, not
+  // quarantined — P cannot be writing for a pull it never got.
+  void OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
+                    core::TimePoint now);
+  void OnFenceDone(std::uint64_t fence_id, const Status& result, core::TimePoint now);
+
+  // ---- Time ----
+  void OnTimeout(core::TimePoint now);
+  core::TimePoint NextDeadline() const;
+
+  // ---- Output ----
+  std::vector<LookupRequest> TakeLookups();
+  std::vector<Transmit> TakeMessages();
+  std::vector<FenceRequest> TakeFences();
+  std::vector<DecodeEvent> TakeEvents();
+
+  DecodeStats stats() const;
+  const DecodeSessionOptions& options() const { return options_; }
+  const std::string& AddressOf(EndpointId endpoint) const { return endpoints_.at(endpoint).address; }
+
+ private:
+  struct PullOp {
+    core::RequestId request;
+    core::PeerId peer;
+    core::TimePoint deadline;
+    bool timed_out = false;
+  };
+  struct RenewalOp {
+    core::EngineId engine;
+    core::TimePoint deadline;
+  };
+  struct Endpoint {
+    std::string address;
+    std::uint64_t next_id = 0;
+    std::map<std::uint64_t, PullOp> pulls;        // by wire id
+    std::map<std::uint64_t, RenewalOp> renewals;  // by wire id
+    std::uint32_t epoch = 0;  // bumped when a fence is asked for: later pulls are a new peer
+  };
+  struct Load {
+    core::RequestId request;
+    RemoteSource source;
+    std::vector<core::BlockId> blocks;
+  };
+  struct EngineState {
+    std::string bootstrap_address;
+    std::optional<PeerEngine> view;
+    bool lookup_in_flight = false;
+    core::TimePoint lookup_deadline = core::kNever;
+    core::TimePoint failed_until = core::TimePoint::min();  // a failed lookup is believed until then
+    Status failure;
+    std::vector<Load> waiting_loads;
+    std::vector<std::vector<core::Fingerprint>> waiting_renewals;  // this pass's batches
+    bool view_stale = false;  // a pull to it timed out: look it up again (without waiting)
+    bool warned_lease = false;
+  };
+  // A ledger peer: one epoch of one P rank of one incarnation, reached through one endpoint.
+  struct PeerKey {
+    EndpointId endpoint;
+    std::string incarnation;
+    std::uint32_t epoch;
+    auto operator<=>(const PeerKey&) const = default;
+  };
+  struct Fence {
+    EndpointId endpoint;
+    std::vector<core::PeerId> peers;  // the epochs it covers
+  };
+
+  EngineState& Engine(const core::EngineId& engine, const std::string& bootstrap_address);
+  void RequestLookup(const core::EngineId& engine, EngineState& state, core::TimePoint now);
+  EndpointId EndpointFor(const std::string& address);
+  core::PeerId PeerFor(EndpointId endpoint, const std::string& incarnation);
+  void SendLoad(Load load, const PeerEngine& view, core::TimePoint now);
+  void FailLoad(Load load, Status why);
+  void ForgetPull(EndpointId endpoint, std::map<std::uint64_t, PullOp>::iterator op);
+  void SendRenewals(const core::EngineId& engine, const PeerEngine& view,
+                    std::span<const core::Fingerprint> ids, core::TimePoint now);
+  void RenewalPass(core::TimePoint now);
+  void ExpirePulls(core::TimePoint now);
+  void AskFence(EndpointId endpoint);
+  void DrainLedger();
+  std::optional<std::vector<std::uint32_t>> Targets(const PeerEngine& view, Status* why) const;
+
+  const DecodeSessionOptions options_;
+  const core::Duration renewal_reply_timeout_;
+  std::unique_ptr<Ledger> ledger_;
+  core::RenewalScheduler renewals_;
+
+  std::unordered_map<core::EngineId, EngineState> engines_;
+  std::vector<Endpoint> endpoints_;  // by EndpointId
+  std::unordered_map<std::string, EndpointId> endpoint_of_;
+  std::map<PeerKey, core::PeerId> peers_;
+  std::vector<PeerKey> peer_keys_;  // by PeerId
+  // (deadline, endpoint, wire id) of pulls not yet timed out and of renewals not yet answered.
+  using Deadline = std::tuple<core::TimePoint, EndpointId, std::uint64_t>;
+  std::set<Deadline> pull_deadlines_;
+  std::set<Deadline> renewal_deadlines_;
+  std::unordered_map<core::RequestId, core::TransferId> tracked_;  // renewed: request -> transfer
+  std::unordered_set<core::RequestId> loading_;  // StartLoad until its ReceiveDone
+  std::map<std::uint64_t, Fence> fences_;
+  std::uint64_t next_fence_ = 1;
+  bool warned_fence_ = false;
+
+  std::vector<LookupRequest> lookups_out_;
+  std::vector<Transmit> messages_out_;
+  std::vector<FenceRequest> fences_out_;
+  std::vector<DecodeEvent> events_out_;
+  DecodeStats counters_;
+};
+
+}  // namespace kvferry::protocol

@@ -1,0 +1,384 @@
+// DecodeSession, sans-IO: engine calls, lookups, replies and fence results in; lookups,
+// messages, fences and receive events out. Virtual time only. "Hole N" names the hole of the
+// protocol-sessions issue a test closes; each failed on the threaded DecodeWorker it replaces.
+#include "protocol/decode_session.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "kvferry/core/tp_plan.h"
+#include "protocol/prefill_session.h"
+
+namespace kvferry::protocol {
+namespace {
+
+using namespace std::chrono_literals;
+using core::TimePoint;
+
+constexpr TimePoint kT0{std::chrono::hours(1)};
+
+DecodeSessionOptions Options(core::Duration lease = 0s) {
+  DecodeSessionOptions o;
+  o.engine_id = "d";
+  o.block_len = 4096;
+  o.num_blocks = 1024;
+  o.region_descriptor = {1, 2, 3};
+  o.lease = lease;
+  o.abort_request_timeout = 480s;
+  o.write_bound = 35s;
+  o.pull_timeout = 600s;
+  return o;
+}
+
+PeerEngine Engine(const std::string& name, std::uint32_t tp = 1, const std::string& inc = "1") {
+  PeerEngine e{name, inc, tp, {}};
+  for (std::uint32_t r = 0; r < tp; ++r) e.side_channels.push_back(name + "/" + std::to_string(r));
+  return e;
+}
+
+RemoteSource Source(const std::string& xfer, const std::string& engine = "p") {
+  return {xfer, engine, engine + ":8998"};
+}
+
+wire::PullResponse Finish(std::uint64_t id, std::vector<core::RequestId> ok,
+                          std::vector<wire::RequestError> err = {}) {
+  wire::PullResponse r;
+  r.id = id;
+  r.status = wire::PullStatus::kFinish;
+  r.ok = std::move(ok);
+  r.err = std::move(err);
+  return r;
+}
+
+class DecodeSessionTest : public ::testing::Test {
+ protected:
+  void Make(DecodeSessionOptions options = Options()) {
+    ASSERT_TRUE(DecodeSession::ValidateOptions(options).ok());
+    session_.emplace(std::move(options));
+  }
+  DecodeSession& s() { return *session_; }
+
+  std::vector<wire::Pull> Pulls() {
+    std::vector<wire::Pull> out;
+    for (Transmit& t : s().TakeMessages()) {
+      if (auto* p = std::get_if<wire::Pull>(&t.message)) {
+        last_endpoints_.push_back(t.endpoint);
+        out.push_back(std::move(*p));
+      }
+    }
+    return out;
+  }
+  std::vector<ReceiveDone> Done() {
+    std::vector<ReceiveDone> out;
+    for (DecodeEvent& e : s().TakeEvents()) {
+      if (auto* d = std::get_if<ReceiveDone>(&e)) out.push_back(std::move(*d));
+    }
+    return out;
+  }
+  std::vector<BlocksReleased> Released() {
+    std::vector<BlocksReleased> out;
+    for (DecodeEvent& e : s().TakeEvents()) {
+      if (auto* d = std::get_if<BlocksReleased>(&e)) out.push_back(std::move(*d));
+    }
+    return out;
+  }
+
+  std::optional<DecodeSession> session_;
+  std::vector<EndpointId> last_endpoints_;
+};
+
+TEST_F(DecodeSessionTest, LoadLooksUpOnceThenPullsEveryPairedPrefillRank) {
+  Make();
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1, 2}, kT0).ok());
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {3, 4}, kT0).ok());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u) << "one lookup per engine, shared by both loads";
+  EXPECT_EQ(lookups[0].bootstrap_address, "p:8998");
+  s().OnLookup(Engine("p", 2), kT0);
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 4u);  // P TP2 -> D TP1: each request from both P ranks
+  EXPECT_EQ(pulls[0].requests[0].block_ids, (std::vector<core::BlockId>{1, 2}));
+  EXPECT_EQ(pulls[0].region_descriptor, (std::vector<std::uint8_t>{1, 2, 3}));
+  // r1 completes only once both peers answered.
+  s().OnPullResponse(last_endpoints_[0], Finish(pulls[0].id, {"r1"}), kT0 + 1ms);
+  EXPECT_TRUE(Done().empty());
+  s().OnPullResponse(last_endpoints_[1], Finish(pulls[1].id, {"r1"}), kT0 + 2ms);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r1");
+  EXPECT_TRUE(done[0].ok);
+  EXPECT_EQ(s().stats().pulls_in_flight, 2u);
+}
+
+// Hole 8 (D): a reply settles only the requests its pull asked for.
+TEST_F(DecodeSessionTest, ReplySettlesOnlyTheRequestsItsPullAskedFor) {
+  Make();
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0).ok());
+  s().OnLookup(Engine("p"), kT0);
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 2u);
+  // The answer to r1's pull also claims r2 failed: r2 must not settle (its writer may run).
+  s().OnPullResponse(last_endpoints_[0],
+                     Finish(pulls[0].id, {"r1"}, {{"r2", ErrorCode::kInternal, "bogus"}}), kT0);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r1");
+  EXPECT_EQ(s().stats().receiving, 1u);
+}
+
+// Holes 5 and 6: a failed lookup is cached, and loads from that engine fail at once.
+TEST_F(DecodeSessionTest, FailedLookupIsCachedAndFailsLoadsAtOnceWithoutQuarantine) {
+  DecodeSessionOptions o = Options();
+  o.lookup_failure_ttl = 2s;
+  Make(o);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  ASSERT_EQ(s().TakeLookups().size(), 1u);
+  s().OnLookupFailed("p", Status(ErrorCode::kUnavailable, "connection refused"), kT0 + 1ms);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_FALSE(done[0].quarantined);
+  EXPECT_NE(done[0].error.message().find("connection refused"), std::string::npos);
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 1s).ok());
+  EXPECT_TRUE(s().TakeLookups().empty()) << "the failure is believed for lookup_failure_ttl";
+  EXPECT_EQ(Done().size(), 1u);
+  ASSERT_TRUE(s().StartLoad("r3", Source("x3"), {3}, kT0 + 3s).ok());
+  EXPECT_EQ(s().TakeLookups().size(), 1u);
+}
+
+TEST_F(DecodeSessionTest, UnansweredLookupFailsAtItsDeadline) {
+  Make();
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  ASSERT_EQ(s().TakeLookups().size(), 1u);
+  EXPECT_EQ(s().NextDeadline(), kT0 + 5s);
+  s().OnTimeout(kT0 + 5s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].error.code(), ErrorCode::kTimeout);
+}
+
+// Hole 6: pulls are messages, not threads: a P that never answers delays nothing else.
+TEST_F(DecodeSessionTest, SilentPrefillDelaysNoPullToALiveOne) {
+  Make();
+  s().OnLookup(Engine("dead"), kT0);
+  s().OnLookup(Engine("live"), kT0);
+  for (int i = 0; i < 64; ++i) {
+    ASSERT_TRUE(s().StartLoad("dead-" + std::to_string(i), Source("xd" + std::to_string(i), "dead"),
+                              {static_cast<core::BlockId>(i)}, kT0)
+                    .ok());
+  }
+  ASSERT_TRUE(s().StartLoad("r-live", Source("x-live", "live"), {100}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 65u);  // all out at once
+  s().OnPullResponse(last_endpoints_.back(), Finish(pulls.back().id, {"r-live"}), kT0 + 1ms);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r-live");
+  EXPECT_TRUE(done[0].ok);
+}
+
+// Hole 3: after a pull's deadline the blocks are quarantined, a fence is asked for, and a late
+// reply (the fence failed: the transport cannot prove it) still releases them.
+TEST_F(DecodeSessionTest, LateReplyAfterTheDeadlineReleasesTheQuarantine) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {7, 8}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  EXPECT_EQ(s().NextDeadline(), kT0 + 600s);
+  s().OnTimeout(kT0 + 600s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_TRUE(done[0].quarantined);
+  EXPECT_EQ(s().stats().quarantined_blocks, 2u);
+  std::vector<FenceRequest> fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  s().OnFenceDone(fences[0].id, Status(ErrorCode::kRejected, "no receiver-side fence"),
+                  kT0 + 600s);
+  EXPECT_EQ(s().stats().quarantined_blocks, 2u);
+  s().OnPullResponse(last_endpoints_[0],
+                     Finish(pulls[0].id, {}, {{"r1", ErrorCode::kTimeout, "prefill never ran"}}),
+                     kT0 + 700s);
+  std::vector<BlocksReleased> released = Released();
+  ASSERT_EQ(released.size(), 1u);
+  EXPECT_EQ(released[0].blocks, (std::vector<core::BlockId>{7, 8}));
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+  EXPECT_EQ(s().stats().late_replies, 1u);
+  EXPECT_EQ(s().stats().pulls_in_flight, 0u);
+}
+
+// Hole 3: a fence that succeeds releases what it covers — and never what it does not: pulls sent
+// after it was asked for are a new epoch of the peer.
+TEST_F(DecodeSessionTest, FenceReleasesTheTimedOutEpochOnly) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("old", Source("x1"), {1}, kT0).ok());
+  s().OnTimeout(kT0 + 600s);
+  std::vector<FenceRequest> fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  ASSERT_TRUE(s().StartLoad("new", Source("x2"), {2}, kT0 + 601s).ok());
+  (void)Pulls();
+  s().OnFenceDone(fences[0].id, Status::Ok(), kT0 + 602s);
+  std::vector<DecodeEvent> events = s().TakeEvents();
+  bool old_released = false;
+  for (const DecodeEvent& e : events) {
+    if (const auto* r = std::get_if<BlocksReleased>(&e)) old_released |= r->request == "old";
+    if (const auto* d = std::get_if<ReceiveDone>(&e)) {
+      EXPECT_NE(d->request, "new") << "the fence settled a pull of a later epoch";
+    }
+  }
+  EXPECT_TRUE(old_released);
+  EXPECT_EQ(s().stats().receiving, 1u);
+}
+
+// Hole 4: a lookup naming another incarnation settles nothing: the old process's pull ends by
+// its own reply.
+TEST_F(DecodeSessionTest, NewIncarnationSettlesNothingByItself) {
+  Make();
+  s().OnLookup(Engine("p", 1, "first"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  const EndpointId old_endpoint = last_endpoints_[0];
+  s().OnLookup(Engine("p", 1, "forged"), kT0 + 1s);
+  EXPECT_TRUE(Done().empty());
+  EXPECT_TRUE(s().TakeFences().empty());
+  EXPECT_EQ(s().stats().receiving, 1u);
+  s().OnPullResponse(old_endpoint, Finish(pulls[0].id, {"r1"}), kT0 + 2s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].ok);
+}
+
+TEST_F(DecodeSessionTest, UnsentPullIsAPlainFailure) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  s().OnSendFailed(last_endpoints_[0], pulls[0].id, Status(ErrorCode::kUnavailable, "queue full"),
+                   kT0);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_FALSE(done[0].quarantined);
+}
+
+TEST_F(DecodeSessionTest, SecondLoadOfALoadingRequestIsRefused) {
+  Make();
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  EXPECT_EQ(s().StartLoad("r1", Source("x1"), {1}, kT0).code(), ErrorCode::kAlreadyExists);
+  EXPECT_EQ(s().StartLoad("r2", Source("x2"), {5000}, kT0).code(), ErrorCode::kOutOfRange);
+  EXPECT_TRUE(s().StartLoad("r3", Source("x3"), {}, kT0).ok());  // notify-only
+  EXPECT_EQ(s().stats().receiving, 1u);
+}
+
+// Hole 9: D stops renewing a transfer once its receive settled.
+TEST_F(DecodeSessionTest, RenewingStopsWhenTheReceiveSettles) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnLookup(Engine("p"), kT0);
+  EXPECT_EQ(s().stats().tracked, 1u);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  s().OnPullResponse(last_endpoints_[0], Finish(pulls[0].id, {"r1"}), kT0);
+  EXPECT_EQ(s().stats().tracked, 0u);
+  s().OnTimeout(kT0 + 10s);
+  for (const Transmit& t : s().TakeMessages()) {
+    EXPECT_FALSE(std::holds_alternative<wire::Renewal>(t.message));
+  }
+}
+
+TEST_F(DecodeSessionTest, RejectedRenewalsWarnOncePerEngineAndStop) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnLookup(Engine("p"), kT0);
+  s().OnTimeout(kT0);
+  std::vector<Transmit> out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 1u);
+  wire::RenewalReply reply;
+  reply.id = std::get<wire::Renewal>(out[0].message).id;
+  reply.status = wire::RenewalStatus::kRejected;
+  s().OnRenewalReply(out[0].endpoint, reply, kT0 + 1ms);
+  int warnings = 0;
+  for (const DecodeEvent& e : s().TakeEvents()) warnings += std::holds_alternative<Warning>(e);
+  EXPECT_EQ(warnings, 1);
+  s().OnTimeout(kT0 + 5s);
+  EXPECT_TRUE(s().TakeMessages().empty());
+}
+
+TEST(DecodeSessionOptionsTest, PullTimeoutMustOutlastWhatPMayTakeToAnswer) {
+  DecodeSessionOptions o = Options();
+  o.pull_timeout = 120s;  // kvferry serve's old default, below abort_request_timeout
+  Status s = DecodeSession::ValidateOptions(o);
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("480"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("120"), std::string::npos) << s.message();
+  o.pull_timeout = 516s;
+  EXPECT_TRUE(DecodeSession::ValidateOptions(o).ok());
+  o.lease = 30s;
+  o.renewal_reply_timeout = 3s;  // > lease/12
+  EXPECT_EQ(DecodeSession::ValidateOptions(o).code(), ErrorCode::kInvalidArgument);
+  o.tp_size = core::kMaxTpSize + 1;
+  o.renewal_reply_timeout = 0s;
+  EXPECT_EQ(DecodeSession::ValidateOptions(o).code(), ErrorCode::kInvalidArgument);
+}
+
+// Hole 5, end to end in virtual time: a live D renews on time with a live P while 20 other P
+// engines are silent (10 whose bootstrap never answers, 10 whose workers never reply), so P
+// keeps the live transfer's KV for 10 minutes; before, each dead endpoint cost the serial pass
+// a fixed 1 s and each dead bootstrap 5 s, and ~20 of them made P expire a live D's KV.
+TEST(DecodeSessionWithPrefill, TwentySilentEnginesCannotCostALiveDecoderItsKv) {
+  const core::Duration lease = 30s;
+  DecodeSessionOptions o = Options(lease);
+  DecodeSession d(o);
+  PrefillSessionOptions po;
+  po.hold.lease = lease;
+  PrefillSession p(po);
+  ASSERT_TRUE(p.Admit("x-live", 1, kT0).ok());
+  ASSERT_TRUE(p.PrefillDone("x-live", 4, kT0).ok());
+  d.OnNewRequest("r-live", {"x-live", "live", "live:1"}, kT0);
+  for (int i = 0; i < 20; ++i) {
+    const std::string name = "silent-" + std::to_string(i);
+    d.OnNewRequest("r-" + name, {"x-" + name, name, name + ":1"}, kT0);
+  }
+  TimePoint now = kT0;
+  const TimePoint end = kT0 + 10min;
+  std::uint64_t live_renewals = 0;
+  while (now < end) {
+    for (const LookupRequest& l : d.TakeLookups()) {
+      if (l.engine_id == "live") {
+        d.OnLookup(Engine("live"), now);
+      } else if (std::stoi(l.engine_id.substr(7)) >= 10) {
+        d.OnLookup(Engine(l.engine_id), now);  // silent-10..19: workers that never reply
+      }  // silent-0..9: bootstraps that never answer (the lookup deadline decides)
+    }
+    for (Transmit& t : d.TakeMessages()) {
+      if (t.address != "live/0") continue;
+      ++live_renewals;
+      p.OnMessage("d", wire::Encode(std::get<wire::Renewal>(t.message)), now);
+      for (Outgoing& out : p.TakeOutgoing()) {
+        d.OnRenewalReply(t.endpoint, std::get<wire::RenewalReply>(out.message), now);
+      }
+    }
+    ASSERT_TRUE(p.hold().Contains("x-live")) << "P expired a live decoder's KV at t="
+                                             << core::ToSeconds(now - kT0) << " s";
+    const TimePoint next = std::min(d.NextDeadline(), p.NextDeadline());
+    ASSERT_NE(next, core::kNever);
+    now = std::max(now, next);
+    d.OnTimeout(now);
+    p.OnTimeout(now);
+  }
+  EXPECT_TRUE(p.hold().Contains("x-live"));
+  EXPECT_GE(live_renewals, 10u * 60 / 5 - 1);  // every lease/6 = 5 s
+  EXPECT_GT(d.stats().renewal_failures, 0u);
+}
+
+}  // namespace
+}  // namespace kvferry::protocol
