@@ -155,7 +155,7 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now) {
     // A new process (or another registration of the same id). It only adds peers: the old
     // process's pulls end by their own replies or by a fence, never by this lookup.
     renewals_.ResetEngine(engine.engine_id);
-    events_out_.push_back(Warning{fmt::format(
+    events_out_.push_back(Warning{Warning::Kind::kIncarnation, fmt::format(
         "prefill engine {} now reports incarnation {} (was {}); pulls to the old one end by "
         "their replies or a fence",
         engine.engine_id, engine.incarnation, state.view->incarnation)});
@@ -380,8 +380,9 @@ void DecodeSession::ExpirePulls(TimePoint now) {
 void DecodeSession::AskFence(EndpointId endpoint) {
   Endpoint& ep = endpoints_[endpoint];
   Fence fence{endpoint, {}};
+  // Every epoch of this endpoint not yet proved stopped: also older ones whose fence failed.
   for (const auto& [key, peer] : peers_) {
-    if (key.endpoint == endpoint && key.epoch == ep.epoch) fence.peers.push_back(peer);
+    if (key.endpoint == endpoint && quiesced_.count(peer) == 0) fence.peers.push_back(peer);
   }
   // Pulls sent from now on are a new epoch of the peer: the fence does not cover them.
   ++ep.epoch;
@@ -403,16 +404,53 @@ void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, Ti
     ++counters_.fences_failed;
     if (!warned_fence_) {
       warned_fence_ = true;
-      events_out_.push_back(Warning{fmt::format(
+      events_out_.push_back(Warning{Warning::Kind::kFence, fmt::format(
           "cannot fence prefill worker {} ({}); its timed-out pulls stay quarantined until it "
           "answers",
           endpoints_[fence.endpoint].address, result.ToString())});
     }
     return;
   }
-  // Nothing of these epochs can land any more: their unknown writers are known stopped.
-  for (core::PeerId peer : fence.peers) ledger_->PeerQuiesced(peer);
+  // Nothing of these epochs can land any more: their unknown writers are known stopped, and
+  // their pulls need no answer any more.
+  for (core::PeerId peer : fence.peers) {
+    quiesced_.insert(peer);
+    ledger_->PeerQuiesced(peer);
+  }
+  Endpoint& ep = endpoints_[fence.endpoint];
+  for (auto op = ep.pulls.begin(); op != ep.pulls.end();) {
+    const bool covered = std::find(fence.peers.begin(), fence.peers.end(), op->second.peer) !=
+                         fence.peers.end();
+    if (covered) {
+      pull_deadlines_.erase({op->second.deadline, fence.endpoint, op->first});
+      op = ep.pulls.erase(op);
+    } else {
+      ++op;
+    }
+  }
   DrainLedger();
+}
+
+void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why, TimePoint now) {
+  auto it = engines_.find(engine);
+  if (it == engines_.end()) return;
+  EngineState& state = it->second;
+  std::optional<PeerEngine> view = std::move(state.view);
+  state.view.reset();
+  state.view_stale = false;
+  state.lookup_in_flight = false;
+  state.lookup_deadline = core::kNever;
+  state.failed_until = now + options_.lookup_failure_ttl;
+  state.failure = Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
+                         fmt::format("prefill engine {} is down: {}", engine, why.message()));
+  std::vector<Load> loads = std::move(state.waiting_loads);
+  state.waiting_loads.clear();
+  for (Load& load : loads) FailLoad(std::move(load), state.failure);
+  if (!view) return;
+  for (const std::string& address : view->side_channels) {
+    auto ep = endpoint_of_.find(address);
+    if (ep != endpoint_of_.end() && !endpoints_[ep->second].pulls.empty()) AskFence(ep->second);
+  }
 }
 
 // ---- renewals ----
@@ -484,14 +522,15 @@ void DecodeSession::OnRenewalReply(EndpointId endpoint, const wire::RenewalReply
         EngineState& state = engines_[engine];
         if (!state.warned_lease) {
           state.warned_lease = true;
-          events_out_.push_back(Warning{fmt::format("prefill engine {}: {}", engine, reply.message)});
+          events_out_.push_back(Warning{Warning::Kind::kLeaseMismatch,
+                                        fmt::format("prefill engine {}: {}", engine, reply.message)});
         }
       }
       break;
     case wire::RenewalStatus::kRejected:
       ++counters_.renewals_rejected;
       if (renewals_.NoteRejected(engine)) {
-        events_out_.push_back(Warning{fmt::format(
+        events_out_.push_back(Warning{Warning::Kind::kNoLease, fmt::format(
             "prefill engine {} runs without kv_lease_duration: renewals stop, pulls go on ({})",
             engine, reply.message)});
       }

@@ -131,6 +131,13 @@ struct BlocksReleased {
   std::vector<core::BlockId> blocks;
 };
 struct Warning {
+  enum class Kind : std::uint8_t {
+    kNoLease,        // a P engine rejects renewals (runs without a lease): once per engine
+    kLeaseMismatch,  // a P engine accepted renewals but declared another lease: once per engine
+    kIncarnation,    // a lookup named another process for a known engine
+    kFence,          // the data plane cannot fence a peer: once per session
+  };
+  Kind kind;
   std::string text;
 };
 using DecodeEvent = std::variant<ReceiveDone, BlocksReleased, Warning>;
@@ -188,6 +195,11 @@ class DecodeSession {
   void OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
                     core::TimePoint now);
   void OnFenceDone(std::uint64_t fence_id, const Status& result, core::TimePoint now);
+  // A liveness source says the engine's processes are gone (e.g. its registry lease expired).
+  // Loads waiting for it and new ones fail at once (until a lookup succeeds again, after
+  // lookup_failure_ttl); its endpoints with pulls in flight are fenced — the blocks of those
+  // pulls are released by the fences (or late replies), never by this call alone.
+  void OnEngineDown(const core::EngineId& engine, const Status& why, core::TimePoint now);
 
   // ---- Time ----
   void OnTimeout(core::TimePoint now);
@@ -275,6 +287,7 @@ class DecodeSession {
   std::unordered_map<std::string, EndpointId> endpoint_of_;
   std::map<PeerKey, core::PeerId> peers_;
   std::vector<PeerKey> peer_keys_;  // by PeerId
+  std::unordered_set<core::PeerId> quiesced_;  // epochs a fence proved stopped
   // (deadline, endpoint, wire id) of pulls not yet timed out and of renewals not yet answered.
   using Deadline = std::tuple<core::TimePoint, EndpointId, std::uint64_t>;
   std::set<Deadline> pull_deadlines_;

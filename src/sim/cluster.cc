@@ -6,6 +6,7 @@
 #include <deque>
 #include <map>
 #include <set>
+#include <tuple>
 #include <type_traits>
 #include <memory>
 #include <unordered_map>
@@ -14,6 +15,7 @@
 
 #include "kvferry/core/renewal_scheduler.h"
 #include "kvferry/core/tp_plan.h"
+#include "protocol/decode_session.h"
 #include "protocol/prefill_session.h"
 #include "protocol/pull_reply.h"
 #include "rng.h"
@@ -58,8 +60,9 @@ enum Kind : std::uint32_t {
   kWriteEnd,
   kDStep,
   kDStepEnd,
-  kRenewTick,
-  kPullTimeout,
+  kLookup,
+  kDTimer,
+  kFence,
   kDCrash,
   kPCrash,
   kPDetect,
@@ -177,8 +180,8 @@ struct PRank {
   // Fault model. A P fails a whole message (injected ERROR) only the first time it sees it, as a
   // real P's message handling runs after its duplicate check; and it never serves a copy of a
   // message it failed.
-  std::unordered_set<std::uint64_t> delivered_pulls;
-  std::unordered_set<std::uint64_t> errored_pulls;
+  std::set<std::pair<std::uint32_t, std::uint64_t>> delivered_pulls;  // (D rank, pull id)
+  std::set<std::pair<std::uint32_t, std::uint64_t>> errored_pulls;
 };
 
 struct PReq {
@@ -225,7 +228,7 @@ struct Write {
 class Sim {
  public:
   explicit Sim(const SimConfig& c)
-      : c_(c), rng_(c.seed), p_pool_(c.p.blocks), d_pool_(c.d.blocks), renew_(c.d.lease) {
+      : c_(c), rng_(c.seed), p_pool_(c.p.blocks), d_pool_(c.d.blocks) {
     const std::size_t n = c.load.requests.size();
     res_.requests.resize(n);
     preqs_.resize(n);
@@ -242,15 +245,29 @@ class Sim {
           options, [&c](const core::HoldConfig& hc) { return c.variants.NewHold(hc); });
       p_ranks_.push_back(std::move(rank));
     }
-    for (std::uint32_t r = 0; r < c.d.tp; ++r) {
-      d_ledgers_.push_back(c.variants.NewLedger());
-      d_epoch_.emplace_back(c.p.tp, 0);
-      auto targets = core::PullTargets(r, c.d.tp, c.p.tp);
-      if (!targets) Violation("bad TP pair: " + targets.error().ToString());
-      targets_.push_back(targets ? *targets : std::vector<std::uint32_t>{});
-    }
     p_layout_ = {c.p.tp, c.model.kv_heads, BlockLen(c.p.tp)};
     d_layout_ = {c.d.tp, c.model.kv_heads, BlockLen(c.d.tp)};
+    for (std::uint32_t r = 0; r < c.d.tp; ++r) {
+      protocol::DecodeSessionOptions options;
+      options.engine_id = "D";
+      options.tp_size = c.d.tp;
+      options.tp_rank = r;
+      options.block_len = d_layout_.block_len;
+      options.num_blocks = c.d.blocks;
+      options.region_descriptor = {static_cast<std::uint8_t>(r)};
+      options.lease = c.d.lease;
+      options.abort_request_timeout = c.p.hold.abort_request_timeout;
+      options.write_bound = c.d.write_bound;
+      options.pull_timeout = c.d.pull_timeout;
+      if (Status valid = protocol::DecodeSession::ValidateOptions(options); !valid.ok()) {
+        Violation("D's options: " + valid.ToString());
+        options.pull_timeout = options.abort_request_timeout + options.write_bound + 1s;
+      }
+      d_sessions_.push_back(std::make_unique<protocol::DecodeSession>(
+          options, [&c] { return c.variants.NewLedger(); }));
+      d_epoch_.emplace_back(c.p.tp, 0);
+      d_timer_at_.push_back(kNever);
+    }
   }
 
   SimResult Run() {
@@ -299,6 +316,15 @@ class Sim {
     res_.trace_hash = loop_.trace_hash();
     res_.events = loop_.events_fired();
     res_.hold_stats = p_ranks_[0].session->hold().stats();
+    for (const auto& session : d_sessions_) {
+      const protocol::DecodeStats stats = session->stats();
+      res_.pull_timeouts += stats.pull_timeouts;
+      res_.late_replies += stats.late_replies;
+      res_.fences += stats.fences_requested;
+    }
+    for (const PRank& rank : p_ranks_) {
+      res_.duplicate_pulls_dropped += rank.session->stats().pulls_duplicate;
+    }
     return std::move(res_);
   }
 
@@ -563,7 +589,7 @@ class Sim {
     if (auto* response = std::get_if<wire::PullResponse>(&o.message)) {
       // Fault model: a P that omits requests from its answer (D settles them at FINISH).
       std::erase_if(response->err, [&](const wire::RequestError& e) {
-        return omitted_.count({response->id, e.d_req_id}) != 0;
+        return omitted_.count({r, d_rank, response->id, e.d_req_id}) != 0;
       });
     }
     std::visit([&](auto& m) { Send(false, d_rank, r, std::move(m)); }, o.message);
@@ -675,11 +701,23 @@ class Sim {
     protocol::PrefillSession& session = *rank.session;
     const protocol::PeerAddress peer = PeerOf(m.d_rank);
     if (const auto* pull = std::get_if<wire::Pull>(&m.body)) {
-      if (rank.errored_pulls.count(pull->id) != 0) return;  // a copy of a message P failed
-      const bool first_delivery = rank.delivered_pulls.insert(pull->id).second;
+      if (rank.errored_pulls.count({m.d_rank, pull->id}) != 0) return;  // a copy of a failed one
+      const bool first_delivery = rank.delivered_pulls.insert({m.d_rank, pull->id}).second;
+      if (first_delivery && rng_.Chance(c_.faults.late_pull)) {
+        // Fault: P stalls on this pull past D's deadline, then serves it.
+        auto late = std::make_shared<Msg>(m);
+        loop_.After(c_.d.pull_timeout + rng_.Span(Duration{0}, 5s), kDeliver, r, [this, late] {
+          if (p_dead_) return;
+          Hand(*p_ranks_[late->p_rank].session, PeerOf(late->d_rank),
+               std::get<wire::Pull>(late->body));
+          DrainP(late->p_rank);
+          ArmPass(late->p_rank);
+        });
+        return;
+      }
       if (first_delivery && rng_.Chance(c_.faults.peer_msg_error)) {
         // Fault: this P fails the whole message (never reaching its protocol code).
-        rank.errored_pulls.insert(pull->id);
+        rank.errored_pulls.insert({m.d_rank, pull->id});
         wire::PullResponse error;
         error.id = pull->id;
         error.status = wire::PullStatus::kError;
@@ -732,7 +770,7 @@ class Sim {
   // The data plane runs a write job of P rank `r`'s session (with the faults configured).
   void StartWrite(std::uint32_t r, protocol::WriteJob job) {
     PRank& rank = p_ranks_[r];
-    auto shadow = pulls_.find(job.pull_id);
+    auto shadow = pulls_.find({job.context->d_tp_rank, r, job.pull_id});
     if (shadow == pulls_.end()) {
       Violation(fmt::format("P rank {} writes for pull {}, which D never sent", r, job.pull_id));
       rank.session->OnWriteDone(job.ticket,
@@ -752,7 +790,7 @@ class Sim {
     }
     if (rng_.Chance(c_.faults.peer_omit)) {
       // Nothing is written and the request is left out of the answer (SendFromP drops it).
-      omitted_.insert({job.pull_id, job.d_req_id});
+      omitted_.insert({r, job.context->d_tp_rank, job.pull_id, job.d_req_id});
       rank.session->OnWriteDone(
           job.ticket, protocol::WriteOutcome::Failed(Status(ErrorCode::kInternal, "omitted")),
           now());
@@ -892,11 +930,13 @@ class Sim {
   void CrashP() {
     p_dead_ = true;
     loop_.Note(0xdead, 1);
+    // A liveness source (e.g. the registry) tells D after a while; D's sessions fence P's
+    // workers and fail what waits for them.
     loop_.After(c_.d.peer_dead_detect, kPDetect, 0, [this] {
       if (d_dead_) return;
-      p_known_dead_ = true;
-      for (std::uint32_t d = 0; d < c_.d.tp; ++d) {
-        for (std::uint32_t p = 0; p < c_.p.tp; ++p) Fence(d, p);
+      for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
+        d_sessions_[r]->OnEngineDown("P", Status(ErrorCode::kUnavailable, "P died"), now());
+        DrainD(r);
       }
     });
   }
@@ -929,8 +969,10 @@ class Sim {
     }
     DReq& d = dreqs_[idx];
     d.st = DReq::St::kQueued;
-    renew_.Track(preqs_[idx].xfer, "P");  // on_new_request: renew while still queued
-    ArmRenew();
+    for (std::uint32_t r = 0; r < c_.d.tp; ++r) {  // on_new_request: renew while still queued
+      d_sessions_[r]->OnNewRequest(RequestName(idx), SourceOf(idx), now());
+      DrainD(r);
+    }
     queue_d_.push_back(idx);
     KickD();
   }
@@ -989,78 +1031,135 @@ class Sim {
     KickD();
   }
 
+  protocol::RemoteSource SourceOf(int idx) const { return {preqs_[idx].xfer, "P", "bootstrap"}; }
+
   void StartReceive(int idx) {
     DReq& d = dreqs_[idx];
-    const core::RequestId name = RequestName(idx);
     for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
-      Ledger& ledger = *d_ledgers_[r];
-      if (p_known_dead_) {
-        // The bootstrap cannot resolve a dead P: no peer to pull from (SPEC §3 rule 4).
-        (void)ledger.Begin(name, d.dest, {},
-                           Status(ErrorCode::kUnavailable, "prefill engine P is down"));
-        DrainD(r);
-        continue;
-      }
-      std::vector<core::PeerId> peers(targets_[r].begin(), targets_[r].end());
-      if (Status s = ledger.Begin(name, d.dest, peers, {}); !s.ok()) {
-        Violation("ledger Begin: " + s.ToString());
-      }
-      for (std::uint32_t p : targets_[r]) {
-        wire::Pull pull;
-        pull.id = ++next_msg_id_;
-        pull.d_engine_id = "D";
-        pull.d_tp_size = c_.d.tp;
-        pull.d_tp_rank = r;
-        if (c_.d.send_lease) {
-          pull.d_lease_ms = static_cast<std::uint64_t>(
-              std::chrono::round<std::chrono::milliseconds>(c_.d.lease).count());
-        }
-        pull.region_descriptor = std::vector<std::uint8_t>{static_cast<std::uint8_t>(r)};
-        pull.block_len = d_layout_.block_len;
-        pull.num_blocks = c_.d.blocks;
-        pull.requests.push_back({name, preqs_[idx].xfer, d.dest});
-        pulls_[pull.id] = {idx, r, p, d.gens, d_epoch_[r][p]};
-        Send(true, r, p, std::move(pull));
-        loop_.After(c_.d.pull_timeout, kPullTimeout, static_cast<std::uint64_t>(idx),
-                    [this, r, p, idx] { PullTimeout(r, p, idx); });
+      if (Status s = d_sessions_[r]->StartLoad(RequestName(idx), SourceOf(idx), d.dest, now());
+          !s.ok()) {
+        Violation("StartLoad: " + s.ToString());
       }
       DrainD(r);
     }
   }
 
+  // Carries out what D rank `r`'s session decided, until it has nothing more to say; then arms
+  // its timer.
   void DrainD(std::uint32_t r) {
-    while (true) {
-      std::vector<core::LedgerEvent> events = d_ledgers_[r]->TakeEvents();
-      if (events.empty()) break;
-      for (core::LedgerEvent& ev : events) {
-        const int idx = RequestIndex(ev.request);
-        DReq& d = dreqs_[idx];
-        if (ev.kind == core::LedgerEvent::Kind::kCompleted) {
-          if (++d.ranks_completed > c_.d.tp) {
-            Violation(fmt::format("req-{}: receive completed twice on D rank {}", idx, r));
-          }
-          if (!ev.ok && !d.recv_failed) {
-            d.recv_failed = true;
-            d.error = ev.error;
-          }
-          if (ev.quarantined) {
-            ++res_.quarantined_completions;
-          } else {
-            ++d.ranks_released;
-          }
-          if (d.ranks_completed == c_.d.tp) ReceiveDone(idx);
-        } else {
-          ++d.ranks_released;
-        }
-        MaybeFreeD(idx);
-      }
+    protocol::DecodeSession& session = *d_sessions_[r];
+    while (!d_dead_) {
+      std::vector<protocol::LookupRequest> lookups = session.TakeLookups();
+      std::vector<protocol::Transmit> messages = session.TakeMessages();
+      std::vector<protocol::FenceRequest> fences = session.TakeFences();
+      std::vector<protocol::DecodeEvent> events = session.TakeEvents();
+      if (lookups.empty() && messages.empty() && fences.empty() && events.empty()) break;
+      for (const protocol::LookupRequest& lookup : lookups) Lookup(r, lookup);
+      for (protocol::Transmit& t : messages) SendFromD(r, std::move(t));
+      for (const protocol::FenceRequest& fence : fences) PerformFence(r, fence);
+      for (protocol::DecodeEvent& ev : events) HandleDecodeEvent(r, ev);
     }
+    ArmD(r);
+  }
+
+  // The data plane carries out a fence D's session asked for, after fence_latency.
+  void PerformFence(std::uint32_t r, const protocol::FenceRequest& fence) {
+    loop_.After(c_.dp.fence_latency, kFence, r, [this, r, fence] {
+      if (d_dead_) return;
+      if (c_.faults.fence_unsupported && !p_dead_) {
+        d_sessions_[r]->OnFenceDone(
+            fence.id, Status(ErrorCode::kRejected, "the data plane cannot fence a live peer"),
+            now());
+      } else {
+        // WRITEs of older pulls fail from now on (unless the variant lies about it).
+        if (!c_.variants.lying_fence) Fence(r, PRankOf(fence.address));
+        d_sessions_[r]->OnFenceDone(fence.id, Status::Ok(), now());
+      }
+      DrainD(r);
+    });
+  }
+
+  static std::uint32_t PRankOf(const std::string& address) {
+    return static_cast<std::uint32_t>(std::stoul(address.substr(1)));
+  }
+
+  // The bootstrap: P's engine as registered, or a failure once P is dead.
+  void Lookup(std::uint32_t r, const protocol::LookupRequest& lookup) {
+    loop_.After(2 * c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id] {
+      if (d_dead_) return;
+      if (p_dead_) {
+        d_sessions_[r]->OnLookupFailed(engine, Status(ErrorCode::kUnavailable, "P is down"),
+                                       now());
+      } else {
+        protocol::PeerEngine view{engine, "1", c_.p.tp, {}};
+        for (std::uint32_t p = 0; p < c_.p.tp; ++p) view.side_channels.push_back(PName(p));
+        d_sessions_[r]->OnLookup(view, now());
+      }
+      DrainD(r);
+    });
+  }
+  static std::string PName(std::uint32_t p) { return fmt::format("p{}", p); }
+
+  void SendFromD(std::uint32_t r, protocol::Transmit t) {
+    const std::uint32_t p = PRankOf(t.address);
+    endpoint_[{r, p}] = t.endpoint;
+    if (auto* pull = std::get_if<wire::Pull>(&t.message)) {
+      const int idx = RequestIndex(pull->requests.at(0).d_req_id);
+      pulls_[{r, p, pull->id}] = {idx, r, p, dreqs_[idx].gens, d_epoch_[r][p]};
+    } else {
+      ++res_.renewals_sent;
+      if (now() >= c_.net.drop_renewals_from && now() < c_.net.drop_renewals_until) return;
+    }
+    std::visit([&](auto& m) { Send(true, r, p, std::move(m)); }, t.message);
+  }
+
+  void HandleDecodeEvent(std::uint32_t r, protocol::DecodeEvent& event) {
+    if (auto* w = std::get_if<protocol::Warning>(&event)) {
+      if (w->kind == protocol::Warning::Kind::kNoLease) ++res_.renewal_warnings;
+      return;
+    }
+    if (auto* released = std::get_if<protocol::BlocksReleased>(&event)) {
+      const int idx = RequestIndex(released->request);
+      ++dreqs_[idx].ranks_released;
+      MaybeFreeD(idx);
+      return;
+    }
+    auto& done = std::get<protocol::ReceiveDone>(event);
+    const int idx = RequestIndex(done.request);
+    DReq& d = dreqs_[idx];
+    if (++d.ranks_completed > c_.d.tp) {
+      Violation(fmt::format("req-{}: receive completed twice on D rank {}", idx, r));
+    }
+    if (!done.ok && !d.recv_failed) {
+      d.recv_failed = true;
+      d.error = done.error;
+    }
+    if (done.quarantined) {
+      ++res_.quarantined_completions;
+    } else {
+      ++d.ranks_released;
+    }
+    if (d.ranks_completed == c_.d.tp) ReceiveDone(idx);
+    MaybeFreeD(idx);
+  }
+
+  // Each D rank's session wakes at its NextDeadline (pull deadlines, renewal passes, lookups).
+  void ArmD(std::uint32_t r) {
+    if (d_dead_) return;
+    const TimePoint next = d_sessions_[r]->NextDeadline();
+    if (next == kNever || next >= d_timer_at_[r]) return;
+    d_timer_at_[r] = next;
+    loop_.Schedule(std::max(next, now()), kDTimer, r, [this, r, next] {
+      if (d_timer_at_[r] == next) d_timer_at_[r] = kNever;
+      if (d_dead_) return;
+      d_sessions_[r]->OnTimeout(now());
+      DrainD(r);
+    });
   }
 
   void ReceiveDone(int idx) {
     DReq& d = dreqs_[idx];
-    --receiving_;
-    renew_.Untrack(preqs_[idx].xfer);          // finished_recving
+    --receiving_;                              // the sessions stopped renewing it
     if (d.st != DReq::St::kReceiving) return;  // aborted meanwhile: only the blocks remain
     if (d.recv_failed) {
       d.st = DReq::St::kDone;
@@ -1086,63 +1185,46 @@ class Sim {
 
   void DeliverToD(const Msg& m) {
     if (d_dead_) return;
+    auto endpoint = endpoint_.find({m.d_rank, m.p_rank});
+    if (endpoint == endpoint_.end()) {
+      Violation(fmt::format("D rank {} got a reply from P rank {}, to which it never sent",
+                            m.d_rank, m.p_rank));
+      return;
+    }
+    protocol::DecodeSession& session = *d_sessions_[m.d_rank];
     if (const auto* reply = std::get_if<wire::RenewalReply>(&m.body)) {
-      if (reply->status == wire::RenewalStatus::kRejected && renew_.NoteRejected("P")) {
-        ++res_.renewal_warnings;
+      session.OnRenewalReply(endpoint->second, *reply, now());
+    } else {
+      wire::PullResponse response = std::get<wire::PullResponse>(m.body);
+      if (c_.net.codec) {
+        Result<wire::PullResponse> decoded = wire::DecodePullResponse(wire::Encode(response));
+        if (!decoded) {
+          Violation("P sent an undecodable PullResponse: " + decoded.error().ToString());
+          return;
+        }
+        response = std::move(*decoded);
       }
-      return;
+      session.OnPullResponse(endpoint->second, response, now());
     }
-    wire::PullResponse response = std::get<wire::PullResponse>(m.body);
-    if (c_.net.codec) {
-      Result<wire::PullResponse> decoded = wire::DecodePullResponse(wire::Encode(response));
-      if (!decoded) {
-        Violation("P sent an undecodable PullResponse: " + decoded.error().ToString());
-        return;
-      }
-      response = std::move(*decoded);
-    }
-    auto it = pulls_.find(response.id);
-    if (it == pulls_.end() || it->second.d_rank != m.d_rank || it->second.p_rank != m.p_rank) {
-      Violation(fmt::format("a PullResponse with id {} matches no pull of D rank {} to P rank {}",
-                            response.id, m.d_rank, m.p_rank));
-      return;
-    }
-    const core::RequestId name = RequestName(it->second.req);
-    protocol::ApplyPullResponse(*d_ledgers_[m.d_rank], m.p_rank,
-                                std::span<const core::RequestId>(&name, 1), response);
     DrainD(m.d_rank);
   }
 
-  void PullTimeout(std::uint32_t r, std::uint32_t p, int idx) {
-    if (d_dead_) return;
-    Ledger& ledger = *d_ledgers_[r];
-    if (!ledger.IsPending(RequestName(idx), p)) return;
-    ledger.Settle(
-        RequestName(idx), p, core::Settle::kTimeout,
-        Status(ErrorCode::kTimeout, fmt::format("no answer from prefill rank {} within {}s", p,
-                                                core::ToSeconds(c_.d.pull_timeout))));
-    DrainD(r);
-    // A timeout does not prove the peer stopped writing: close the data-plane endpoint to it
-    // (in-flight and future WRITEs of older pulls fail) before anything leaves quarantine.
-    Fence(r, p);
-  }
-
-  // D rank `d` closes its data-plane endpoint to P rank `p`: WRITEs aimed through it fail from
-  // now on. Only then is the peer known quiesced.
+  // D rank `d` closes its data-plane endpoint to P rank `p` (what its session asked for): WRITEs
+  // aimed through it fail from now on.
   void Fence(std::uint32_t d, std::uint32_t p) {
     ++d_epoch_[d][p];
     for (auto& [wid, w] : writes_) {
       if (w.d_rank == d && w.p_rank == p) w.fenced = true;
     }
     loop_.Note(0xfe, (d << 8) | p);
-    d_ledgers_[d]->PeerQuiesced(p);
-    DrainD(d);
   }
 
   void AbortD(int idx) {
     if (d_dead_ || Ended(idx)) return;
     DReq& d = dreqs_[idx];
-    renew_.Untrack(preqs_[idx].xfer);  // request_finished
+    for (std::uint32_t r = 0; r < c_.d.tp; ++r) {  // request_finished
+      d_sessions_[r]->RequestFinished(RequestName(idx), now());
+    }
     const DReq::St st = d.st;
     End(idx, Outcome::kAborted, Status(ErrorCode::kCancelled, "aborted by the client"));
     if (st == DReq::St::kReceiving) {
@@ -1165,34 +1247,6 @@ class Sim {
         End(idx, Outcome::kFailed, Status(ErrorCode::kUnavailable, "decoder died"));
       }
     }
-  }
-
-  void ArmRenew() {
-    if (d_dead_ || renew_armed_ || renew_.tracked() == 0) return;
-    renew_armed_ = true;
-    loop_.Schedule(renew_.NextDue(), kRenewTick, 0, [this] { RenewTick(); });
-  }
-
-  void RenewTick() {
-    renew_armed_ = false;
-    if (d_dead_) return;
-    const bool drop = now() >= c_.net.drop_renewals_from && now() < c_.net.drop_renewals_until;
-    for (core::RenewalBatch& batch : renew_.Poll(now())) {
-      for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
-        for (std::uint32_t p : targets_[r]) {
-          ++res_.renewals_sent;
-          if (drop) continue;
-          wire::Renewal renewal;
-          renewal.id = ++next_msg_id_;
-          renewal.d_engine_id = "D";
-          renewal.d_lease_ms = static_cast<std::uint64_t>(
-              std::chrono::round<std::chrono::milliseconds>(c_.d.lease).count());
-          renewal.fingerprints = batch.ids;
-          Send(true, r, p, std::move(renewal));
-        }
-      }
-    }
-    ArmRenew();
   }
 
   // ---------------------------------------------------------------- observation
@@ -1247,13 +1301,16 @@ class Sim {
         Violation(fmt::format("leak: {} D blocks still allocated", d_pool_.used()));
       }
       for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
-        if (d_ledgers_[r]->active() != 0) {
-          Violation(fmt::format("leak: D rank {} ledger still has {} receives", r,
-                                d_ledgers_[r]->active()));
+        const protocol::DecodeStats stats = d_sessions_[r]->stats();
+        if (stats.receiving != 0 || stats.quarantined_blocks != 0 || stats.pulls_in_flight != 0) {
+          Violation(fmt::format("leak: D rank {} still has {} receives, {} quarantined blocks, {} "
+                                "pulls in flight",
+                                r, stats.receiving, stats.quarantined_blocks,
+                                stats.pulls_in_flight));
         }
-      }
-      if (renew_.tracked() != 0) {
-        Violation(fmt::format("leak: D still renews {} transfers", renew_.tracked()));
+        if (stats.tracked != 0) {
+          Violation(fmt::format("leak: D rank {} still renews {} transfers", r, stats.tracked));
+        }
       }
     }
   }
@@ -1278,26 +1335,25 @@ class Sim {
 
   // D engine.
   BlockPool d_pool_;
-  core::RenewalScheduler renew_;
-  bool renew_armed_ = false;
-  std::vector<std::unique_ptr<Ledger>> d_ledgers_;
-  std::vector<std::vector<std::uint32_t>> d_epoch_;  // [d_rank][p_rank]
-  std::vector<std::vector<std::uint32_t>> targets_;  // PullTargets per D rank
+  std::vector<std::unique_ptr<protocol::DecodeSession>> d_sessions_;  // per D rank
+  std::vector<TimePoint> d_timer_at_;  // each session's armed wake-up (kNever: none)
+  std::map<std::pair<std::uint32_t, std::uint32_t>, protocol::EndpointId> endpoint_;  // (d, p)
+  std::vector<std::vector<std::uint32_t>> d_epoch_;  // [d_rank][p_rank]: the data plane's fences
   std::vector<DReq> dreqs_;
   std::deque<int> queue_d_;
   std::vector<int> decoding_;
   std::size_t receiving_ = 0;
   bool d_step_armed_ = false;
   bool d_dead_ = false;
-  bool p_known_dead_ = false;
 
   // Network and data plane.
   std::unordered_map<std::uint64_t, TimePoint> link_last_;
   std::map<std::uint64_t, Write> writes_;
   std::uint64_t next_write_ = 0;
-  std::uint64_t next_msg_id_ = 0;  // wire ids of D's pulls and renewals (never 0)
-  std::unordered_map<std::uint64_t, PullShadow> pulls_;  // by wire id
-  std::set<std::pair<std::uint64_t, core::RequestId>> omitted_;  // (pull id, request): fault
+  // By (D rank, P rank, wire id): ids are per D session and endpoint.
+  std::map<std::tuple<std::uint32_t, std::uint32_t, std::uint64_t>, PullShadow> pulls_;
+  // Fault model: requests P omits from its answer, by (P rank, D rank, pull id, request).
+  std::set<std::tuple<std::uint32_t, std::uint32_t, std::uint64_t, core::RequestId>> omitted_;
 };
 
 }  // namespace

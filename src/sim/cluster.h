@@ -48,6 +48,7 @@ struct NetConfig {
 struct DataPlaneConfig {
   Duration latency = 10us;
   double bytes_per_s = 25e9;  // 200 Gb/s
+  Duration fence_latency = 1ms;  // from D's fence request until it holds (and is reported)
 };
 
 struct ModelConfig {
@@ -76,7 +77,10 @@ struct DecodeConfig {
   Duration lease{0};               // the lease D believes in; renews every lease/6 when > 0
   bool send_lease = true;          // declare the lease with every pull (SPEC §4); false: an old D
   Duration pull_timeout = 600s;    // D's deadline for each peer's answer to a pull
-  Duration peer_dead_detect = 2s;  // how long D takes to notice a P process died
+  // How long a P write may take until it is fenced (D requires pull_timeout to exceed P's
+  // abort_request_timeout plus this).
+  Duration write_bound = 35s;
+  Duration peer_dead_detect = 2s;  // how long until a liveness source tells D that P died
 };
 
 struct Faults {
@@ -93,6 +97,15 @@ struct Faults {
   double peer_omit = 0;
   double slow_write = 0;
   Duration slow_max{0};
+  // The data plane cannot fence a live P from D's side (as UCX one-sided put over shared memory
+  // cannot): D's fences fail while P lives, so quarantined blocks wait for P's late replies.
+  // A dead P is always fenced (its death is the proof). Only meaningful on a lossless channel:
+  // a lost pull or reply would then leave its blocks quarantined for good.
+  bool fence_unsupported = false;
+  // A P that serves a pull only after D's deadline for it passed (stalled, overloaded): the pull
+  // reaches P's session pull_timeout + U[0, 5 s] late, so its WRITE and reply come after D
+  // gave up on them (SPEC §3.6: D must still not reuse the blocks).
+  double late_pull = 0;
 };
 
 struct RequestSpec {
@@ -166,6 +179,11 @@ struct SimResult {
   std::uint64_t renewals_sent = 0;
   std::uint64_t renewal_warnings = 0;
   std::uint64_t quarantined_completions = 0;
+  // D's sessions, summed over ranks: the paths exploration must reach, not only the happy one.
+  std::uint64_t pull_timeouts = 0;
+  std::uint64_t late_replies = 0;
+  std::uint64_t fences = 0;
+  std::uint64_t duplicate_pulls_dropped = 0;  // P's sessions
   core::HoldStats hold_stats;  // P rank 0
   // Invariant violations, in order of detection (empty: every invariant held).
   std::vector<std::string> violations;

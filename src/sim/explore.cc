@@ -65,8 +65,11 @@ SimConfig RandomConfig(std::uint64_t seed) {
   }
   c.d.send_lease = r.Chance(0.85);
   c.p.expiry_pass = Ms(r.Between(50, 1000));
-  // Sometimes D gives up before P's own wait deadline: exercises timeouts and quarantine.
-  c.d.pull_timeout = c.p.hold.abort_request_timeout + Ms(r.Between(0, 11500)) - 1500ms;
+  // D's deadline is as short as its options allow (P's wait bound plus the write bound) or a
+  // little longer. Lost messages, slow writes and delayed replies still make pulls time out
+  // now and then, so quarantine, fences and late replies are exercised.
+  c.d.write_bound = Ms(r.Between(100, 5000));
+  c.d.pull_timeout = c.p.hold.abort_request_timeout + c.d.write_bound + Ms(r.Between(1, 10000));
   c.d.peer_dead_detect = Ms(r.Between(100, 3000));
 
   // Control network.
@@ -76,7 +79,8 @@ SimConfig RandomConfig(std::uint64_t seed) {
   if (r.Chance(0.3)) c.net.duplicate = r.Real() * 0.1;
   if (r.Chance(0.3)) {
     c.net.delay_prob = r.Real() * 0.2;
-    c.net.delay_max = Ms(r.Between(0, 3000));
+    // Sometimes long enough for a reply to arrive after D's deadline (a late reply).
+    c.net.delay_max = Ms(r.Chance(0.2) ? r.Between(3000, 30000) : r.Between(0, 3000));
   }
   if (r.Chance(0.3)) c.net.reorder = r.Real() * 0.3;
   if (r.Chance(0.1)) {
@@ -84,6 +88,7 @@ SimConfig RandomConfig(std::uint64_t seed) {
     c.net.drop_renewals_until = c.net.drop_renewals_from + r.Span(Duration{0}, 10s);
   }
   c.dp.bytes_per_s = 1e9;
+  c.dp.fence_latency = Ms(r.Between(0, 200));
 
   // Faults.
   if (r.Chance(0.15)) c.faults.d_crash = kT0 + r.Span(Duration{0}, 10s);
@@ -97,6 +102,8 @@ SimConfig RandomConfig(std::uint64_t seed) {
     c.faults.slow_write = r.Real() * 0.5;
     c.faults.slow_max = Ms(r.Between(0, 3000));
   }
+  if (c.net.loss == 0 && r.Chance(0.3)) c.faults.fence_unsupported = true;
+  if (r.Chance(0.1)) c.faults.late_pull = r.Real() * 0.2;
   c.horizon = kT0 + 2h;
   return c;
 }
@@ -123,6 +130,8 @@ std::string Describe(const SimConfig& c) {
                   At(c.net.drop_renewals_until)));
   add(c.faults.d_crash != core::kNever, fmt::format("D crash {:.2f}s", At(c.faults.d_crash)));
   add(c.faults.p_crash != core::kNever, fmt::format("P crash {:.2f}s", At(c.faults.p_crash)));
+  add(c.faults.fence_unsupported, "no fence of a live P");
+  add(c.faults.late_pull > 0, fmt::format("late pulls {:.2f}", c.faults.late_pull));
   add(c.faults.peer_err > 0, fmt::format("peer err {:.2f}", c.faults.peer_err));
   add(c.faults.peer_msg_error > 0, fmt::format("peer ERROR {:.2f}", c.faults.peer_msg_error));
   add(c.faults.peer_omit > 0, fmt::format("peer omits {:.2f}", c.faults.peer_omit));
@@ -151,6 +160,10 @@ ExploreReport Explore(const ExploreOptions& options) {
     SimResult run = RunCluster(config);
     ++report.runs;
     report.events += run.events;
+    report.pull_timeouts += run.pull_timeouts;
+    report.late_replies += run.late_replies;
+    report.fences += run.fences;
+    report.duplicate_pulls_dropped += run.duplicate_pulls_dropped;
     report.requests += run.requests.size();
     report.ok += run.Count(Outcome::kOk);
     report.failed += run.Count(Outcome::kFailed);

@@ -15,7 +15,7 @@
 
 namespace kvferry::sim {
 
-class LegacyLedger final : public Ledger {
+class LegacyLedger final : public protocol::Ledger {
  public:
   Status Begin(const core::RequestId& request, std::vector<core::BlockId> blocks,
                std::span<const core::PeerId> peers, Status no_peer_error) override;
@@ -25,6 +25,7 @@ class LegacyLedger final : public Ledger {
   bool IsPending(const core::RequestId& request, core::PeerId peer) const override;
   std::vector<core::LedgerEvent> TakeEvents() override;
   std::size_t active() const override { return receives_.size(); }
+  std::uint64_t quarantined_blocks() const override { return 0; }  // it never quarantines
 
  private:
   struct Receive {

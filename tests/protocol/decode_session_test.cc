@@ -238,6 +238,31 @@ TEST_F(DecodeSessionTest, FenceReleasesTheTimedOutEpochOnly) {
   EXPECT_EQ(s().stats().receiving, 1u);
 }
 
+// Found by exploration: a fence that failed (P alive) leaves its epoch to the next fence, e.g.
+// the one asked for once the engine is known down.
+TEST_F(DecodeSessionTest, EngineDownFencesEpochsWhoseEarlierFenceFailed) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  s().OnTimeout(kT0 + 600s);
+  std::vector<FenceRequest> first = s().TakeFences();
+  ASSERT_EQ(first.size(), 1u);
+  s().OnFenceDone(first[0].id, Status(ErrorCode::kRejected, "P alive, cannot fence"), kT0 + 600s);
+  s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "registry lease expired"), kT0 + 700s);
+  std::vector<FenceRequest> second = s().TakeFences();
+  ASSERT_EQ(second.size(), 1u);
+  s().OnFenceDone(second[0].id, Status::Ok(), kT0 + 700s);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+  EXPECT_EQ(s().stats().pulls_in_flight, 0u);
+  // Loads from a dead engine fail at once, unsent.
+  (void)s().TakeEvents();
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 700s).ok());
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_FALSE(done[0].quarantined);
+}
+
 // Hole 4: a lookup naming another incarnation settles nothing: the old process's pull ends by
 // its own reply.
 TEST_F(DecodeSessionTest, NewIncarnationSettlesNothingByItself) {

@@ -119,11 +119,65 @@ TEST(Mutation, OrderedReaperIsCaught) {
               f.violations.front().c_str());
 }
 
+// A ledger that takes a local timeout for proof that the peer stopped writing (no quarantine):
+// D reuses the blocks while the slow peer's WRITE is still coming.
+class TimeoutTrustingLedger final : public protocol::Ledger {
+ public:
+  Status Begin(const core::RequestId& request, std::vector<core::BlockId> blocks,
+               std::span<const core::PeerId> peers, Status no_peer_error) override {
+    return real_.Begin(request, std::move(blocks), peers, std::move(no_peer_error));
+  }
+  core::SettleOutcome Settle(const core::RequestId& request, core::PeerId peer, core::Settle how,
+                             Status reason) override {
+    if (how == core::Settle::kTimeout) how = core::Settle::kErr;  // the bug
+    return real_.Settle(request, peer, how, std::move(reason));
+  }
+  void PeerQuiesced(core::PeerId peer) override { real_.PeerQuiesced(peer); }
+  bool IsPending(const core::RequestId& request, core::PeerId peer) const override {
+    return real_.IsPending(request, peer);
+  }
+  std::vector<core::LedgerEvent> TakeEvents() override { return real_.TakeEvents(); }
+  std::size_t active() const override { return real_.active(); }
+  std::uint64_t quarantined_blocks() const override { return real_.quarantined_blocks(); }
+
+ private:
+  protocol::CoreLedger real_;
+};
+
+bool AnyWriteAfterFree(const ExploreFailure& f) {
+  for (const std::string& s : f.violations) {
+    if (s.find("after D") != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(Mutation, LedgerThatTrustsTimeoutsIsCaught) {
+  Variants v;
+  v.make_ledger = [] { return std::make_unique<TimeoutTrustingLedger>(); };
+  const ExploreFailure f = FirstFailure(v);
+  ASSERT_NE(f.seed, 0u) << "no violation within " << kSeedBudget << " seeds";
+  EXPECT_TRUE(AnyWriteAfterFree(f)) << f.violations.front();
+  std::printf("timeout-trusting ledger caught at seed %llu: %s\n",
+              static_cast<unsigned long long>(f.seed), f.violations.front().c_str());
+}
+
+// Releasing quarantined blocks on a fence the data plane did not carry out (as D used to on a
+// new registration alone) is caught as a write after free.
+TEST(Mutation, FenceBelievedWithoutStoppingWritesIsCaught) {
+  Variants v;
+  v.lying_fence = true;
+  const ExploreFailure f = FirstFailure(v);
+  ASSERT_NE(f.seed, 0u) << "no violation within " << kSeedBudget << " seeds";
+  EXPECT_TRUE(AnyWriteAfterFree(f)) << f.violations.front();
+  std::printf("lying fence caught at seed %llu: %s\n", static_cast<unsigned long long>(f.seed),
+              f.violations.front().c_str());
+}
+
 TEST(Mutation, TheRealCoreIsWhatTheSimulatorDrivesByDefault) {
   // The seam's defaults are the core classes: exploration without variants tests src/core.
   Variants v;
   EXPECT_NE(dynamic_cast<protocol::CoreHold*>(v.NewHold(core::HoldConfig{}).get()), nullptr);
-  EXPECT_NE(dynamic_cast<CoreLedger*>(v.NewLedger().get()), nullptr);
+  EXPECT_NE(dynamic_cast<protocol::CoreLedger*>(v.NewLedger().get()), nullptr);
 }
 
 }  // namespace
