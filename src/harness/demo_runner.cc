@@ -334,8 +334,7 @@ std::vector<std::string> EngineArgs(int blocks, int block_tokens, int prefill_us
           "--prefill-us-per-token", std::to_string(prefill_us_per_token),
           "--prefill-us-per-batch", std::to_string(prefill_us_per_batch),
           "--decode-us-per-step",   std::to_string(decode_us_per_step),
-          "--max-model-len",        std::to_string(max_model_len),
-          "--pull-timeout",         "60"};
+          "--max-model-len",        std::to_string(max_model_len)};
 }
 
 // Samples an instance's /metrics every `period` seconds.

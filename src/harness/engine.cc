@@ -328,8 +328,10 @@ Status Engine::Impl::StartRanks() {
       o.block_len = block_len;
       o.num_blocks = options.num_blocks;
       o.lease = options.lease;
+      o.abort_request_timeout = std::chrono::ceil<std::chrono::milliseconds>(
+          options.hold.abort_request_timeout);
+      o.write_bound = options.write_bound;
       o.pull_timeout = options.pull_timeout;
-      o.num_pullers = options.num_pullers;
       auto warn = [this, rank](std::string_view message) {
         spdlog::warn("[{} r{}] {}", options.engine_id, rank, message);
       };
@@ -1092,6 +1094,9 @@ std::string Engine::RenderMetrics() {
       runtime::DecodeWorkerStats x = worker->Stats();
       d.pulls_sent += x.pulls_sent;
       d.pull_timeouts += x.pull_timeouts;
+      d.late_replies += x.late_replies;
+      d.lookups += x.lookups;
+      d.lookup_failures += x.lookup_failures;
       d.receives_ok += x.receives_ok;
       d.receives_failed += x.receives_failed;
       d.renewal_messages += x.renewal_messages;
@@ -1103,8 +1108,18 @@ std::string Engine::RenderMetrics() {
     }
     w.Single("kvferry_pulls_sent_total", "counter", "Pull messages sent (per P peer)",
              static_cast<double>(d.pulls_sent));
-    w.Single("kvferry_pull_timeouts_total", "counter", "Pulls that timed out or broke",
+    w.Single("kvferry_pull_timeouts_total", "counter",
+             "Pulls whose deadline passed unanswered (their blocks quarantined)",
              static_cast<double>(d.pull_timeouts));
+    w.Single("kvferry_late_replies_total", "counter",
+             "Answers to pulls after their deadline (each releases its quarantine)",
+             static_cast<double>(d.late_replies));
+    w.Family("kvferry_bootstrap_lookups_total", "counter", "Bootstrap lookups, by outcome");
+    w.Sample("kvferry_bootstrap_lookups_total",
+             static_cast<double>(d.lookups - std::min(d.lookups, d.lookup_failures)),
+             {{"outcome", "ok"}});
+    w.Sample("kvferry_bootstrap_lookups_total", static_cast<double>(d.lookup_failures),
+             {{"outcome", "failed"}});
     w.Family("kvferry_receives_total", "counter", "Per-rank receives settled, by outcome");
     w.Sample("kvferry_receives_total", static_cast<double>(d.receives_ok), {{"outcome", "ok"}});
     w.Sample("kvferry_receives_total", static_cast<double>(d.receives_failed),

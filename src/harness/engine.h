@@ -72,10 +72,11 @@ struct EngineOptions {
   std::vector<std::uint32_t> fault_err_ranks;
   std::vector<std::uint32_t> fault_delay_ranks;
   std::size_t num_senders = 4;
-  // D: the lease it renews and how long a pull may take before its blocks are quarantined.
+  // D: the lease it renews and how long a pull may take before its blocks are quarantined
+  // (must exceed hold.abort_request_timeout + write_bound: runtime::DecodeWorkerOptions).
   core::Duration lease{0};
-  std::chrono::milliseconds pull_timeout{120000};
-  std::size_t num_pullers = 8;
+  std::chrono::milliseconds pull_timeout{600000};
+  std::chrono::milliseconds write_bound{35000};
   // Optional JSON-lines trace (block alloc/free on both roles, WRITE start/end on P).
   std::shared_ptr<TraceFile> trace;
   // UCX: how ranks name their workers in UCX logs.

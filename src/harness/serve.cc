@@ -105,7 +105,10 @@ int RunServe(const ServeOptions& options) {
   eo.fault_delay_ranks =
       options.fault_delay_ranks.empty() ? options.fault_ranks : options.fault_delay_ranks;
   eo.pull_timeout =
-      std::chrono::milliseconds(static_cast<std::int64_t>(options.pull_timeout_s * 1000));
+      options.pull_timeout_s > 0
+          ? std::chrono::milliseconds(static_cast<std::int64_t>(options.pull_timeout_s * 1000))
+          : std::chrono::ceil<std::chrono::milliseconds>(config->abort_request_timeout) +
+                eo.write_bound + std::chrono::seconds(5);
   eo.ucx_name = eo.engine_id;
   if (!options.trace_file.empty()) {
     auto trace = TraceFile::Open(options.trace_file);

@@ -122,10 +122,9 @@ Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSour
   }
   loading_.insert(request);
   Load load{request, source, std::move(blocks)};
-  if (state.view) {
-    if (state.view_stale) RequestLookup(source.engine_id, state, now);  // refresh, do not wait
+  if (state.view && !state.view_stale) {
     SendLoad(std::move(load), *state.view, now);
-  } else if (state.failed_until > now) {
+  } else if (!state.view && state.failed_until > now) {
     FailLoad(std::move(load), state.failure);  // the engine is known unreachable: fail at once
   } else {
     state.waiting_loads.push_back(std::move(load));
@@ -179,7 +178,13 @@ void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& w
   state.lookup_deadline = core::kNever;
   ++counters_.lookup_failures;
   if (state.view) {
-    // A refresh failed: keep pulling with what is known (the pulls' own deadlines decide).
+    // A refresh failed: pull with what is known (the pulls' own deadlines decide).
+    std::vector<Load> loads = std::move(state.waiting_loads);
+    state.waiting_loads.clear();
+    std::vector<std::vector<core::Fingerprint>> batches = std::move(state.waiting_renewals);
+    state.waiting_renewals.clear();
+    for (Load& load : loads) SendLoad(std::move(load), *state.view, now);
+    for (const auto& ids : batches) SendRenewals(engine, *state.view, ids, now);
     return;
   }
   state.failed_until = now + options_.lookup_failure_ttl;
@@ -302,6 +307,18 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
   auto op = ep.pulls.find(response.id);
   if (op == ep.pulls.end() && response.id == 0 && ep.pulls.size() == 1) {
     op = ep.pulls.begin();  // P could not read the id; only one pull can be meant (protocol §1)
+  }
+  if (op == ep.pulls.end() && response.status == wire::PullStatus::kError) {
+    if (ep.renewals.count(response.id) != 0) {
+      // A P that predates renewals cannot dispatch one and answers ERROR (protocol §6): the
+      // same as a rejection — warn once, stop renewing, keep pulling.
+      wire::RenewalReply rejected;
+      rejected.id = response.id;
+      rejected.status = wire::RenewalStatus::kRejected;
+      rejected.message = response.message;
+      OnRenewalReply(endpoint, rejected, now);
+      return;
+    }
   }
   if (op == ep.pulls.end()) {
     // Unknown, or id 0 with several pulls outstanding: failing them all would settle pulls
@@ -488,6 +505,7 @@ void DecodeSession::RenewalPass(TimePoint now) {
   for (core::RenewalBatch& batch : renewals_.Poll(now)) {
     EngineState& state = Engine(batch.engine, "");
     if (state.view) {
+      // Renewals never wait for a refresh: the transfers they keep are on the known process.
       if (state.view_stale) RequestLookup(batch.engine, state, now);
       SendRenewals(batch.engine, *state.view, batch.ids, now);
     } else if (state.failed_until > now) {

@@ -247,7 +247,9 @@ class DecodeSession {
     Status failure;
     std::vector<Load> waiting_loads;
     std::vector<std::vector<core::Fingerprint>> waiting_renewals;  // this pass's batches
-    bool view_stale = false;  // a pull to it timed out: look it up again (without waiting)
+    // A pull to it timed out: the next load waits for a fresh lookup (the engine may have
+    // restarted elsewhere; if the lookup fails, the known view is used).
+    bool view_stale = false;
     bool warned_lease = false;
   };
   // A ledger peer: one epoch of one P rank of one incarnation, reached through one endpoint.

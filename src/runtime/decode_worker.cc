@@ -1,393 +1,449 @@
 #include "runtime/decode_worker.h"
 
 #include <fmt/format.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <variant>
+#include <zmq.hpp>
 
-#include "kvferry/core/tp_plan.h"
+#include "control/bootstrap_client.h"
 #include "wire/messages.h"
 
 namespace kvferry::runtime {
+namespace {
+
+using core::Clock;
+using core::TimePoint;
+
+// Every wait of the I/O thread is bounded even if a wake-up is lost.
+constexpr std::chrono::milliseconds kMaxPollWait{1000};
+// A DEALER's queue toward one P worker. Beyond it a send fails at once (reported to the
+// session as unsent) instead of blocking every other peer behind a P that stopped reading.
+constexpr int kSendHighWaterMark = 4096;
+
+protocol::DecodeSessionOptions SessionOptions(const DecodeWorkerOptions& o,
+                                              std::vector<std::uint8_t> descriptor) {
+  protocol::DecodeSessionOptions s;
+  s.engine_id = o.engine_id;
+  s.tp_size = o.tp_size;
+  s.tp_rank = o.tp_rank;
+  s.block_len = o.block_len;
+  s.num_blocks = o.num_blocks;
+  s.region_descriptor = std::move(descriptor);
+  s.lease = o.lease;
+  s.abort_request_timeout = o.abort_request_timeout;
+  s.write_bound = o.write_bound;
+  s.pull_timeout = o.pull_timeout;
+  // The lookup thread bounds a query by bootstrap_timeout; the session gives it a little more
+  // so that a query's own timeout, not the session's, is what reports a dead bootstrap.
+  s.lookup_timeout = o.bootstrap_timeout + std::chrono::seconds(1);
+  return s;
+}
+
+}  // namespace
+
+class DecodeWorker::Impl {
+ public:
+  Impl(DecodeWorkerOptions options, std::shared_ptr<transport::Engine> engine, WarningSink warn)
+      : options_(std::move(options)), engine_(std::move(engine)), warn_(std::move(warn)) {}
+
+  ~Impl() { Stop(); }
+
+  Status Init() {
+    auto region = engine_->AllocateRegion(options_.block_len * options_.num_blocks);
+    if (!region) return region.error();
+    region_ = *region;
+    const transport::RegionId ids[] = {region->id};
+    auto descriptor = engine_->ExportDescriptor(ids);
+    if (!descriptor) return descriptor.error();
+    std::vector<std::uint8_t> bytes(descriptor->size());
+    std::memcpy(bytes.data(), descriptor->data(), descriptor->size());
+    session_.emplace(SessionOptions(options_, std::move(bytes)));
+    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) return Status(ErrorCode::kInternal, fmt::format("eventfd: errno {}", errno));
+    io_ = std::thread([this] { IoMain(); });
+    for (std::size_t i = 0; i < std::max<std::size_t>(1, options_.lookup_threads); ++i) {
+      lookups_.emplace_back([this] { LookupMain(); });
+    }
+    return Status::Ok();
+  }
+
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    lookup_cv_.notify_all();
+    Wake();
+    if (io_.joinable()) io_.join();
+    for (std::thread& t : lookups_) t.join();
+    lookups_.clear();
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+    wake_fd_ = -1;
+    if (engine_ && region_.base != nullptr) {
+      // Every thread is joined. A P peer whose pull was quarantined may in principle still
+      // write, which is why the region goes only at the very end.
+      (void)engine_->DeregisterMemory(region_.id, Clock::now() + std::chrono::seconds(5));
+      region_.base = nullptr;
+    }
+  }
+
+  std::byte* kv() const { return region_.base; }
+  const DecodeWorkerOptions& options() const { return options_; }
+
+  void OnNewRequest(const core::RequestId& request, const RemoteSource& source) {
+    Run([&](protocol::DecodeSession& s, TimePoint now) { s.OnNewRequest(request, source, now); });
+  }
+  Status StartLoad(const core::RequestId& request, const RemoteSource& source,
+                   std::vector<core::BlockId> blocks) {
+    Status status;
+    Run([&](protocol::DecodeSession& s, TimePoint now) {
+      status = s.StartLoad(request, source, std::move(blocks), now);
+    });
+    return status;
+  }
+  void RequestFinished(const core::RequestId& request) {
+    Run([&](protocol::DecodeSession& s, TimePoint now) { s.RequestFinished(request, now); });
+  }
+
+  DecodeFinished TakeFinished() {
+    std::lock_guard<std::mutex> lock(mu_);
+    DecodeFinished out;
+    std::swap(out, finished_);
+    return out;
+  }
+
+  DecodeFinished WaitFinished(TimePoint deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_until(lock, deadline, [&] {
+      return stopping_ || !finished_.received.empty() || !finished_.released.empty();
+    });
+    DecodeFinished out;
+    std::swap(out, finished_);
+    return out;
+  }
+
+  DecodeWorkerStats Stats() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const protocol::DecodeStats s = session_->stats();
+    DecodeWorkerStats out;
+    out.pulls_sent = s.pulls_sent;
+    out.pull_timeouts = s.pull_timeouts;
+    out.late_replies = s.late_replies;
+    out.receives_ok = s.receives_ok;
+    out.receives_failed = s.receives_failed;
+    out.renewal_messages = s.renewal_messages;
+    out.renewals_accepted = s.renewals_accepted;
+    out.renewals_rejected = s.renewals_rejected;
+    out.renewal_failures = s.renewal_failures;
+    out.lookups = s.lookups;
+    out.lookup_failures = s.lookup_failures;
+    out.quarantined_blocks = s.quarantined_blocks;
+    out.tracked = s.tracked;
+    return out;
+  }
+
+ private:
+  // Runs `call` on the session under the mutex, collects what it decided for the engine, and
+  // wakes the I/O thread for what it decided for the network.
+  template <typename Call>
+  void Run(Call&& call) {
+    std::vector<std::string> warnings;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      call(*session_, Clock::now());
+      Collect(&warnings);
+    }
+    Warn(warnings);
+    Wake();
+  }
+
+  // mu_ held: moves the session's events to the engine's inbox.
+  void Collect(std::vector<std::string>* warnings) {
+    bool any = false;
+    for (protocol::DecodeEvent& event : session_->TakeEvents()) {
+      if (auto* done = std::get_if<protocol::ReceiveDone>(&event)) {
+        finished_.received.push_back({std::move(done->request), done->ok, std::move(done->error),
+                                      std::move(done->invalid), done->quarantined});
+        any = true;
+      } else if (auto* released = std::get_if<protocol::BlocksReleased>(&event)) {
+        finished_.released.emplace_back(std::move(released->request),
+                                        std::move(released->blocks));
+        any = true;
+      } else {
+        warnings->push_back(std::move(std::get<protocol::Warning>(event).text));
+      }
+    }
+    std::vector<protocol::LookupRequest> lookups = session_->TakeLookups();
+    if (!lookups.empty()) {
+      for (protocol::LookupRequest& l : lookups) lookup_queue_.push_back(std::move(l));
+      lookup_cv_.notify_all();
+    }
+    if (any) cv_.notify_all();
+  }
+
+  void Warn(const std::vector<std::string>& warnings) {
+    for (const std::string& w : warnings) {
+      if (warn_) warn_(w);
+    }
+  }
+
+  void Wake() {
+    if (wake_fd_ < 0) return;
+    const std::uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+  }
+
+  // ---- lookup threads ----
+
+  void LookupMain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      lookup_cv_.wait(lock, [&] { return stopping_ || !lookup_queue_.empty(); });
+      if (stopping_) return;
+      protocol::LookupRequest request = std::move(lookup_queue_.front());
+      lookup_queue_.pop_front();
+      lock.unlock();
+      // The session decides when to ask again; the directory only runs the query.
+      directory_.Invalidate(request.engine_id);
+      auto lookup = directory_.Lookup(request.engine_id, request.bootstrap_address,
+                                      options_.bootstrap_timeout);
+      std::optional<protocol::PeerEngine> view;
+      Status failure;
+      if (lookup) {
+        const control::EngineInfo& info = *lookup->info;
+        view.emplace();
+        view->engine_id = info.engine_id;
+        view->incarnation = info.incarnation;
+        view->tp_size = info.tp_size;
+        for (std::uint32_t rank = 0; rank < info.tp_size; ++rank) {
+          const control::WorkerAddress* worker = info.Find(rank, 0);
+          view->side_channels.push_back(worker != nullptr ? worker->side_channel : std::string());
+        }
+      } else {
+        failure = lookup.error();
+      }
+      Run([&](protocol::DecodeSession& s, TimePoint now) {
+        if (view) {
+          s.OnLookup(*view, now);
+        } else {
+          s.OnLookupFailed(request.engine_id, failure, now);
+        }
+      });
+      lock.lock();
+    }
+  }
+
+  // ---- the I/O thread ----
+
+  zmq::socket_t& SocketFor(protocol::EndpointId endpoint, const std::string& address,
+                           Status* error) {
+    auto it = sockets_.find(endpoint);
+    if (it != sockets_.end()) return it->second;
+    zmq::socket_t socket(context_, zmq::socket_type::dealer);
+    socket.set(zmq::sockopt::linger, 0);
+    socket.set(zmq::sockopt::sndhwm, kSendHighWaterMark);
+    // A reply can never be larger than the protocol's limit; a bigger frame is hostile.
+    socket.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(wire::kMaxFrameBytes));
+    try {
+      socket.connect(address);
+    } catch (const zmq::error_t& e) {
+      *error = Status(ErrorCode::kUnavailable, fmt::format("cannot connect to {}: {}", address,
+                                                           e.what()));
+    }
+    return sockets_.emplace(endpoint, std::move(socket)).first->second;
+  }
+
+  void Send(const protocol::Transmit& t, std::vector<std::pair<const protocol::Transmit*, Status>>*
+                                            failed) {
+    Status error;
+    zmq::socket_t& socket = SocketFor(t.endpoint, t.address, &error);
+    if (error.ok()) {
+      const std::vector<std::uint8_t> payload =
+          std::visit([](const auto& m) { return wire::Encode(m); }, t.message);
+      try {
+        if (!socket.send(zmq::buffer(payload), zmq::send_flags::dontwait)) {
+          error = Status(ErrorCode::kUnavailable,
+                         fmt::format("the queue to {} is full (it stopped reading)", t.address));
+        }
+      } catch (const zmq::error_t& e) {
+        error = Status(ErrorCode::kUnavailable, fmt::format("send to {}: {}", t.address, e.what()));
+      }
+    }
+    if (!error.ok()) failed->emplace_back(&t, std::move(error));
+  }
+
+  // Reads every reply waiting on `endpoint`'s socket and hands it to the session (mu_ held).
+  void Receive(protocol::EndpointId endpoint, zmq::socket_t& socket, TimePoint now) {
+    for (;;) {
+      zmq::message_t frame;
+      std::optional<std::size_t> got;
+      try {
+        got = socket.recv(frame, zmq::recv_flags::dontwait);
+      } catch (const zmq::error_t&) {
+        return;
+      }
+      if (!got) return;
+      const std::span<const std::uint8_t> bytes(frame.data<std::uint8_t>(), frame.size());
+      Result<wire::MessageType> type = wire::PeekType(bytes);
+      if (type && *type == wire::MessageType::kRenewalReply) {
+        if (auto reply = wire::DecodeRenewalReply(bytes)) {
+          session_->OnRenewalReply(endpoint, *reply, now);
+          continue;
+        }
+      } else if (type && *type == wire::MessageType::kPullResponse) {
+        if (auto response = wire::DecodePullResponse(bytes)) {
+          session_->OnPullResponse(endpoint, *response, now);
+          continue;
+        }
+      }
+      ++undecodable_replies_;  // nothing to settle with it: the pulls' deadlines decide
+    }
+  }
+
+  void IoMain() {
+    std::vector<std::string> warnings;
+    while (true) {
+      std::vector<zmq::pollitem_t> items;
+      std::vector<protocol::EndpointId> endpoints;
+      items.push_back({nullptr, wake_fd_, ZMQ_POLLIN, 0});
+      for (auto& [endpoint, socket] : sockets_) {
+        items.push_back({socket.handle(), 0, ZMQ_POLLIN, 0});
+        endpoints.push_back(endpoint);
+      }
+      std::chrono::milliseconds wait = kMaxPollWait;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stopping_) return;
+        const TimePoint next = session_->NextDeadline();
+        const TimePoint now = Clock::now();
+        if (next != core::kNever) {
+          wait = next <= now ? std::chrono::milliseconds(0)
+                             : std::min(kMaxPollWait,
+                                        std::chrono::ceil<std::chrono::milliseconds>(next - now));
+        }
+      }
+      try {
+        zmq::poll(items.data(), items.size(), wait);
+      } catch (const zmq::error_t&) {
+        // EINTR: the loop re-polls with a fresh deadline.
+      }
+      if (items[0].revents & ZMQ_POLLIN) {
+        std::uint64_t count;
+        [[maybe_unused]] ssize_t n = ::read(wake_fd_, &count, sizeof(count));
+      }
+      std::vector<protocol::Transmit> out;
+      std::vector<protocol::FenceRequest> fences;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stopping_) return;
+        const TimePoint now = Clock::now();
+        for (std::size_t i = 1; i < items.size(); ++i) {
+          if (items[i].revents & ZMQ_POLLIN) {
+            Receive(endpoints[i - 1], sockets_.at(endpoints[i - 1]), now);
+          }
+        }
+        if (session_->NextDeadline() <= now) session_->OnTimeout(now);
+        // The data plane cannot fence a sender from the receiving side (yet): say so, and the
+        // session waits for the peer's late answer instead of releasing anything.
+        for (const protocol::FenceRequest& fence : session_->TakeFences()) {
+          session_->OnFenceDone(
+              fence.id,
+              Status(ErrorCode::kRejected,
+                     fmt::format("the {} data plane cannot fence {} from the receiving side",
+                                 engine_->backend(), fence.address)),
+              now);
+        }
+        out = session_->TakeMessages();
+        Collect(&warnings);
+      }
+      std::vector<std::pair<const protocol::Transmit*, Status>> failed;
+      for (const protocol::Transmit& t : out) Send(t, &failed);
+      if (!failed.empty()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        const TimePoint now = Clock::now();
+        for (auto& [t, why] : failed) {
+          const std::uint64_t id =
+              std::visit([](const auto& m) { return m.id; }, t->message);
+          session_->OnSendFailed(t->endpoint, id, why, now);
+        }
+        Collect(&warnings);
+      }
+      Warn(warnings);
+      warnings.clear();
+    }
+  }
+
+  const DecodeWorkerOptions options_;
+  const std::shared_ptr<transport::Engine> engine_;
+  const WarningSink warn_;
+  transport::Region region_;
+  control::EngineDirectory directory_;  // runs lookups; thread-safe
+  int wake_fd_ = -1;
+
+  mutable std::mutex mu_;  // guards the session and everything below it
+  std::optional<protocol::DecodeSession> session_;
+  std::condition_variable cv_;         // finished_ has something, or stopping
+  std::condition_variable lookup_cv_;  // lookup_queue_ has something, or stopping
+  bool stopping_ = false;
+  DecodeFinished finished_;
+  std::deque<protocol::LookupRequest> lookup_queue_;
+
+  // I/O thread only.
+  zmq::context_t context_{1};
+  std::map<protocol::EndpointId, zmq::socket_t> sockets_;
+  std::uint64_t undecodable_replies_ = 0;
+
+  std::thread io_;
+  std::vector<std::thread> lookups_;
+};
+
+// ---------------------------------------------------------------------------------------------
 
 Result<std::unique_ptr<DecodeWorker>> DecodeWorker::Start(DecodeWorkerOptions options,
                                                           std::shared_ptr<transport::Engine> engine,
                                                           WarningSink warn) {
-  if (options.block_len == 0 || options.num_blocks == 0 || options.tp_rank >= options.tp_size ||
-      options.num_pullers == 0) {
-    return Err(ErrorCode::kInvalidArgument,
-               fmt::format("decode worker: block_len {}, num_blocks {}, rank {} of tp {}, {} "
-                           "pullers",
-                           options.block_len, options.num_blocks, options.tp_rank, options.tp_size,
-                           options.num_pullers));
+  if (engine == nullptr) return Err(ErrorCode::kInvalidArgument, "decode worker: no transport");
+  if (Status valid = protocol::DecodeSession::ValidateOptions(SessionOptions(options, {}));
+      !valid.ok()) {
+    return Err(ErrorCode::kInvalidArgument, "decode worker: " + valid.message());
   }
-  std::unique_ptr<DecodeWorker> worker(new DecodeWorker());
-  worker->options_ = options;
-  worker->engine_ = std::move(engine);
-  worker->warn_ = std::move(warn);
-  auto region = worker->engine_->AllocateRegion(options.block_len * options.num_blocks);
-  if (!region) return tl::unexpected(region.error());
-  worker->region_ = *region;
-  const transport::RegionId ids[] = {region->id};
-  auto descriptor = worker->engine_->ExportDescriptor(ids);
-  if (!descriptor) return tl::unexpected(descriptor.error());
-  worker->descriptor_.resize(descriptor->size());
-  std::memcpy(worker->descriptor_.data(), descriptor->data(), descriptor->size());
-  worker->context_ = std::make_shared<control::SideChannelContext>();
-  for (std::size_t i = 0; i < options.num_pullers; ++i) {
-    worker->pullers_.emplace_back([w = worker.get()] { w->PullerLoop(); });
-  }
-  if (options.lease.count() > 0) {
-    worker->renewal_thread_ = std::thread([w = worker.get()] { w->RenewalLoop(); });
-  }
-  return worker;
+  auto impl = std::make_unique<Impl>(std::move(options), std::move(engine), std::move(warn));
+  if (Status status = impl->Init(); !status.ok()) return tl::unexpected(std::move(status));
+  return std::unique_ptr<DecodeWorker>(new DecodeWorker(std::move(impl)));
 }
 
-DecodeWorker::~DecodeWorker() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  for (std::thread& t : pullers_) t.join();
-  if (renewal_thread_.joinable()) renewal_thread_.join();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    idle_channels_.clear();
-  }
-  if (engine_ && region_.base != nullptr) {
-    // Pullers are joined: every pull ended. A P peer that timed out may in principle still
-    // write, which is why its blocks were quarantined; the region goes only at the very end.
-    (void)engine_->DeregisterMemory(region_.id, core::Clock::now() + std::chrono::seconds(5));
-  }
-}
+DecodeWorker::DecodeWorker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DecodeWorker::~DecodeWorker() = default;  // Impl's destructor stops, joins and deregisters
 
-core::PeerId DecodeWorker::PeerIdFor(const control::EngineInfo& info, std::uint32_t rank) {
-  auto [it, inserted] = peer_ids_.try_emplace(PeerKey{info.engine_id, info.incarnation, rank},
-                                              static_cast<core::PeerId>(peer_ids_.size()));
-  return it->second;
-}
-
-void DecodeWorker::NoteIncarnation(const control::EngineInfo& info) {
-  std::string& known = incarnation_of_[info.engine_id];
-  if (known == info.incarnation) return;
-  const bool restarted = !known.empty();
-  known = info.incarnation;
-  if (!restarted) return;
-  // The old process is gone with its endpoints: nothing of it can write any more.
-  for (const auto& [key, id] : peer_ids_) {
-    if (key.engine == info.engine_id && key.incarnation != info.incarnation) {
-      ledger_.PeerQuiesced(id);
-    }
-  }
-  CollectLedgerEvents();
-  renewal_commands_.push_back({RenewalCommand::Kind::kResetEngine, {}, info.engine_id});
-}
-
-void DecodeWorker::Complete(ReceiveResult result) {
-  loading_.erase(result.request);
-  ++(result.ok ? stats_.receives_ok : stats_.receives_failed);
-  // The receive settled: stop renewing it (SPEC §2.1).
-  auto tracked = tracked_.find(result.request);
-  if (tracked != tracked_.end()) {
-    renewal_commands_.push_back({RenewalCommand::Kind::kUntrack, tracked->second, {}});
-    tracked_.erase(tracked);
-  }
-  finished_.received.push_back(std::move(result));
-  cv_.notify_all();
-}
-
+std::byte* DecodeWorker::kv() const { return impl_->kv(); }
+const DecodeWorkerOptions& DecodeWorker::options() const { return impl_->options(); }
 void DecodeWorker::OnNewRequest(const core::RequestId& request, const RemoteSource& source) {
-  std::lock_guard<std::mutex> lock(mu_);
-  bootstrap_of_engine_[source.engine_id] = source.bootstrap_address;
-  if (options_.lease.count() == 0) return;
-  if (tracked_.try_emplace(request, source.transfer_id).second) {
-    renewal_commands_.push_back(
-        {RenewalCommand::Kind::kTrack, source.transfer_id, source.engine_id});
-  }
+  impl_->OnNewRequest(request, source);
 }
-
-void DecodeWorker::RequestFinished(const core::RequestId& request) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = tracked_.find(request);
-  if (it == tracked_.end()) return;
-  renewal_commands_.push_back({RenewalCommand::Kind::kUntrack, it->second, {}});
-  tracked_.erase(it);
-}
-
 Status DecodeWorker::StartLoad(const core::RequestId& request, const RemoteSource& source,
                                std::vector<core::BlockId> blocks) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    bootstrap_of_engine_[source.engine_id] = source.bootstrap_address;
-    if (blocks.empty()) return Status::Ok();  // notify-only: nothing will be written
-    if (!loading_.insert(request).second) {
-      return Status(ErrorCode::kAlreadyExists,
-                    fmt::format("request {} is already loading", request));
-    }
-    jobs_.push_back({request, source, std::move(blocks)});
-  }
-  cv_.notify_all();
-  return Status::Ok();
+  return impl_->StartLoad(request, source, std::move(blocks));
 }
-
-DecodeFinished DecodeWorker::TakeFinished() {
-  std::lock_guard<std::mutex> lock(mu_);
-  DecodeFinished out;
-  std::swap(out, finished_);
-  return out;
+void DecodeWorker::RequestFinished(const core::RequestId& request) {
+  impl_->RequestFinished(request);
 }
-
-DecodeFinished DecodeWorker::WaitFinished(core::TimePoint deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_until(lock, deadline, [&] {
-    return stopping_ || !finished_.received.empty() || !finished_.released.empty();
-  });
-  DecodeFinished out;
-  std::swap(out, finished_);
-  return out;
+DecodeFinished DecodeWorker::TakeFinished() { return impl_->TakeFinished(); }
+DecodeFinished DecodeWorker::WaitFinished(TimePoint deadline) {
+  return impl_->WaitFinished(deadline);
 }
-
-DecodeWorkerStats DecodeWorker::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  DecodeWorkerStats s = stats_;
-  s.quarantined_blocks = ledger_.quarantined_blocks();
-  s.tracked = tracked_.size();
-  return s;
-}
-
-void DecodeWorker::CollectLedgerEvents() {
-  for (core::LedgerEvent& e : ledger_.TakeEvents()) {
-    if (e.kind == core::LedgerEvent::Kind::kCompleted) {
-      Complete({e.request, e.ok, std::move(e.error), std::move(e.blocks), e.quarantined});
-    } else {
-      finished_.released.emplace_back(e.request, std::move(e.blocks));
-      cv_.notify_all();
-    }
-  }
-}
-
-void DecodeWorker::PullerLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-    if (stopping_) return;
-    PullJob job = std::move(jobs_.front());
-    jobs_.pop_front();
-    lock.unlock();
-    RunPull(job);
-    lock.lock();
-  }
-}
-
-void DecodeWorker::RunPull(PullJob& job) {
-  // Nothing was sent to any peer: the receive completes at once as failed.
-  auto fail = [&](Status why) {
-    std::lock_guard<std::mutex> lock(mu_);
-    Complete({job.request, false, std::move(why), std::move(job.blocks), false});
-  };
-  auto lookup = directory_.Lookup(job.source.engine_id, job.source.bootstrap_address,
-                                  options_.bootstrap_timeout);
-  if (!lookup) {
-    fail(Status(
-        lookup.error().code(),
-        fmt::format("bootstrap lookup of {}: {}", job.source.engine_id, lookup.error().message())));
-    return;
-  }
-  const control::EngineInfo& info = *lookup->info;
-  // A lease mismatch seen in P's registration is still pulled: P refuses the pull naming both
-  // values and frees the transfer's KV at once. Failing here, unsent, left P holding it until
-  // abort_request_timeout (140 such requests once filled P's pool in 0.2 s).
-  if (Status lease = control::CheckLease(core::ToSeconds(options_.lease), info);
-      lease.code() == ErrorCode::kInvalidArgument) {
-    fail(lease);
-    return;
-  }
-  auto targets = core::PullTargets(options_.tp_rank, options_.tp_size, info.tp_size);
-  if (!targets) {
-    fail(targets.error());
-    return;
-  }
-  struct Target {
-    std::string endpoint;
-    core::PeerId peer;
-  };
-  std::vector<Target> plan;
-  std::vector<core::PeerId> peers;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    NoteIncarnation(info);
-    for (std::uint32_t rank : *targets) {
-      const control::WorkerAddress* worker = info.Find(rank, 0);
-      if (worker == nullptr) continue;
-      const core::PeerId peer = PeerIdFor(info, rank);
-      plan.push_back({worker->side_channel, peer});
-      peers.push_back(peer);
-    }
-  }
-  if (plan.size() != targets->size()) {
-    fail(
-        Status(ErrorCode::kUnavailable,
-               fmt::format("engine {} lacks a worker this rank pulls from", job.source.engine_id)));
-    return;
-  }
-
-  wire::Pull pull;
-  pull.d_engine_id = options_.engine_id;
-  pull.d_tp_size = options_.tp_size;
-  pull.d_tp_rank = options_.tp_rank;
-  pull.d_lease_ms = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(options_.lease).count());
-  pull.region_descriptor = descriptor_;
-  pull.block_len = options_.block_len;
-  pull.num_blocks = options_.num_blocks;
-  pull.requests.push_back({job.request, job.source.transfer_id, job.blocks});
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Status begun = ledger_.Begin(job.request, job.blocks, peers);
-    if (!begun.ok()) {
-      // E.g. the same request id still quarantined from an earlier receive.
-      Complete({job.request, false, begun, std::move(job.blocks), false});
-      return;
-    }
-  }
-  // One thread per extra peer, so every paired P rank is pulled at once (their writes overlap);
-  // each settles its own ledger entries.
-  std::vector<std::thread> others;
-  for (std::size_t i = 1; i < plan.size(); ++i) {
-    others.emplace_back([this, &job, &pull, &plan, i] {
-      PullFromPeer(job.request, job.source.engine_id, pull, plan[i].endpoint, plan[i].peer);
-    });
-  }
-  PullFromPeer(job.request, job.source.engine_id, pull, plan[0].endpoint, plan[0].peer);
-  for (std::thread& t : others) t.join();
-}
-
-std::unique_ptr<control::DecodeChannel> DecodeWorker::TakeChannel(const std::string& endpoint) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = idle_channels_.find(endpoint);
-    if (it != idle_channels_.end()) {
-      auto channel = std::move(it->second);
-      idle_channels_.erase(it);
-      return channel;
-    }
-  }
-  auto channel = control::DecodeChannel::Connect(context_, endpoint);
-  if (!channel) return nullptr;
-  return std::move(*channel);
-}
-
-void DecodeWorker::ReturnChannel(std::unique_ptr<control::DecodeChannel> channel) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_) return;
-  const std::string endpoint = channel->endpoint();
-  idle_channels_.emplace(endpoint, std::move(channel));
-}
-
-void DecodeWorker::PullFromPeer(const core::RequestId& request, const core::EngineId& engine,
-                                const wire::Pull& pull, const std::string& endpoint,
-                                core::PeerId peer) {
-  const std::vector<core::RequestId> requests = {request};
-  auto channel = TakeChannel(endpoint);
-  if (!channel) {
-    std::lock_guard<std::mutex> lock(mu_);
-    // Nothing was sent: the peer cannot be writing for this pull.
-    (void)ledger_.Settle(
-        request, peer, core::Settle::kErr,
-        Status(ErrorCode::kUnavailable, fmt::format("cannot open side channel {}", endpoint)));
-    CollectLedgerEvents();
-    return;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.pulls_sent;
-  }
-  const core::TimePoint deadline = core::Clock::now() + options_.pull_timeout;
-  Status status = channel->Pull(pull, deadline, [&](const wire::PullResponse& response) {
-    std::lock_guard<std::mutex> lock(mu_);
-    control::ApplyPullResponse(ledger_, peer, requests, response);
-    CollectLedgerEvents();
-  });
-  if (status.ok()) {
-    ReturnChannel(std::move(channel));
-    return;
-  }
-  // Timeout or a broken reply: the peer's state is unknown; its blocks stay quarantined until it
-  // answers after all or is known gone. This channel may hold a stale reply: drop it. The next
-  // lookup of the engine asks the bootstrap again, which tells whether P restarted (then the old
-  // process's entries are quiesced).
-  directory_.Invalidate(engine);
-  std::lock_guard<std::mutex> lock(mu_);
-  ++stats_.pull_timeouts;
-  control::ApplyPullFailure(ledger_, peer, requests, status);
-  CollectLedgerEvents();
-}
-
-Result<std::vector<std::string>> DecodeWorker::ResolveEndpoints(const core::EngineId& engine) {
-  std::string bootstrap;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = bootstrap_of_engine_.find(engine);
-    if (it == bootstrap_of_engine_.end()) {
-      return Err(ErrorCode::kNotFound, fmt::format("no bootstrap address for {}", engine));
-    }
-    bootstrap = it->second;
-  }
-  auto lookup = directory_.Lookup(engine, bootstrap, options_.bootstrap_timeout);
-  if (!lookup) return tl::unexpected(lookup.error());
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    NoteIncarnation(*lookup->info);
-  }
-  auto targets = core::PullTargets(options_.tp_rank, options_.tp_size, lookup->info->tp_size);
-  if (!targets) return tl::unexpected(targets.error());
-  std::vector<std::string> endpoints;
-  for (std::uint32_t rank : *targets) {
-    if (const control::WorkerAddress* w = lookup->info->Find(rank, 0)) {
-      endpoints.push_back(w->side_channel);
-    }
-  }
-  return endpoints;
-}
-
-void DecodeWorker::RenewalLoop() {
-  core::RenewalScheduler scheduler(options_.lease);
-  control::RenewalPumpOptions pump_options;
-  pump_options.d_engine_id = options_.engine_id;
-  pump_options.lease = options_.lease;
-  control::RenewalPump pump(
-      context_, pump_options,
-      [this](const core::EngineId& engine) { return ResolveEndpoints(engine); }, warn_);
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stopping_) {
-    for (const RenewalCommand& c : renewal_commands_) {
-      switch (c.kind) {
-        case RenewalCommand::Kind::kTrack:
-          scheduler.Track(c.transfer, c.engine);
-          break;
-        case RenewalCommand::Kind::kUntrack:
-          scheduler.Untrack(c.transfer);
-          break;
-        case RenewalCommand::Kind::kResetEngine:
-          scheduler.ResetEngine(c.engine);
-          break;
-      }
-    }
-    renewal_commands_.clear();
-    const core::TimePoint now = core::Clock::now();
-    if (now < scheduler.NextDue()) {
-      cv_.wait_until(lock, scheduler.NextDue(), [&] { return stopping_; });
-      continue;
-    }
-    auto batches = scheduler.Poll(now);
-    lock.unlock();
-    control::PumpReport report = pump.Send(batches, scheduler);
-    lock.lock();
-    stats_.renewal_messages += report.sent;
-    stats_.renewals_accepted += report.accepted;
-    stats_.renewals_rejected += report.rejected;
-    stats_.renewal_failures += report.failed;
-  }
-}
+DecodeWorkerStats DecodeWorker::Stats() const { return impl_->Stats(); }
 
 }  // namespace kvferry::runtime

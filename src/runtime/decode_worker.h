@@ -1,7 +1,16 @@
-// DecodeWorker: one D rank in a real process. It bundles what a serving engine embeds on the
-// decode side: a KV region registered with the data plane, the renewal of leases for every
-// request D has seen (a thread of its own), the pulls to every paired P rank (a pool of puller
-// threads), and the receive ledger that decides when a request's blocks may be reused.
+// DecodeWorker: one D rank in a real process — a thin pump around protocol::DecodeSession,
+// which decides everything (pulls, their deadlines and quarantine, renewal passes, lookups,
+// incarnations, fences; see protocol/decode_session.h for the rules). The worker owns the KV
+// region registered with the data plane and the threads around the session:
+//  - one I/O thread owns a ZeroMQ DEALER per P worker the session talks to. It sends what the
+//    session says (never blocking: a message that cannot be queued is reported failed), feeds
+//    it every reply and wakes it at its NextDeadline. Many pulls share one socket (wire ids),
+//    so a dead P delays nothing else;
+//  - `lookup_threads` threads run the bootstrap lookups the session asks for;
+//  - engine calls run the session directly (under its mutex) and wake the I/O thread.
+// Fences: the data-plane interface cannot yet fence a sender from the receiving side, so every
+// fence is answered "not supported" and quarantined blocks wait for the P worker's late answer,
+// which P sends within abort_request_timeout + its write bound (hence the pull_timeout rule).
 //
 // Engine-facing calls (thread-safe), after vLLM's KV connector contract:
 //   OnNewRequest     a request with remote prefill arrived (it may wait for blocks): renew it
@@ -15,25 +24,18 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
-#include <unordered_map>
-#include <unordered_set>
+#include <utility>
 #include <vector>
 
-#include "control/bootstrap_client.h"
 #include "control/side_channel_client.h"
-#include "kvferry/core/receive_ledger.h"
-#include "kvferry/core/renewal_scheduler.h"
+#include "kvferry/core/ids.h"
+#include "kvferry/core/time.h"
 #include "kvferry/status.h"
 #include "kvferry/transport/transport.h"
+#include "protocol/decode_session.h"
 
 namespace kvferry::runtime {
 
@@ -44,18 +46,19 @@ struct DecodeWorkerOptions {
   std::uint64_t block_len = 0;  // bytes per block on this rank
   std::uint32_t num_blocks = 0;
   core::Duration lease{0};  // kv_lease_duration; 0 = off (no renewals)
-  // A pull that gets no FINISH/ERROR by then settles as a timeout (blocks quarantined).
+  // abort_request_timeout (the same kv_transfer_config key P reads) and how long a P write may
+  // take until P fences it: P answers every pull within their sum, so pull_timeout must exceed
+  // it (Start refuses otherwise). A pull that gets no answer by then settles as a timeout and
+  // its blocks stay quarantined until the late answer comes.
+  std::chrono::milliseconds abort_request_timeout{480000};
+  std::chrono::milliseconds write_bound{35000};
   std::chrono::milliseconds pull_timeout{600000};
   std::chrono::milliseconds bootstrap_timeout{5000};
-  std::size_t num_pullers = 8;
+  std::size_t lookup_threads = 2;
 };
 
 // One remote-prefill request as the router describes it (vLLM's kv_transfer_params).
-struct RemoteSource {
-  core::TransferId transfer_id;
-  core::EngineId engine_id;       // remote_engine_id
-  std::string bootstrap_address;  // remote_bootstrap_addr
-};
+using RemoteSource = protocol::RemoteSource;
 
 struct ReceiveResult {
   core::RequestId request;
@@ -74,12 +77,15 @@ struct DecodeFinished {
 struct DecodeWorkerStats {
   std::uint64_t pulls_sent = 0;
   std::uint64_t pull_timeouts = 0;
+  std::uint64_t late_replies = 0;
   std::uint64_t receives_ok = 0;
   std::uint64_t receives_failed = 0;
   std::uint64_t renewal_messages = 0;
   std::uint64_t renewals_accepted = 0;
   std::uint64_t renewals_rejected = 0;
   std::uint64_t renewal_failures = 0;
+  std::uint64_t lookups = 0;
+  std::uint64_t lookup_failures = 0;
   std::uint64_t quarantined_blocks = 0;
   std::uint64_t tracked = 0;
 };
@@ -88,19 +94,25 @@ class DecodeWorker {
  public:
   using WarningSink = control::WarningSink;
 
+  // Errors: kInvalidArgument for options DecodeSession refuses (e.g. a pull_timeout that does
+  // not exceed abort_request_timeout + write_bound), the transport's errors for the region.
   [[nodiscard]] static Result<std::unique_ptr<DecodeWorker>> Start(
       DecodeWorkerOptions options, std::shared_ptr<transport::Engine> engine,
       WarningSink warn = {});
-  // Stops the threads; pulls in flight end at their deadline at the latest.
+  // Stops the threads (a lookup in flight ends within bootstrap_timeout), then deregisters
+  // the region.
   ~DecodeWorker();
+  DecodeWorker(const DecodeWorker&) = delete;
+  DecodeWorker& operator=(const DecodeWorker&) = delete;
 
-  std::byte* kv() const { return region_.base; }
-  const DecodeWorkerOptions& options() const { return options_; }
+  std::byte* kv() const;
+  const DecodeWorkerOptions& options() const;
 
   void OnNewRequest(const core::RequestId& request, const RemoteSource& source);
   // Pulls the request's KV into `blocks` (in order). Returns at once; the outcome comes from
   // TakeFinished, exactly once. An empty `blocks` is a notify-only pull: nothing to wait for.
-  // kAlreadyExists if the request is still loading (nothing is started then).
+  // kAlreadyExists if the request is still loading, kOutOfRange for a block outside the region
+  // (nothing is started then).
   [[nodiscard]] Status StartLoad(const core::RequestId& request, const RemoteSource& source,
                                  std::vector<core::BlockId> blocks);
   void RequestFinished(const core::RequestId& request);
@@ -111,66 +123,9 @@ class DecodeWorker {
   DecodeWorkerStats Stats() const;
 
  private:
-  struct PullJob {
-    core::RequestId request;
-    RemoteSource source;
-    std::vector<core::BlockId> blocks;
-  };
-  // A P rank of one incarnation of an engine: a restarted P is a new peer, so quiescing the
-  // old process never settles entries of the new one.
-  struct PeerKey {
-    core::EngineId engine;
-    std::string incarnation;
-    std::uint32_t rank;
-    auto operator<=>(const PeerKey&) const = default;
-  };
-  struct RenewalCommand {
-    enum class Kind : std::uint8_t { kTrack, kUntrack, kResetEngine } kind;
-    core::TransferId transfer;
-    core::EngineId engine;
-  };
-
-  DecodeWorker() = default;
-  void PullerLoop();
-  void RunPull(PullJob& job);
-  void PullFromPeer(const core::RequestId& request, const core::EngineId& engine,
-                    const wire::Pull& pull, const std::string& endpoint, core::PeerId peer);
-  void RenewalLoop();
-  core::PeerId PeerIdFor(const control::EngineInfo& info, std::uint32_t rank);  // mu_ held
-  // Every lookup (pullers' and the renewal thread's) reports the incarnation it saw; a new one
-  // quiesces the old process's peers and lets the engine be renewed again. mu_ held.
-  void NoteIncarnation(const control::EngineInfo& info);
-  void Complete(ReceiveResult result);  // mu_ held
-  void CollectLedgerEvents();           // mu_ held
-  Result<std::vector<std::string>> ResolveEndpoints(const core::EngineId& engine);
-  std::unique_ptr<control::DecodeChannel> TakeChannel(const std::string& endpoint);
-  void ReturnChannel(std::unique_ptr<control::DecodeChannel> channel);
-
-  DecodeWorkerOptions options_;
-  std::shared_ptr<transport::Engine> engine_;
-  transport::Region region_;
-  std::vector<std::uint8_t> descriptor_;
-  WarningSink warn_;
-  std::shared_ptr<control::SideChannelContext> context_;
-  control::EngineDirectory directory_;
-
-  mutable std::mutex mu_;  // guards everything below
-  std::condition_variable cv_;
-  bool stopping_ = false;
-  std::deque<PullJob> jobs_;
-  core::ReceiveLedger ledger_;
-  std::map<PeerKey, core::PeerId> peer_ids_;
-  std::unordered_map<std::string, std::string> bootstrap_of_engine_;
-  std::unordered_map<core::RequestId, core::TransferId> tracked_;  // request -> transfer
-  std::unordered_map<core::EngineId, std::string> incarnation_of_;
-  std::unordered_set<core::RequestId> loading_;  // StartLoad until its completion
-  std::vector<RenewalCommand> renewal_commands_;
-  std::unordered_multimap<std::string, std::unique_ptr<control::DecodeChannel>> idle_channels_;
-  DecodeFinished finished_;
-  DecodeWorkerStats stats_;
-
-  std::vector<std::thread> pullers_;
-  std::thread renewal_thread_;
+  class Impl;
+  explicit DecodeWorker(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace kvferry::runtime

@@ -1,5 +1,5 @@
 // Side channel over real ZeroMQ sockets on 127.0.0.1: a PrefillListener (P worker) and
-// DecodeChannels / a RenewalPump (D). Every test bounds its waits with deadlines; the fixture
+// DecodeChannels (D's blocking client). Every test bounds its waits with deadlines; the fixture
 // stops the listener (joining its threads) in TearDown.
 #include <gtest/gtest.h>
 
@@ -325,103 +325,6 @@ TEST_F(SideChannelTest, RenewalsAnsweredWhileEverySenderIsBlocked) {
   }
 }
 
-TEST_F(SideChannelTest, PrefillerWithoutLeaseRejectsAndPumpWarnsOnce) {
-  StartP(core::Duration{0});
-  Ready("xfer-1");
-  core::RenewalScheduler scheduler(30s);
-  scheduler.Track("xfer-1", "p-engine");
-  scheduler.Track("xfer-2", "p-engine");
-  const auto batches = scheduler.Poll(Clock::now());
-  ASSERT_EQ(batches.size(), 1u);
-
-  std::vector<std::string> warnings;
-  RenewalPumpOptions options;
-  options.d_engine_id = "d-engine";
-  options.lease = 30s;
-  const std::string endpoint = listener_->endpoint();
-  RenewalPump pump(
-      ctx_, options,
-      [&](const core::EngineId&) -> Result<std::vector<std::string>> {
-        return std::vector<std::string>{endpoint, endpoint};  // two P workers
-      },
-      [&](std::string_view w) { warnings.emplace_back(w); });
-
-  PumpReport report = pump.Send(batches, scheduler);
-  EXPECT_EQ(report.rejected, 1u);
-  EXPECT_EQ(report.sent, 1u);  // the engine's other worker is skipped after a rejection
-  EXPECT_EQ(report.failed, 0u);
-  ASSERT_EQ(warnings.size(), 1u);
-  EXPECT_NE(warnings[0].find("p-engine"), std::string::npos);
-  // Again (e.g. batches computed before the rejection): no second warning.
-  report = pump.Send(batches, scheduler);
-  EXPECT_EQ(report.rejected, 1u);
-  EXPECT_EQ(warnings.size(), 1u);
-  // The scheduler stops renewing the engine.
-  EXPECT_TRUE(scheduler.Poll(Clock::now() + scheduler.interval()).empty());
-
-  const ListenerStats stats = listener_->Stats();
-  EXPECT_EQ(stats.renewals_rejected, 2u);
-  EXPECT_EQ(stats.hold_entries, 1u);
-  // Pulls still work without a lease on either side.
-  auto channel = Channel();
-  PullOutcome out = DoPull(*channel, MakePull({{"d-1", "xfer-1"}}, 0));
-  EXPECT_EQ(out.Verdicts(), (std::map<std::string, std::string>{{"d-1", "ok"}}));
-}
-
-// A P that predates leases answers a renewal with PullResponse ERROR: D treats it like a
-// rejection.
-TEST_F(SideChannelTest, OldPrefillerErrorOnRenewalCountsAsRejection) {
-  zmq::context_t zctx;
-  zmq::socket_t router(zctx, zmq::socket_type::router);
-  router.set(zmq::sockopt::linger, 0);
-  router.bind("tcp://127.0.0.1:0");
-  const std::string endpoint = router.get(zmq::sockopt::last_endpoint);
-  std::atomic<bool> stop{false};
-  std::thread old_p([&] {
-    while (!stop) {
-      zmq::pollitem_t item = {router.handle(), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, 20ms);
-      if (!(item.revents & ZMQ_POLLIN)) continue;
-      std::vector<zmq::message_t> frames;
-      bool more = true;
-      while (more) {
-        zmq::message_t f;
-        (void)router.recv(f);
-        more = f.more();
-        frames.push_back(std::move(f));
-      }
-      wire::PullResponse error;
-      error.status = wire::PullStatus::kError;
-      error.code = ErrorCode::kProtocol;
-      error.message = "not a pull";
-      for (std::size_t i = 0; i + 1 < frames.size(); ++i) {
-        router.send(frames[i], zmq::send_flags::sndmore);
-      }
-      router.send(zmq::buffer(wire::Encode(error)));
-    }
-  });
-
-  core::RenewalScheduler scheduler(30s);
-  scheduler.Track("xfer-1", "old-p");
-  std::vector<std::string> warnings;
-  RenewalPumpOptions options;
-  options.d_engine_id = "d-engine";
-  options.lease = 30s;
-  RenewalPump pump(
-      ctx_, options,
-      [&](const core::EngineId&) -> Result<std::vector<std::string>> {
-        return std::vector<std::string>{endpoint};
-      },
-      [&](std::string_view w) { warnings.emplace_back(w); });
-  const PumpReport report = pump.Send(scheduler.Poll(Clock::now()), scheduler);
-  EXPECT_EQ(report.rejected, 1u);
-  EXPECT_EQ(warnings.size(), 1u);
-  EXPECT_FALSE(scheduler.NoteRejected("old-p"));  // already noted by the pump
-
-  stop = true;
-  old_p.join();
-}
-
 TEST_F(SideChannelTest, LatePullForTombstonedTransferFailsInMilliseconds) {
   StartP(core::Duration{0});
   Ready("xfer-1");
@@ -692,52 +595,6 @@ TEST_F(SideChannelTest, ShutdownCancelsWritesThatOutlastTheDrain) {
   EXPECT_EQ(out.Verdicts(),
             (std::map<std::string, std::string>{{"d-1", "ok"}, {"d-2", "CANCELLED"}}));
   listener_.reset();
-}
-
-TEST_F(SideChannelTest, PullIntoLedgerSettlesEveryRequest) {
-  StartP(core::Duration{0});
-  Ready("xfer-1");
-  Ready("xfer-2");
-  ASSERT_TRUE(Get(listener_->EngineFinished("xfer-2")).ok());
-  core::ReceiveLedger ledger;
-  const core::PeerId peer = 0;
-  ASSERT_TRUE(ledger.Begin("d-1", {0, 1}, std::vector<core::PeerId>{peer}).ok());
-  ASSERT_TRUE(ledger.Begin("d-2", {2, 3}, std::vector<core::PeerId>{peer}).ok());
-  auto channel = Channel();
-  ASSERT_TRUE(PullIntoLedger(*channel, MakePull({{"d-1", "xfer-1"}, {"d-2", "xfer-2"}}, 0),
-                             Clock::now() + 2s, ledger, peer)
-                  .ok());
-  std::map<std::string, core::LedgerEvent> completed;
-  for (auto& e : ledger.TakeEvents()) completed[e.request] = e;
-  ASSERT_EQ(completed.size(), 2u);
-  EXPECT_TRUE(completed["d-1"].ok);
-  EXPECT_FALSE(completed["d-2"].ok);
-  EXPECT_EQ(completed["d-2"].error.code(), ErrorCode::kTombstoned);
-}
-
-TEST_F(SideChannelTest, SilentPeerTimesOutAndQuarantines) {
-  zmq::context_t zctx;
-  zmq::socket_t silent(zctx, zmq::socket_type::router);
-  silent.set(zmq::sockopt::linger, 0);
-  silent.bind("tcp://127.0.0.1:0");
-  auto channel = Channel(silent.get(zmq::sockopt::last_endpoint));
-
-  auto reply = channel->Renew(MakeRenewal({"xfer-1"}), Clock::now() + 50ms);
-  ASSERT_FALSE(reply.has_value());
-  EXPECT_EQ(reply.error().code(), ErrorCode::kTimeout);
-
-  core::ReceiveLedger ledger;
-  ASSERT_TRUE(ledger.Begin("d-1", {0, 1}, std::vector<core::PeerId>{5}).ok());
-  const auto start = Clock::now();
-  Status status = PullIntoLedger(*channel, MakePull({{"d-1", "xfer-1"}}, 30000),
-                                 Clock::now() + 50ms, ledger, 5);
-  EXPECT_LT(Clock::now() - start, 500ms);
-  EXPECT_EQ(status.code(), ErrorCode::kTimeout);
-  auto events = ledger.TakeEvents();
-  ASSERT_EQ(events.size(), 1u);
-  EXPECT_FALSE(events[0].ok);
-  EXPECT_TRUE(events[0].quarantined);  // the silent peer may still be writing
-  channel.reset();
 }
 
 TEST_F(SideChannelTest, EngineCallsReportHoldTableRefusals) {

@@ -266,9 +266,7 @@ class ServeTest : public ::testing::Test {
         "--num-blocks",
         "512",
         "--decode-us-per-step",
-        "500",
-        "--pull-timeout",
-        "10"};
+        "500"};
     args.insert(args.end(), extra.begin(), extra.end());
     return Start("decode", args);
   }
@@ -391,7 +389,7 @@ TEST_F(ServeTest, MultiPeerFaultsNeverCorrupt) {
                     "--fault-write-delay-ms", "100", "--fault-delay-ranks", "1"});
   // A small D pool, so freed blocks are reused at once.
   ServeProcess& d = Start("decode", {"--role", "decode", "--num-blocks", "40",
-                                     "--decode-us-per-step", "200", "--pull-timeout", "10"});
+                                     "--decode-us-per-step", "200"});
   ASSERT_FALSE(HasFailure());
   constexpr int kRequests = 16;
   std::vector<std::future<std::pair<HttpResult, HttpResult>>> calls;

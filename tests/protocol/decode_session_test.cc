@@ -338,6 +338,26 @@ TEST_F(DecodeSessionTest, RejectedRenewalsWarnOncePerEngineAndStop) {
   EXPECT_TRUE(s().TakeMessages().empty());
 }
 
+// Mixed versions (protocol §6): a P that predates renewals answers one with a PullResponse
+// ERROR; D takes it as a rejection.
+TEST_F(DecodeSessionTest, OldPrefillerErrorOnRenewalCountsAsRejection) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnLookup(Engine("p"), kT0);
+  s().OnTimeout(kT0);
+  std::vector<Transmit> out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 1u);
+  wire::PullResponse error;
+  error.id = std::get<wire::Renewal>(out[0].message).id;
+  error.status = wire::PullStatus::kError;
+  error.code = ErrorCode::kProtocol;
+  error.message = "unknown message type 2";
+  s().OnPullResponse(out[0].endpoint, error, kT0 + 1ms);
+  EXPECT_EQ(s().stats().renewals_rejected, 1u);
+  s().OnTimeout(kT0 + 5s);
+  EXPECT_TRUE(s().TakeMessages().empty()) << "renewals to it stop";
+}
+
 TEST(DecodeSessionOptionsTest, PullTimeoutMustOutlastWhatPMayTakeToAnswer) {
   DecodeSessionOptions o = Options();
   o.pull_timeout = 120s;  // kvferry serve's old default, below abort_request_timeout

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "control/bootstrap_server.h"
@@ -31,14 +33,22 @@ struct Cluster {
   std::vector<core::HoldEvent> hold_events;
   std::vector<std::string> warnings;
 
-  // P TP `p_tp` (2 KV heads) → D TP1; leases in seconds (0 = off).
+  // P's abort_request_timeout; D's copy of it is `d_abort` (the same value unless a test
+  // misconfigures D to time out before P answers).
+  std::chrono::milliseconds p_abort = 5s;
+
+  // P TP `p_tp` (2 KV heads) → D TP1; leases in seconds (0 = off). D's pull deadline must
+  // exceed its abort_request_timeout + write bound (DecodeWorkerOptions).
   void Start(std::uint32_t p_tp, double p_lease_s, double d_lease_s,
-             std::chrono::milliseconds pull_timeout = 5s) {
+             std::chrono::milliseconds pull_timeout = 15s,
+             std::optional<std::chrono::milliseconds> d_abort = std::nullopt,
+             std::chrono::milliseconds write_bound = 7s) {
     auto port = bootstrap.Start("127.0.0.1", 0);
     ASSERT_TRUE(port.has_value()) << port.error().ToString();
     bootstrap_addr = "127.0.0.1:" + std::to_string(*port);
     ASSERT_NO_FATAL_FAILURE(StartPrefill(p_tp, p_lease_s, "inc-1"));
-    ASSERT_NO_FATAL_FAILURE(StartDecode(d_lease_s, pull_timeout));
+    ASSERT_NO_FATAL_FAILURE(StartDecode(d_lease_s, pull_timeout, d_abort.value_or(p_abort),
+                                        write_bound));
   }
 
   void StartPrefill(std::uint32_t p_tp, double p_lease_s, const std::string& incarnation) {
@@ -54,7 +64,7 @@ struct Cluster {
       o.block_len = kPBlockLen * 2 / p_tp;
       o.num_blocks = kNumBlocks;
       o.hold.lease = core::Seconds(p_lease_s);
-      o.hold.abort_request_timeout = 5s;
+      o.hold.abort_request_timeout = p_abort;
       o.bootstrap_address = bootstrap_addr;
       o.incarnation = incarnation;
       o.write_timeout = 2s;
@@ -75,7 +85,8 @@ struct Cluster {
     }
   }
 
-  void StartDecode(double d_lease_s, std::chrono::milliseconds pull_timeout) {
+  void StartDecode(double d_lease_s, std::chrono::milliseconds pull_timeout,
+                   std::chrono::milliseconds d_abort, std::chrono::milliseconds write_bound) {
     auto engine = transport::MakeInProcessEngine(fabric, {"d0", false});
     ASSERT_TRUE(engine.has_value());
     DecodeWorkerOptions o;
@@ -84,6 +95,8 @@ struct Cluster {
     o.num_blocks = kNumBlocks;
     o.lease = core::Seconds(d_lease_s);
     o.pull_timeout = pull_timeout;
+    o.abort_request_timeout = d_abort;
+    o.write_bound = write_bound;  // P: 2 s write timeout + 5 s to fence
     auto worker = DecodeWorker::Start(o, std::shared_ptr<transport::Engine>(std::move(*engine)),
                                       [this](std::string_view w) {
                                         std::lock_guard<std::mutex> lock(mu);
@@ -214,30 +227,73 @@ TEST(RuntimeEndToEnd, SecondLoadOfALoadingRequestIsRefused) {
   EXPECT_TRUE(c.Receive("req-d", core::Clock::now() + 5s).ok);
 }
 
-TEST(RuntimeEndToEnd, TimedOutPeerIsQuarantinedUntilItRestarts) {
+// Waits until `request`'s quarantined blocks came back (or `deadline`).
+bool WaitReleased(Cluster& c, const core::RequestId& request, core::TimePoint deadline) {
+  while (core::Clock::now() < deadline) {
+    if (std::find(c.released.begin(), c.released.end(), request) != c.released.end()) return true;
+    (void)c.Receive("none", std::min(deadline, core::Clock::now() + 50ms));
+  }
+  return std::find(c.released.begin(), c.released.end(), request) != c.released.end();
+}
+
+// Hole 3: D's deadline passed before P answered (D misconfigured with a shorter
+// abort_request_timeout than P's): the blocks are quarantined, and P's late answer — P is
+// alive and answers every pull within its own abort_request_timeout — releases them. Before,
+// D dropped the channel and the blocks stayed quarantined until P re-registered.
+TEST(RuntimeEndToEnd, TimedOutPullIsReleasedByTheLateAnswerOfALivePrefill) {
   Cluster c;
-  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30, 300ms));
-  // P admits but never finishes the prefill: the pull waits on P and times out on D. P may
-  // still write later, so D must not reuse the blocks.
+  c.p_abort = 1500ms;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30, 400ms, /*d_abort=*/200ms, /*write_bound=*/100ms));
+  // P admits but never finishes the prefill: the pull waits on P, D times out first.
   ASSERT_TRUE(c.p[0]->Admit("xfer-stuck", 1).get().ok());
   ASSERT_TRUE(c.d->StartLoad("req-stuck", c.Source("xfer-stuck"), kDestBlocks).ok());
   ReceiveResult r = c.Receive("req-stuck", core::Clock::now() + 5s);
   EXPECT_FALSE(r.ok);
   EXPECT_TRUE(r.quarantined);
   EXPECT_EQ(c.d->Stats().quarantined_blocks, kDestBlocks.size());
-  // P restarts: a new incarnation registers. D's next pull sees it; the old process cannot
-  // write any more, so its quarantined blocks come back.
-  c.p.clear();
-  ASSERT_NO_FATAL_FAILURE(c.StartPrefill(1, 30, "inc-2"));
-  c.Prefill("xfer-next");
-  ASSERT_TRUE(c.d->StartLoad("req-next", c.Source("xfer-next"), {8, 9}).ok());
-  EXPECT_TRUE(c.Receive("req-next", core::Clock::now() + 5s).ok);
-  const auto deadline = core::Clock::now() + 2s;
-  while (c.released.empty() && core::Clock::now() < deadline) {
-    (void)c.Receive("none", core::Clock::now() + 100ms);
-  }
-  EXPECT_EQ(c.released, std::vector<core::RequestId>{"req-stuck"});
+  // P's answer comes at its wait deadline (1.5 s) and is still applied.
+  EXPECT_TRUE(WaitReleased(c, "req-stuck", core::Clock::now() + 5s));
   EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
+  EXPECT_EQ(c.d->Stats().late_replies, 1u);
+}
+
+// Hole 4: a second registration of the engine id (a restart, another bootstrap, or a forgery)
+// releases nothing by itself: the first process may still be writing. Only its own answer does.
+TEST(RuntimeEndToEnd, SecondRegistrationOfALiveEngineReleasesNothing) {
+  Cluster c;
+  c.p_abort = 2500ms;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30, 400ms, /*d_abort=*/200ms, /*write_bound=*/100ms));
+  ASSERT_TRUE(c.p[0]->Admit("xfer-stuck", 1).get().ok());
+  ASSERT_TRUE(c.d->StartLoad("req-stuck", c.Source("xfer-stuck"), kDestBlocks).ok());
+  ASSERT_TRUE(c.Receive("req-stuck", core::Clock::now() + 5s).quarantined);
+  // Another process registers the same engine id with a new incarnation; D's next load sees it.
+  ASSERT_NO_FATAL_FAILURE(c.StartPrefill(1, 30, "inc-2"));
+  ASSERT_TRUE(c.p[1]->Admit("xfer-next", 1).get().ok());
+  ASSERT_TRUE(c.p[1]->PrefillDone("xfer-next", 3).get().ok());
+  ASSERT_TRUE(c.d->StartLoad("req-next", c.Source("xfer-next"), {8, 9, 10}).ok());
+  ReceiveResult next = c.Receive("req-next", core::Clock::now() + 5s);
+  EXPECT_TRUE(next.ok) << next.error.ToString();
+  EXPECT_EQ(c.d->Stats().quarantined_blocks, kDestBlocks.size())
+      << "a registration released blocks the first process may still write";
+  EXPECT_TRUE(c.released.empty());
+  // The first process answers at its wait deadline: now the blocks come back.
+  EXPECT_TRUE(WaitReleased(c, "req-stuck", core::Clock::now() + 5s));
+  EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
+}
+
+TEST(RuntimeEndToEnd, PullTimeoutBelowWhatPMayTakeIsRefused) {
+  auto fabric = transport::MakeInProcessFabric();
+  auto engine = transport::MakeInProcessEngine(fabric, {"d0", false});
+  ASSERT_TRUE(engine.has_value());
+  DecodeWorkerOptions o;
+  o.block_len = 64;
+  o.num_blocks = 4;
+  o.pull_timeout = 120s;  // below abort_request_timeout (480 s) + write bound (35 s)
+  auto worker = DecodeWorker::Start(o, std::shared_ptr<transport::Engine>(std::move(*engine)));
+  ASSERT_FALSE(worker.has_value());
+  EXPECT_EQ(worker.error().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(worker.error().message().find("abort_request_timeout"), std::string::npos)
+      << worker.error().message();
 }
 
 }  // namespace
