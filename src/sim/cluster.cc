@@ -603,6 +603,7 @@ class Sim {
     loop_.Note(0xe0 + static_cast<std::uint64_t>(ev.kind), static_cast<std::uint64_t>(id));
     switch (ev.kind) {
       case core::HoldEvent::Kind::kFreeBlocks:
+        CheckLeaseKept(r, id, ev.reason);
         if (p.inflight[r] > 0) {
           Violation(fmt::format("P rank {} released {} while its WRITE was in flight", r, p.xfer));
         }
@@ -612,6 +613,7 @@ class Sim {
         }
         break;
       case core::HoldEvent::Kind::kAbortPrefill:
+        CheckLeaseKept(r, id, ev.reason);
         if (p.st == PReq::St::kRunning) StopOnP(id);
         if (p.st == PReq::St::kQueued) DropQueued(id);
         break;
@@ -619,6 +621,27 @@ class Sim {
       case core::HoldEvent::Kind::kPullsFailed:
         break;  // the session answers its parked pulls itself
     }
+  }
+
+  // Invariant (SPEC §2, the lease's promise): while D is alive and renews a transfer — it saw
+  // the request and no rank's receive has completed — P never lets its lease run out, whatever
+  // other P engines do. Checked where renewals cannot be lost or held up (a lossless network
+  // with no extra delays, and the same lease on both sides).
+  void CheckLeaseKept(std::uint32_t r, int idx, core::ReleaseReason reason) {
+    if (reason != core::ReleaseReason::kExpired && reason != core::ReleaseReason::kDeadDecoder) {
+      return;
+    }
+    const NetConfig& n = c_.net;
+    const bool promise = c_.d.lease.count() > 0 && c_.d.lease == c_.p.hold.lease &&
+                         n.loss == 0 && n.delay_prob == 0 && n.drop_renewals_from == kNever &&
+                         n.jitter <= c_.d.lease / 60;
+    if (!promise || d_dead_ || preqs_[idx].probe) return;
+    const DReq& d = dreqs_[idx];
+    const bool renewed = (d.st == DReq::St::kQueued || d.st == DReq::St::kReceiving) &&
+                         d.ranks_completed == 0 && !Ended(idx);
+    if (!renewed) return;
+    Violation(fmt::format("P rank {} let {} expire ({}) while a live D renews it", r,
+                          preqs_[idx].xfer, core::ToString(reason)));
   }
 
   // Forgets the simulator's record of an entry the table no longer holds (any call may release
@@ -956,6 +979,15 @@ class Sim {
     r.outcome = outcome;
     r.error = std::move(error);
     r.end = now();
+    if (!d_dead_) {
+      // The requests D tracked for the silent engines alongside this one end with it.
+      for (std::uint32_t rank = 0; rank < c_.d.tp && c_.faults.silent_engines > 0; ++rank) {
+        for (std::uint32_t g = 0; g < c_.faults.silent_engines; ++g) {
+          d_sessions_[rank]->RequestFinished(GhostName(idx, g), now());
+        }
+        ArmD(rank);
+      }
+    }
     loop_.Note(0xe4d, (static_cast<std::uint64_t>(idx) << 8) | static_cast<std::uint64_t>(outcome));
   }
 
@@ -971,6 +1003,11 @@ class Sim {
     d.st = DReq::St::kQueued;
     for (std::uint32_t r = 0; r < c_.d.tp; ++r) {  // on_new_request: renew while still queued
       d_sessions_[r]->OnNewRequest(RequestName(idx), SourceOf(idx), now());
+      for (std::uint32_t g = 0; g < c_.faults.silent_engines; ++g) {
+        d_sessions_[r]->OnNewRequest(GhostName(idx, g),
+                                     {fmt::format("ghost-xfer-{}-{}", idx, g), GhostEngine(g), "ghost"},
+                                     now());
+      }
       DrainD(r);
     }
     queue_d_.push_back(idx);
@@ -1083,8 +1120,24 @@ class Sim {
     return static_cast<std::uint32_t>(std::stoul(address.substr(1)));
   }
 
-  // The bootstrap: P's engine as registered, or a failure once P is dead.
+  static core::RequestId GhostName(int idx, std::uint32_t g) {
+    return fmt::format("ghost-{}-{}", idx, g);
+  }
+  static core::EngineId GhostEngine(std::uint32_t g) { return fmt::format("G{}", g); }
+
+  // The bootstrap: P's engine as registered, or a failure once P is dead. A silent engine's
+  // bootstrap never answers (even g), or names workers that never reply (odd g).
   void Lookup(std::uint32_t r, const protocol::LookupRequest& lookup) {
+    if (lookup.engine_id.starts_with("G")) {
+      const auto g = static_cast<std::uint32_t>(std::stoul(lookup.engine_id.substr(1)));
+      if (g % 2 == 0) return;  // the session's lookup deadline fails it
+      loop_.After(2 * c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id] {
+        if (d_dead_) return;
+        d_sessions_[r]->OnLookup({engine, "1", 1, {"g" + engine}}, now());
+        DrainD(r);
+      });
+      return;
+    }
     loop_.After(2 * c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id] {
       if (d_dead_) return;
       if (p_dead_) {
@@ -1101,6 +1154,10 @@ class Sim {
   static std::string PName(std::uint32_t p) { return fmt::format("p{}", p); }
 
   void SendFromD(std::uint32_t r, protocol::Transmit t) {
+    if (t.address.starts_with("g")) {  // a silent engine's worker: nothing ever answers
+      ++res_.messages_to_silent_engines;
+      return;
+    }
     const std::uint32_t p = PRankOf(t.address);
     endpoint_[{r, p}] = t.endpoint;
     if (auto* pull = std::get_if<wire::Pull>(&t.message)) {

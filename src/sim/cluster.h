@@ -106,6 +106,11 @@ struct Faults {
   // reaches P's session pull_timeout + U[0, 5 s] late, so its WRITE and reply come after D
   // gave up on them (SPEC §3.6: D must still not reuse the blocks).
   double late_pull = 0;
+  // P engines beside the real one that D also renews transfers with (each arriving request
+  // brings one transfer per such engine) but that never answer: even-numbered ones have a
+  // bootstrap that never answers, odd-numbered ones workers that never reply. They must cost the
+  // live P's transfers nothing (SPEC §2: a live D's KV never expires while it renews).
+  std::uint32_t silent_engines = 0;
 };
 
 struct RequestSpec {
@@ -184,6 +189,7 @@ struct SimResult {
   std::uint64_t late_replies = 0;
   std::uint64_t fences = 0;
   std::uint64_t duplicate_pulls_dropped = 0;  // P's sessions
+  std::uint64_t messages_to_silent_engines = 0;
   core::HoldStats hold_stats;  // P rank 0
   // Invariant violations, in order of detection (empty: every invariant held).
   std::vector<std::string> violations;

@@ -104,6 +104,7 @@ SimConfig RandomConfig(std::uint64_t seed) {
   }
   if (c.net.loss == 0 && r.Chance(0.3)) c.faults.fence_unsupported = true;
   if (r.Chance(0.1)) c.faults.late_pull = r.Real() * 0.2;
+  if (r.Chance(0.2)) c.faults.silent_engines = static_cast<std::uint32_t>(r.Between(1, 20));
   c.horizon = kT0 + 2h;
   return c;
 }
@@ -132,6 +133,7 @@ std::string Describe(const SimConfig& c) {
   add(c.faults.p_crash != core::kNever, fmt::format("P crash {:.2f}s", At(c.faults.p_crash)));
   add(c.faults.fence_unsupported, "no fence of a live P");
   add(c.faults.late_pull > 0, fmt::format("late pulls {:.2f}", c.faults.late_pull));
+  add(c.faults.silent_engines > 0, fmt::format("{} silent P engines", c.faults.silent_engines));
   add(c.faults.peer_err > 0, fmt::format("peer err {:.2f}", c.faults.peer_err));
   add(c.faults.peer_msg_error > 0, fmt::format("peer ERROR {:.2f}", c.faults.peer_msg_error));
   add(c.faults.peer_omit > 0, fmt::format("peer omits {:.2f}", c.faults.peer_omit));

@@ -14,18 +14,13 @@
 namespace kvferry::sim {
 namespace {
 
-// vLLM #58222's reaper: it walks entries in admission order and stops at the first one that has
-// not expired, so an expired entry behind a renewed (or still waiting) head is stranded. Here:
-// the real expiry pass runs only while the oldest admitted live entry's deadline has passed.
-class OrderedReaperHold final : public protocol::Hold {
+// Forwards every call to the real hold table; a mutant overrides the calls it breaks.
+class ForwardingHold : public protocol::Hold {
  public:
-  explicit OrderedReaperHold(const core::HoldConfig& config) : real_(config) {}
+  explicit ForwardingHold(const core::HoldConfig& config) : real_(config) {}
   const core::HoldConfig& config() const override { return real_.config(); }
   Status Admit(const core::TransferId& id, std::uint64_t handle, core::TimePoint now) override {
-    const bool had = real_.Contains(id);
-    Status s = real_.Admit(id, handle, now);
-    if (s.ok() && !had) order_.push_back(id);
-    return s;
+    return real_.Admit(id, handle, now);
   }
   Status PrefillDone(const core::TransferId& id, std::uint32_t n, core::TimePoint now) override {
     return real_.PrefillDone(id, n, now);
@@ -40,10 +35,7 @@ class OrderedReaperHold final : public protocol::Hold {
   core::PullAdmission AdmitPull(const core::TransferId& id, std::uint32_t d_rank,
                                 std::uint32_t need_send, std::optional<core::Duration> d_lease,
                                 core::TimePoint now) override {
-    const bool had = real_.Contains(id);
-    core::PullAdmission a = real_.AdmitPull(id, d_rank, need_send, d_lease, now);
-    if (!had && real_.Contains(id)) order_.push_back(id);
-    return a;
+    return real_.AdmitPull(id, d_rank, need_send, d_lease, now);
   }
   Status BeginSend(const core::TransferId& id, std::uint32_t d_rank, core::TimePoint now) override {
     return real_.BeginSend(id, d_rank, now);
@@ -52,14 +44,7 @@ class OrderedReaperHold final : public protocol::Hold {
                  core::TimePoint now) override {
     return real_.EndSend(id, d_rank, ok, now);
   }
-  void Expire(core::TimePoint now) override {
-    while (!order_.empty() && !real_.Contains(order_.front())) order_.pop_front();
-    if (!order_.empty()) {
-      const auto head = real_.DeadlineOf(order_.front());
-      if (head && *head > now) return;  // the bug: stop at the first unexpired head
-    }
-    real_.Expire(now);
-  }
+  void Expire(core::TimePoint now) override { real_.Expire(now); }
   core::TimePoint NextDeadline() const override { return real_.NextDeadline(); }
   std::vector<core::HoldEvent> TakeEvents() override { return real_.TakeEvents(); }
   bool Contains(const core::TransferId& id) const override { return real_.Contains(id); }
@@ -73,9 +58,55 @@ class OrderedReaperHold final : public protocol::Hold {
   std::size_t size() const override { return real_.size(); }
   const core::HoldStats& stats() const override { return real_.stats(); }
 
- private:
+ protected:
   protocol::CoreHold real_;
+};
+
+// vLLM #58222's reaper: it walks entries in admission order and stops at the first one that has
+// not expired, so an expired entry behind a renewed (or still waiting) head is stranded. Here:
+// the real expiry pass runs only while the oldest admitted live entry's deadline has passed.
+class OrderedReaperHold final : public ForwardingHold {
+ public:
+  using ForwardingHold::ForwardingHold;
+  Status Admit(const core::TransferId& id, std::uint64_t handle, core::TimePoint now) override {
+    const bool had = real_.Contains(id);
+    Status s = real_.Admit(id, handle, now);
+    if (s.ok() && !had) order_.push_back(id);
+    return s;
+  }
+  core::PullAdmission AdmitPull(const core::TransferId& id, std::uint32_t d_rank,
+                                std::uint32_t need_send, std::optional<core::Duration> d_lease,
+                                core::TimePoint now) override {
+    const bool had = real_.Contains(id);
+    core::PullAdmission a = real_.AdmitPull(id, d_rank, need_send, d_lease, now);
+    if (!had && real_.Contains(id)) order_.push_back(id);
+    return a;
+  }
+  void Expire(core::TimePoint now) override {
+    while (!order_.empty() && !real_.Contains(order_.front())) order_.pop_front();
+    if (!order_.empty()) {
+      const auto head = real_.DeadlineOf(order_.front());
+      if (head && *head > now) return;  // the bug: stop at the first unexpired head
+    }
+    real_.Expire(now);
+  }
+
+ private:
   std::deque<core::TransferId> order_;
+};
+
+// A P whose renewals extend a transfer by lease/12 instead of 2/3·lease — less than D's renewal
+// interval (lease/6) — so a live decoder's KV expires between two renewals: what a renewal pass
+// stuck behind silent engines did to P (hole 5). Its deadlines are only ever earlier than the
+// real ones, so only the lease-kept invariant can see it.
+class ShortRenewalHold final : public ForwardingHold {
+ public:
+  using ForwardingHold::ForwardingHold;
+  Result<core::HoldTable::RenewResult> Renew(std::span<const core::Fingerprint> ids,
+                                             core::TimePoint now) override {
+    const core::Duration lease = config().lease;
+    return real_.Renew(ids, now - (config().renewal_extension() - lease / 12));
+  }
 };
 
 constexpr std::uint64_t kSeedBudget = 2000;
@@ -171,6 +202,20 @@ TEST(Mutation, FenceBelievedWithoutStoppingWritesIsCaught) {
   EXPECT_TRUE(AnyWriteAfterFree(f)) << f.violations.front();
   std::printf("lying fence caught at seed %llu: %s\n", static_cast<unsigned long long>(f.seed),
               f.violations.front().c_str());
+}
+
+TEST(Mutation, HoldWhoseRenewalsFallShortIsCaught) {
+  Variants v;
+  v.make_hold = [](const core::HoldConfig& c) { return std::make_unique<ShortRenewalHold>(c); };
+  const ExploreFailure f = FirstFailure(v);
+  ASSERT_NE(f.seed, 0u) << "no violation within " << kSeedBudget << " seeds";
+  bool expired = false;
+  for (const std::string& s : f.violations) {
+    expired |= s.find("while a live D renews it") != std::string::npos;
+  }
+  EXPECT_TRUE(expired) << f.violations.front();
+  std::printf("short-renewal hold caught at seed %llu: %s\n",
+              static_cast<unsigned long long>(f.seed), f.violations.front().c_str());
 }
 
 TEST(Mutation, TheRealCoreIsWhatTheSimulatorDrivesByDefault) {
