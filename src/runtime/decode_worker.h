@@ -54,7 +54,10 @@ struct DecodeWorkerOptions {
   std::chrono::milliseconds write_bound{35000};
   std::chrono::milliseconds pull_timeout{600000};
   std::chrono::milliseconds bootstrap_timeout{5000};
-  std::size_t lookup_threads = 2;
+  // Lookups run concurrently, at most one per engine (the session's rule): a bootstrap that
+  // never answers holds one thread for bootstrap_timeout, so more silent bootstraps than this
+  // delay other engines' lookups.
+  std::size_t lookup_threads = 16;
 };
 
 // One remote-prefill request as the router describes it (vLLM's kv_transfer_params).

@@ -8,7 +8,9 @@
 #include <optional>
 #include <thread>
 
+#include "control/bootstrap_client.h"
 #include "control/bootstrap_server.h"
+#include "control/bootstrap_test_util.h"
 #include "kvferry/transport/inprocess.h"
 #include "runtime/decode_worker.h"
 #include "runtime/prefill_worker.h"
@@ -279,6 +281,49 @@ TEST(RuntimeEndToEnd, SecondRegistrationOfALiveEngineReleasesNothing) {
   // The first process answers at its wait deadline: now the blocks come back.
   EXPECT_TRUE(WaitReleased(c, "req-stuck", core::Clock::now() + 5s));
   EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
+}
+
+// Hole 5 in real processes: D renews transfers with a live P and with 20 silent P engines — 10
+// whose bootstrap never answers, 10 whose workers never reply. With a 1.2 s lease, the live
+// transfer must survive 5 leases. Before, the serial renewal pass paid 1 s per silent worker and
+// 5 s per silent bootstrap, so P expired the live decoder's KV within the first lease.
+TEST(RuntimeEndToEnd, TwentySilentEnginesCannotCostALiveDecoderItsKv) {
+  Cluster c;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 1.2, 1.2));
+  control::testing::SilentListener dead_bootstrap;
+  const std::string dead_address = "127.0.0.1:" + std::to_string(dead_bootstrap.port());
+  auto client = control::BootstrapClient::Create(c.bootstrap_addr);
+  ASSERT_TRUE(client.has_value());
+  for (int i = 0; i < 10; ++i) {
+    control::WorkerRegistration silent =
+        control::testing::MakeWorker("silent-" + std::to_string(i), 0, 1, "inc-a",
+                                     /*dp_rank=*/static_cast<std::uint32_t>(i + 1));
+    silent.side_channel = "tcp://127.0.0.1:1";  // nothing listens: renewals are never answered
+    silent.kv_lease_duration = 1.2;
+    const Status registered = client->Register(silent, 2s);
+    ASSERT_TRUE(registered.ok()) << registered.ToString();
+  }
+  c.Prefill("xfer-live");
+  c.d->OnNewRequest("req-live", c.Source("xfer-live"));
+  for (int i = 0; i < 20; ++i) {
+    const std::string name = "silent-" + std::to_string(i);
+    c.d->OnNewRequest("req-" + name,
+                      {"xfer-" + name, name, i < 10 ? c.bootstrap_addr : dead_address});
+  }
+  const auto end = core::Clock::now() + 6s;  // 5 leases
+  while (core::Clock::now() < end) {
+    std::this_thread::sleep_for(100ms);
+    ASSERT_EQ(c.p[0]->listener().Stats().hold_entries, 1u)
+        << "P expired a live decoder's KV while 20 other engines were silent";
+  }
+  // The KV is still there to pull.
+  ASSERT_TRUE(c.d->StartLoad("req-live", c.Source("xfer-live"), kDestBlocks).ok());
+  ReceiveResult r = c.Receive("req-live", core::Clock::now() + 5s);
+  EXPECT_TRUE(r.ok) << r.error.ToString();
+  const DecodeWorkerStats stats = c.d->Stats();
+  EXPECT_GT(stats.renewals_accepted, 20u);  // every lease/6 = 0.2 s for 6 s
+  EXPECT_GT(stats.renewal_failures, 0u);
+  for (int i = 0; i < 20; ++i) c.d->RequestFinished("req-silent-" + std::to_string(i));
 }
 
 TEST(RuntimeEndToEnd, PullTimeoutBelowWhatPMayTakeIsRefused) {
