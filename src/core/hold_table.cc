@@ -8,6 +8,18 @@
 
 namespace kvferry::core {
 
+const char* ToString(HoldPhase phase) {
+  switch (phase) {
+    case HoldPhase::kPlaceholder:
+      return "placeholder";
+    case HoldPhase::kPrefilling:
+      return "prefilling";
+    case HoldPhase::kReady:
+      return "ready";
+  }
+  return "unknown";
+}
+
 const char* ToString(ReleaseReason reason) {
   switch (reason) {
     case ReleaseReason::kSent:
@@ -100,11 +112,11 @@ Status HoldTable::Admit(const TransferId& id, std::uint64_t handle, TimePoint no
   } else if (e.phase != HoldPhase::kPlaceholder) {
     return Status(ErrorCode::kAlreadyExists, fmt::format("transfer {} admitted twice", id));
   } else {
-    --stats_.entries[static_cast<int>(HoldPhase::kPlaceholder)];
+    --stats_.entries[HoldPhase::kPlaceholder];
   }
   e.phase = HoldPhase::kPrefilling;
   e.handle = handle;
-  ++stats_.entries[static_cast<int>(HoldPhase::kPrefilling)];
+  ++stats_.entries[HoldPhase::kPrefilling];
   (void)now;
   Rearm(e);
   return Status::Ok();
@@ -124,8 +136,8 @@ Status HoldTable::PrefillDone(const TransferId& id, std::uint32_t num_blocks, Ti
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("transfer {}: prefill done in the wrong phase", id));
   }
-  --stats_.entries[static_cast<int>(HoldPhase::kPrefilling)];
-  ++stats_.entries[static_cast<int>(HoldPhase::kReady)];
+  --stats_.entries[HoldPhase::kPrefilling];
+  ++stats_.entries[HoldPhase::kReady];
   e->phase = HoldPhase::kReady;
   e->num_blocks = num_blocks;
   stats_.blocks_ready += num_blocks;
@@ -223,7 +235,7 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
     return {V::kFail, error, {}};
   }
   if (entries_.count(fp) == 0 &&
-      stats_.entries[static_cast<int>(HoldPhase::kPlaceholder)] >= config_.max_placeholders) {
+      stats_.entries[HoldPhase::kPlaceholder] >= config_.max_placeholders) {
     return {V::kFail,
             Status(ErrorCode::kResourceExhausted,
                    fmt::format("pull of {}: {} pulls already wait for transfers P has not admitted",
@@ -235,7 +247,7 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
   if (inserted) {
     e.id = id;
     e.phase = HoldPhase::kPlaceholder;
-    ++stats_.entries[static_cast<int>(HoldPhase::kPlaceholder)];
+    ++stats_.entries[HoldPhase::kPlaceholder];
   } else if (e.id != id) {
     return {V::kFail,
             Status(ErrorCode::kAlreadyExists,
@@ -389,8 +401,8 @@ void HoldTable::Release(Entry& e, ReleaseReason reason, Status pull_error, TimeP
   } else if (e.phase == HoldPhase::kPrefilling && reason != ReleaseReason::kAbortedByEngine) {
     events_.push_back({HoldEvent::Kind::kAbortPrefill, e.id, e.handle, reason, {}});
   }
-  ++stats_.released[static_cast<int>(reason)];
-  --stats_.entries[static_cast<int>(e.phase)];
+  ++stats_.released[reason];
+  --stats_.entries[e.phase];
   if (e.phase == HoldPhase::kReady) stats_.blocks_ready -= e.num_blocks;
   stats_.sending -= static_cast<std::uint64_t>(std::popcount(e.sending_mask));
   if (e.heap_pos != kNotInHeap) HeapRemove(e);

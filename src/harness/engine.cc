@@ -109,7 +109,8 @@ struct Stats {
   std::uint64_t waiting = 0;
   std::uint64_t running = 0;
   std::uint64_t waiting_kv = 0;
-  std::uint64_t held_blocks[3] = {0, 0, 0};  // P: placeholder (always 0), prefilling, ready
+  // P: blocks by hold phase (placeholders hold none).
+  core::EnumArray<core::HoldPhase, std::uint64_t, core::kAllHoldPhases.size()> held_blocks;
   std::uint64_t quarantined_blocks = 0;      // D: blocks held back by the ledger
   std::map<std::string, std::uint64_t> requests_finished;  // by outcome
   std::map<std::string, std::uint64_t> failures;           // by stage
@@ -928,8 +929,10 @@ void Engine::Impl::Publish() {
   for (const auto& [h, r] : requests) {
     if (r->phase == Phase::kWaitingKv) ++gauges.waiting_kv;
     if (r->spec.kind == RequestKind::kRemoteDecode) {
-      if (r->phase == Phase::kPrefill) gauges.held_blocks[1] += r->blocks.size();
-      if (r->phase == Phase::kHeld) gauges.held_blocks[2] += r->blocks.size();
+      if (r->phase == Phase::kPrefill) {
+        gauges.held_blocks[core::HoldPhase::kPrefilling] += r->blocks.size();
+      }
+      if (r->phase == Phase::kHeld) gauges.held_blocks[core::HoldPhase::kReady] += r->blocks.size();
     }
     if (r->phase == Phase::kDraining && r->load_started) {
       gauges.quarantined_blocks += r->blocks.size();
@@ -940,7 +943,7 @@ void Engine::Impl::Publish() {
   stats.waiting = gauges.waiting;
   stats.running = gauges.running;
   stats.waiting_kv = gauges.waiting_kv;
-  std::copy(std::begin(gauges.held_blocks), std::end(gauges.held_blocks), stats.held_blocks);
+  stats.held_blocks = gauges.held_blocks;
   stats.quarantined_blocks = gauges.quarantined_blocks;
   stats.double_frees = pool->double_frees();
 }
@@ -1002,15 +1005,20 @@ std::string Engine::RenderMetrics() {
            static_cast<double>(s.double_frees));
 
   if (o.role == Role::kPrefill) {
-    std::uint64_t entries[3] = {0, 0, 0};
-    std::uint64_t released[6] = {};
+    core::EnumArray<core::HoldPhase, std::uint64_t, core::kAllHoldPhases.size()> entries;
+    core::EnumArray<core::ReleaseReason, std::uint64_t, core::kAllReleaseReasons.size()> released;
     std::uint64_t renew_acc = 0, renew_rej = 0, renew_ext = 0, renew_unknown = 0, late = 0,
                   hits = 0, tombstones = 0, pulls = 0, pull_errors = 0, writes_failed = 0,
-                  writes_started = 0, malformed = 0, mismatches = 0, bytes = 0, in_flight = 0;
+                  writes_started = 0, malformed = 0, mismatches = 0, bytes = 0, in_flight = 0,
+                  writes_unsettled = 0;
+    // Refusals of what a peer pushed against P's limits, by kind (hostile or broken D).
+    std::map<std::string, std::uint64_t> refused;
     for (auto& worker : impl.prefill) {
       control::ListenerStats ls = worker->listener().Stats(std::chrono::milliseconds(200));
-      for (int i = 0; i < 3; ++i) entries[i] += ls.hold.entries[i];
-      for (int i = 0; i < 6; ++i) released[i] += ls.hold.released[i];
+      for (core::HoldPhase phase : core::kAllHoldPhases) entries[phase] += ls.hold.entries[phase];
+      for (core::ReleaseReason reason : core::kAllReleaseReasons) {
+        released[reason] += ls.hold.released[reason];
+      }
       renew_acc += ls.renewals_accepted;
       renew_rej += ls.renewals_rejected;
       renew_ext += ls.hold.renewals_extended;
@@ -1025,23 +1033,30 @@ std::string Engine::RenderMetrics() {
       malformed += ls.messages_malformed;
       mismatches += ls.lease_mismatches;
       in_flight += ls.writes_in_flight;
+      writes_unsettled += ls.writes_unsettled;
+      refused["unpaired_pull"] += ls.pulls_unpaired;
+      refused["pulls_in_progress_limit"] += ls.pulls_over_limit;
+      refused["duplicate_pull"] += ls.pulls_duplicate;
+      refused["parked_requests_limit"] += ls.requests_over_limit;
+      refused["descriptor_evicted"] += ls.descriptors_evicted;
+      refused["descriptor_replaced"] += ls.descriptors_replaced;
       bytes += worker->writer().bytes_written();
     }
-    const char* states[3] = {"placeholder", "prefilling", "ready"};
     const std::uint64_t rank_bytes = impl.block_len * o.geometry.tp;
     w.Family("kvferry_hold_entries", "gauge", "P hold-table entries by state (all ranks)");
-    for (int i = 0; i < 3; ++i) {
-      w.Sample("kvferry_hold_entries", static_cast<double>(entries[i]), {{"state", states[i]}});
+    for (core::HoldPhase phase : core::kAllHoldPhases) {
+      w.Sample("kvferry_hold_entries", static_cast<double>(entries[phase]),
+               {{"state", core::ToString(phase)}});
     }
     w.Family("kvferry_held_blocks", "gauge", "P blocks of transfers by hold state");
-    for (int i = 0; i < 3; ++i) {
-      w.Sample("kvferry_held_blocks", static_cast<double>(s.held_blocks[i]),
-               {{"state", states[i]}});
+    for (core::HoldPhase phase : core::kAllHoldPhases) {
+      w.Sample("kvferry_held_blocks", static_cast<double>(s.held_blocks[phase]),
+               {{"state", core::ToString(phase)}});
     }
     w.Family("kvferry_held_bytes", "gauge", "P KV bytes of transfers by hold state (all ranks)");
-    for (int i = 0; i < 3; ++i) {
-      w.Sample("kvferry_held_bytes", static_cast<double>(s.held_blocks[i] * rank_bytes),
-               {{"state", states[i]}});
+    for (core::HoldPhase phase : core::kAllHoldPhases) {
+      w.Sample("kvferry_held_bytes", static_cast<double>(s.held_blocks[phase] * rank_bytes),
+               {{"state", core::ToString(phase)}});
     }
     w.Single("kvferry_renewals_accepted_total", "counter", "Renewal messages accepted",
              static_cast<double>(renew_acc));
@@ -1052,18 +1067,18 @@ std::string Engine::RenderMetrics() {
     w.Single("kvferry_renewals_unknown_total", "counter", "Renewed ids this P does not hold",
              static_cast<double>(renew_unknown));
     w.Family("kvferry_hold_released_total", "counter", "Hold entries released, by reason");
-    for (int i = 0; i < 6; ++i) {
-      w.Sample("kvferry_hold_released_total", static_cast<double>(released[i]),
-               {{"reason", core::ToString(static_cast<core::ReleaseReason>(i))}});
+    for (core::ReleaseReason reason : core::kAllReleaseReasons) {
+      w.Sample("kvferry_hold_released_total", static_cast<double>(released[reason]),
+               {{"reason", core::ToString(reason)}});
     }
     w.Family("kvferry_hold_expiries_total", "counter",
              "Hold entries that timed out (lease/timeout, dead decoder, wait timeout)");
-    w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[1]),
-             {{"reason", "expired"}});
-    w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[2]),
-             {{"reason", "dead_decoder"}});
-    w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[3]),
-             {{"reason", "wait_timeout"}});
+    for (core::ReleaseReason reason : {core::ReleaseReason::kExpired,
+                                       core::ReleaseReason::kDeadDecoder,
+                                       core::ReleaseReason::kWaitTimeout}) {
+      w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[reason]),
+               {{"reason", core::ToString(reason)}});
+    }
     w.Single("kvferry_late_pulls_rejected_total", "counter",
              "Pulls failed at once: KV already freed", static_cast<double>(late));
     w.Single("kvferry_tombstone_hits_total", "counter", "Calls that found a tombstone",
@@ -1082,6 +1097,15 @@ std::string Engine::RenderMetrics() {
              static_cast<double>(writes_started));
     w.Single("kvferry_writes_failed_total", "counter", "KV WRITE batches failed",
              static_cast<double>(writes_failed));
+    w.Single("kvferry_writes_unsettled_total", "counter",
+             "Failed writes that could not be fenced: left unanswered so D quarantines",
+             static_cast<double>(writes_unsettled));
+    w.Family("kvferry_side_channel_refusals_total", "counter",
+             "What a D peer pushed against P's limits, by kind (each changed nothing)");
+    for (const auto& [kind, count] : refused) {
+      w.Sample("kvferry_side_channel_refusals_total", static_cast<double>(count),
+               {{"kind", kind}});
+    }
     w.Single("kvferry_writes_in_flight", "gauge", "KV writes queued or running",
              static_cast<double>(in_flight));
     w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");

@@ -196,7 +196,7 @@ FiguresB ComputeFiguresB(const SimResult& run) {
       f.max_wait_on_d_s = std::max(f.max_wait_on_d_s, Secs(r.d_admitted - r.arrival));
     }
   }
-  f.expired_on_p = run.hold_stats.released[static_cast<int>(core::ReleaseReason::kExpired)];
+  f.expired_on_p = run.hold_stats.released[core::ReleaseReason::kExpired];
   for (const KvSample& s : run.samples) {
     if (s.p_pct >= 95.0) f.p_full_s += 1.0;
   }

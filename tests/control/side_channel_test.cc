@@ -481,12 +481,10 @@ TEST_F(SideChannelTest, MalformedMessagesGetAnErrorReplyAndChangeNothing) {
   const ListenerStats after = listener_->Stats();
   EXPECT_EQ(after.messages_malformed, before.messages_malformed + cases.size() + 1);
   EXPECT_EQ(after.hold_entries, before.hold_entries);
-  for (int phase = 0; phase < 3; ++phase) {
-    EXPECT_EQ(after.hold.entries[phase], before.hold.entries[phase]);
-  }
+  EXPECT_EQ(after.hold.entries, before.hold.entries);
   EXPECT_EQ(after.hold.tombstones, before.hold.tombstones);
   EXPECT_EQ(after.hold.renewals_extended, before.hold.renewals_extended);
-  for (int r = 0; r < 6; ++r) EXPECT_EQ(after.hold.released[r], before.hold.released[r]);
+  EXPECT_EQ(after.hold.released, before.hold.released);
   EXPECT_EQ(after.requests_parked, 0u);
   EXPECT_EQ(after.writes_started, before.writes_started);
 

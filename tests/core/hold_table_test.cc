@@ -160,7 +160,7 @@ TEST(HoldTableRules, UnrenewedEntryFreedAtNextPassAndTombstoned) {
   t.Expire(t0 + seconds(31));
   EXPECT_FALSE(t.Contains("x"));
   EXPECT_TRUE(t.IsTombstoned("x"));
-  EXPECT_EQ(t.stats().released[static_cast<int>(ReleaseReason::kExpired)], 1u);
+  EXPECT_EQ(t.stats().released[ReleaseReason::kExpired], 1u);
 }
 
 TEST(HoldTableRules, LatePullFailsAtOnceWithLease) {

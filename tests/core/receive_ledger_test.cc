@@ -41,16 +41,28 @@ TEST(ReceiveLedgerRules, FailureWaitsForOtherPeersBeforeCompleting) {
 }
 
 TEST(ReceiveLedgerRules, EachSettleKindSettlesTheEntryOnce) {
-  for (Settle how :
-       {Settle::kOk, Settle::kErr, Settle::kMessageError, Settle::kFinished, Settle::kTimeout}) {
+  // Two peers, so the request is still receiving after the first entry settles: a second
+  // settlement of that entry must be refused by the entry itself, not by a finished request.
+  const Settle kinds[] = {Settle::kOk, Settle::kErr, Settle::kMessageError, Settle::kFinished,
+                          Settle::kTimeout};
+  for (Settle how : kinds) {
     ReceiveLedger l;
-    ASSERT_TRUE(l.Begin("r", {1}, std::vector<PeerId>{kP0}).ok());
+    ASSERT_TRUE(l.Begin("r", {1}, std::vector<PeerId>{kP0, kP1}).ok());
     EXPECT_EQ(l.Settle("r", kP0, how, Reason("x")), SettleOutcome::kSettled);
+    EXPECT_TRUE(l.TakeEvents().empty()) << "completed while a peer is pending";
+    EXPECT_TRUE(l.IsPending("r", kP1));
+    for (Settle again : kinds) {
+      if (how == Settle::kTimeout && again != Settle::kTimeout) continue;  // resolves, below
+      EXPECT_EQ(l.Settle("r", kP0, again, Reason("again")), SettleOutcome::kAlreadySettled)
+          << static_cast<int>(how) << " then " << static_cast<int>(again);
+    }
+    EXPECT_TRUE(l.TakeEvents().empty());
+    EXPECT_EQ(l.Settle("r", kP1, Settle::kOk, {}), SettleOutcome::kSettled);
     auto ev = l.TakeEvents();
     ASSERT_EQ(ev.size(), 1u) << static_cast<int>(how);
+    EXPECT_EQ(ev[0].kind, LedgerEvent::Kind::kCompleted);
     EXPECT_EQ(ev[0].ok, how == Settle::kOk);
-    EXPECT_NE(l.Settle("r", kP0, how, Reason("again")), SettleOutcome::kSettled);
-    EXPECT_TRUE(l.TakeEvents().empty());
+    EXPECT_EQ(ev[0].quarantined, how == Settle::kTimeout);
   }
 }
 

@@ -215,7 +215,7 @@ TEST(RuntimeEndToEnd, LeaseMismatchFailsNamingBothValues) {
   EXPECT_NE(r.error.message().find("off"), std::string::npos) << r.error.message();
   // P freed the refused transfer's KV at once, not after abort_request_timeout.
   const control::ListenerStats stats = c.p[0]->listener().Stats();
-  EXPECT_EQ(stats.hold.released[static_cast<int>(core::ReleaseReason::kLeaseMismatch)], 1u);
+  EXPECT_EQ(stats.hold.released[core::ReleaseReason::kLeaseMismatch], 1u);
   EXPECT_EQ(stats.hold_entries, 0u);
 }
 

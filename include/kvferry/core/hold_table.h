@@ -28,6 +28,7 @@
 // O((expired + moved) · log n) instead of a scan of every entry.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <deque>
 #include <optional>
@@ -37,6 +38,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "kvferry/core/enum_array.h"
 #include "kvferry/core/ids.h"
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"
@@ -65,6 +67,9 @@ enum class HoldPhase : std::uint8_t {
   kPrefilling,   // admitted, prefill not finished
   kReady,        // blocks final, D may pull
 };
+inline constexpr std::array<HoldPhase, 3> kAllHoldPhases = {
+    HoldPhase::kPlaceholder, HoldPhase::kPrefilling, HoldPhase::kReady};
+const char* ToString(HoldPhase phase);
 
 // Why an entry left the table. Each is terminal and reached exactly once per entry.
 enum class ReleaseReason : std::uint8_t {
@@ -75,6 +80,9 @@ enum class ReleaseReason : std::uint8_t {
   kLeaseMismatch,    // a pull declared a different lease; D failed the request
   kAbortedByEngine,  // P's engine aborted or finished the request without a send
 };
+inline constexpr std::array<ReleaseReason, 6> kAllReleaseReasons = {
+    ReleaseReason::kSent,          ReleaseReason::kExpired,       ReleaseReason::kDeadDecoder,
+    ReleaseReason::kWaitTimeout,   ReleaseReason::kLeaseMismatch, ReleaseReason::kAbortedByEngine};
 const char* ToString(ReleaseReason reason);
 
 struct HoldEvent {
@@ -100,11 +108,11 @@ struct PullAdmission {
 };
 
 struct HoldStats {
-  std::size_t entries[3] = {0, 0, 0};  // by HoldPhase
+  EnumArray<HoldPhase, std::size_t, kAllHoldPhases.size()> entries;
   std::uint64_t blocks_ready = 0;      // blocks held by kReady entries
   std::uint64_t sending = 0;           // sends in flight
   std::size_t tombstones = 0;
-  std::uint64_t released[6] = {};  // by ReleaseReason
+  EnumArray<ReleaseReason, std::uint64_t, kAllReleaseReasons.size()> released;
   std::uint64_t renewals_extended = 0;
   std::uint64_t renewals_unknown = 0;
   std::uint64_t renewals_rejected = 0;
