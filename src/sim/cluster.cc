@@ -63,6 +63,7 @@ enum Kind : std::uint32_t {
   kLookup,
   kDTimer,
   kFence,
+  kHostile,
   kDCrash,
   kPCrash,
   kPDetect,
@@ -304,6 +305,9 @@ class Sim {
     }
     if (c_.faults.p_crash != kNever) {
       loop_.Schedule(c_.faults.p_crash, kPCrash, 0, [this] { CrashP(); });
+    }
+    for (std::uint32_t i = 0; i < c_.faults.hostile_pulls; ++i) {
+      loop_.Schedule(kT0 + rng_.Span(Duration{0}, 10s), kHostile, i, [this, i] { Hostile(i); });
     }
     if (c_.sample_every.count() > 0) {
       loop_.Schedule(kT0, kSample, 0, [this] { Sample(); });
@@ -585,6 +589,13 @@ class Sim {
   }
 
   void SendFromP(std::uint32_t r, protocol::Outgoing o) {
+    if (o.peer == kHostilePeer) {
+      const auto* response = std::get_if<wire::PullResponse>(&o.message);
+      if (response != nullptr && response->status != wire::PullStatus::kContinue) {
+        ++res_.hostile_pulls_answered;
+      }
+      return;
+    }
     const auto d_rank = static_cast<std::uint32_t>(std::stoul(o.peer.substr(1)));
     if (auto* response = std::get_if<wire::PullResponse>(&o.message)) {
       // Fault model: a P that omits requests from its answer (D settles them at FINISH).
@@ -773,6 +784,36 @@ class Sim {
         }
       }
     }
+    DrainP(r);
+    ArmPass(r);
+  }
+
+  // A hostile D peer's pull (Faults::hostile_pulls), straight into a P rank's session.
+  static constexpr const char* kHostilePeer = "hostile";
+  void Hostile(std::uint32_t i) {
+    if (p_dead_) return;
+    const auto r = static_cast<std::uint32_t>(rng_.Between(0, c_.p.tp - 1));
+    wire::Pull pull;
+    pull.id = i + 1;
+    pull.d_engine_id = "intruder";
+    pull.region_descriptor = std::vector<std::uint8_t>{0xee};
+    pull.block_len = d_layout_.block_len;
+    pull.num_blocks = c_.d.blocks;
+    const std::string xfer = fmt::format("nobody-admits-{}", i % 3);
+    pull.requests.push_back({fmt::format("intruder-{}", i), xfer, {0}});
+    switch (i % 3) {
+      case 0:  // a pairing computation of 2^31 ranks
+        pull.d_tp_size = 1u << 31;
+        break;
+      case 1:  // a rank no P rank pairs with: P TP * 2 ranks can only pair half of them with r
+        pull.d_tp_size = c_.p.tp * 2;
+        pull.d_tp_rank = (2 * r + 2) % (c_.p.tp * 2);
+        break;
+      default:  // repeated waits of one rank for a transfer nobody admits
+        break;
+    }
+    ++res_.hostile_pulls_sent;
+    Hand(*p_ranks_[r].session, kHostilePeer, pull);
     DrainP(r);
     ArmPass(r);
   }
@@ -1334,6 +1375,10 @@ class Sim {
       }
     }
     if (c_.sample_every.count() > 0) return;  // scenario runs stop at a horizon, not at quiet
+    if (!p_dead_ && res_.hostile_pulls_answered != res_.hostile_pulls_sent) {
+      Violation(fmt::format("P answered {} of {} hostile pulls", res_.hostile_pulls_answered,
+                            res_.hostile_pulls_sent));
+    }
     if (!res_.quiet) {
       Violation("the system did not go quiet before the horizon");
     }

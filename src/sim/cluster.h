@@ -111,6 +111,10 @@ struct Faults {
   // bootstrap that never answers, odd-numbered ones workers that never reply. They must cost the
   // live P's transfers nothing (SPEC §2: a live D's KV never expires while it renews).
   std::uint32_t silent_engines = 0;
+  // A hostile (or broken) D peer sends this many pulls at random times in the first 10 s, to
+  // random P ranks: a d_tp_size of 2^31, an unpaired rank, and repeated waits of one rank for
+  // transfers nobody admits. None may crash P, stay unanswered or touch a real transfer.
+  std::uint32_t hostile_pulls = 0;
 };
 
 struct RequestSpec {
@@ -190,6 +194,8 @@ struct SimResult {
   std::uint64_t fences = 0;
   std::uint64_t duplicate_pulls_dropped = 0;  // P's sessions
   std::uint64_t messages_to_silent_engines = 0;
+  std::uint64_t hostile_pulls_sent = 0;
+  std::uint64_t hostile_pulls_answered = 0;  // pulls answered (ERROR, or every request listed)
   core::HoldStats hold_stats;  // P rank 0
   // Invariant violations, in order of detection (empty: every invariant held).
   std::vector<std::string> violations;

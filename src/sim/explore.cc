@@ -105,6 +105,7 @@ SimConfig RandomConfig(std::uint64_t seed) {
   if (c.net.loss == 0 && r.Chance(0.3)) c.faults.fence_unsupported = true;
   if (r.Chance(0.1)) c.faults.late_pull = r.Real() * 0.2;
   if (r.Chance(0.2)) c.faults.silent_engines = static_cast<std::uint32_t>(r.Between(1, 20));
+  if (r.Chance(0.2)) c.faults.hostile_pulls = static_cast<std::uint32_t>(r.Between(1, 30));
   c.horizon = kT0 + 2h;
   return c;
 }
@@ -134,6 +135,7 @@ std::string Describe(const SimConfig& c) {
   add(c.faults.fence_unsupported, "no fence of a live P");
   add(c.faults.late_pull > 0, fmt::format("late pulls {:.2f}", c.faults.late_pull));
   add(c.faults.silent_engines > 0, fmt::format("{} silent P engines", c.faults.silent_engines));
+  add(c.faults.hostile_pulls > 0, fmt::format("{} hostile pulls", c.faults.hostile_pulls));
   add(c.faults.peer_err > 0, fmt::format("peer err {:.2f}", c.faults.peer_err));
   add(c.faults.peer_msg_error > 0, fmt::format("peer ERROR {:.2f}", c.faults.peer_msg_error));
   add(c.faults.peer_omit > 0, fmt::format("peer omits {:.2f}", c.faults.peer_omit));
@@ -166,6 +168,8 @@ ExploreReport Explore(const ExploreOptions& options) {
     report.late_replies += run.late_replies;
     report.fences += run.fences;
     report.duplicate_pulls_dropped += run.duplicate_pulls_dropped;
+    report.hostile_pulls += run.hostile_pulls_sent;
+    report.messages_to_silent_engines += run.messages_to_silent_engines;
     report.requests += run.requests.size();
     report.ok += run.Count(Outcome::kOk);
     report.failed += run.Count(Outcome::kFailed);
