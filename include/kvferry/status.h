@@ -1,5 +1,5 @@
 // kvferry's one error model: a Status (code + human-readable reason) and Result<T>, which is
-// either a T or the Status that explains why there is none.
+// either a T or the Status that explains why there is none. Both are [[nodiscard]].
 //
 // Every fallible call in kvferry returns one of these; none throws across a module boundary.
 #pragma once
@@ -91,8 +91,23 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
+// A T, or the Status that explains why there is none. [[nodiscard]] like Status: a result that
+// nobody looks at is an error nobody hears about. Everything tl::expected offers works on it.
 template <typename T>
-using Result = tl::expected<T, Status>;
+class [[nodiscard]] Result : public tl::expected<T, Status> {
+ public:
+  using tl::expected<T, Status>::expected;
+  Result(tl::expected<T, Status> other)  // NOLINT: implicit, like expected's own conversions
+      : tl::expected<T, Status>(std::move(other)) {}
+
+  // Exact matches, so comparisons do not fall to tl::expected's templates, which C++20's
+  // rewritten operators make ambiguous for a derived class.
+  friend bool operator==(const Result& a, const Result& b) {
+    return static_cast<const tl::expected<T, Status>&>(a) ==
+           static_cast<const tl::expected<T, Status>&>(b);
+  }
+  friend bool operator==(const Result& a, const T& value) { return a.has_value() && *a == value; }
+};
 
 inline tl::unexpected<Status> Err(ErrorCode code, std::string message) {
   return tl::unexpected<Status>(Status(code, std::move(message)));

@@ -221,7 +221,9 @@ EndpointId DecodeSession::EndpointFor(const std::string& address) {
   auto [it, inserted] = endpoint_of_.try_emplace(address, 0);
   if (inserted) {
     it->second = static_cast<EndpointId>(endpoints_.size());
-    endpoints_.push_back(Endpoint{address});
+    Endpoint endpoint;
+    endpoint.address = address;
+    endpoints_.push_back(std::move(endpoint));
   }
   return it->second;
 }

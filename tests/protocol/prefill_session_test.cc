@@ -47,7 +47,9 @@ class PrefillSessionTest : public ::testing::Test {
   std::vector<wire::PullResponse> Responses(const std::string& peer = "") {
     std::vector<wire::PullResponse> out;
     for (Outgoing& o : s().TakeOutgoing()) {
-      if (!peer.empty()) EXPECT_EQ(o.peer, peer);
+      if (!peer.empty()) {
+        EXPECT_EQ(o.peer, peer);
+      }
       if (auto* r = std::get_if<wire::PullResponse>(&o.message)) out.push_back(std::move(*r));
     }
     return out;
