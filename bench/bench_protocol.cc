@@ -121,9 +121,9 @@ void BM_PullInline(benchmark::State& state) {
     auto paired = core::PairedDecoderRanks(0, 1, pull->d_tp_size);
     const wire::PullRequest& r = pull->requests[0];
     benchmark::DoNotOptimize(wire::CheckBlockIds(r, pull->num_blocks));
-    auto admission = table.AdmitPull(r.transfer_id, pull->d_tp_rank,
-                                     static_cast<std::uint32_t>(paired->size()),
-                                     std::chrono::milliseconds(*pull->d_lease_ms), kT0);
+    auto admission =
+        table.AdmitPull(r.transfer_id, pull->d_tp_rank, static_cast<std::uint32_t>(paired->size()),
+                        std::chrono::milliseconds(*pull->d_lease_ms), kT0);
     benchmark::DoNotOptimize(admission);
     (void)table.BeginSend(r.transfer_id, 0, kT0);
     (void)table.EndSend(r.transfer_id, 0, true, kT0);

@@ -1,6 +1,5 @@
 #include "control/side_channel_client.h"
 
-
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 

@@ -279,8 +279,7 @@ void PrefillListener::Impl::SenderMain() {
       outcome = protocol::WriteOutcome::Unsettled(
           Status(ErrorCode::kInternal, fmt::format("KvWriter threw: {}", e.what())));
     } catch (...) {
-      outcome =
-          protocol::WriteOutcome::Unsettled(Status(ErrorCode::kInternal, "KvWriter threw"));
+      outcome = protocol::WriteOutcome::Unsettled(Status(ErrorCode::kInternal, "KvWriter threw"));
     }
     Command done;
     done.kind = Command::Kind::kWriteDone;
@@ -366,8 +365,8 @@ bool PrefillListener::Impl::ReadMessage() {
     session_.RejectMessage(peer, ErrorCode::kProtocol,
                            fmt::format("expected 2 frames [identity, payload], got {}", frames));
   } else {
-    session_.OnMessage(
-        peer, {static_cast<const std::uint8_t*>(payload.data()), payload.size()}, Clock::now());
+    session_.OnMessage(peer, {static_cast<const std::uint8_t*>(payload.data()), payload.size()},
+                       Clock::now());
   }
   Pump();  // renewals are answered before the next message is read
   return true;
@@ -471,10 +470,11 @@ void PrefillListener::Impl::Drain() {
     queued.swap(jobs_);
   }
   for (const protocol::WriteJob& job : queued) {
-    session_.OnWriteDone(job.ticket,
-                         protocol::WriteOutcome::Failed(Status(
-                             ErrorCode::kCancelled, "prefill worker shut down before the write started")),
-                         now);
+    session_.OnWriteDone(
+        job.ticket,
+        protocol::WriteOutcome::Failed(
+            Status(ErrorCode::kCancelled, "prefill worker shut down before the write started")),
+        now);
   }
   Pump();
   WaitForWrites(Clock::now() + options_.drain_timeout);

@@ -114,10 +114,10 @@ class PrefillListener {
   ListenerStats Stats(std::chrono::milliseconds wait = std::chrono::milliseconds(1000));
 
   // Stops reading the socket; fails parked pulls and queued writes with kCancelled (answered
-  // to D: PrefillSession::Shutdown); waits up to drain_timeout (+ cancel_grace after KvWriter::CancelWrites) for running
-  // writes and answers them; flushes replies (linger) and joins every thread. Idempotent.
-  // Returns kTimeout if some write never returned in time (those pulls are left unanswered:
-  // D's timeout quarantines their blocks).
+  // to D: PrefillSession::Shutdown); waits up to drain_timeout (+ cancel_grace after
+  // KvWriter::CancelWrites) for running writes and answers them; flushes replies (linger) and joins
+  // every thread. Idempotent. Returns kTimeout if some write never returned in time (those pulls
+  // are left unanswered: D's timeout quarantines their blocks).
   Status Stop();
 
  private:

@@ -127,9 +127,10 @@ Result<Slice> PlanSlice(std::uint32_t p_rank, const TpLayout& p, std::uint32_t d
   return slice;
 }
 
-Result<std::vector<WriteOp>> PlanWrites(std::span<const BlockId> src_blocks,
-                                        std::span<const BlockId> dst_blocks, const Slice& slice,
-                                        std::uint64_t src_block_len, std::uint64_t dst_block_len) {
+Result<std::vector<BlockWrite>> PlanWrites(std::span<const BlockId> src_blocks,
+                                           std::span<const BlockId> dst_blocks, const Slice& slice,
+                                           std::uint64_t src_block_len,
+                                           std::uint64_t dst_block_len) {
   if (src_blocks.size() != dst_blocks.size()) {
     return Err(ErrorCode::kInvalidArgument,
                fmt::format("{} source blocks for {} destination blocks", src_blocks.size(),
@@ -139,7 +140,7 @@ Result<std::vector<WriteOp>> PlanWrites(std::span<const BlockId> src_blocks,
       slice.dst_offset + slice.length > dst_block_len) {
     return Err(ErrorCode::kOutOfRange, "slice exceeds a block");
   }
-  std::vector<WriteOp> ops;
+  std::vector<BlockWrite> ops;
   if (!slice.should_write || slice.length == 0) return ops;
   // Runs merge only when each side's consecutive blocks are adjacent in memory, i.e. the slice
   // covers whole blocks on both sides.

@@ -965,7 +965,8 @@ void ScenarioC(Env& env) {
   // Without a lease P keeps the KV of a request whose WRITE it reported as failed until its
   // abort_request_timeout (a failed send does not count as sent; behaviour unchanged from
   // today's), so P's pool ends holding exactly those requests' blocks.
-  const double failed_blocks = static_cast<double>(total.failed) * BlocksFor(p.prompt, p.block_tokens);
+  const double failed_blocks =
+      static_cast<double>(total.failed) * BlocksFor(p.prompt, p.block_tokens);
   (void)WaitFor([&] { return MetricOf(*P, "kvferry_kv_blocks_used") == failed_blocks; }, 10);
   EndState c_p_end;
   c_p_end.checked = true;

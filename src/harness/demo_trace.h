@@ -2,7 +2,7 @@
 // (`kvferry serve --trace-file`) by t_ns and count P WRITEs that started after their destination
 // block was freed on D, or freed and reallocated to another request.
 //
-// Trace lines (src/harness/block_pool.cc, engine.cc):
+// Trace lines (engine.cc: the block pool's and the writes'):
 //   D: {"t_ns", "role":"decode", "block", "generation", "event":"alloc"|"free", "request"}
 //   P: {"t_ns", "role":"prefill", "event":"write_start"|"write_end", "transfer_id", "d_req_id",
 //       "p_rank", "dst_blocks", ...}

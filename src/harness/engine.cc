@@ -11,7 +11,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "harness/block_pool.h"
+#include "kvferry/core/block_pool.h"
 #include "harness/metrics.h"
 #include "harness/trace_file.h"
 #include "kvferry/transport/ucx.h"
@@ -44,7 +44,7 @@ std::vector<StreamEvent> RequestStream::Wait(Clock::time_point deadline) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Engine internals
+// ServingEngine internals
 
 namespace {
 
@@ -53,6 +53,18 @@ namespace {
 constexpr auto kListenerAckTimeout = std::chrono::seconds(5);
 // Kept in case a kAbortPrefill overtakes the request it aborts (see ApplyHold).
 constexpr std::size_t kMaxEarlyAborts = 4096;
+
+// The pool's trace lines (demo_trace.h reads them): one per allocation and free, with the
+// block's new generation. Owners are request handles; the request id is "req-<handle>".
+core::BlockPool::Observer PoolTrace(TraceFile* trace, std::string role) {
+  if (trace == nullptr) return {};
+  return [trace, role = std::move(role)](core::BlockId block, std::uint64_t generation,
+                                         bool allocated, core::BlockPool::Owner owner) {
+    trace->Line(fmt::format(
+        R"({{"t_ns":{},"role":"{}","block":{},"generation":{},"event":"{}","request":"req-{}"}})",
+        TraceFile::NowNs(), role, block, generation, allocated ? "alloc" : "free", owner));
+  };
+}
 
 enum class Phase : std::uint8_t {
   kWaiting,    // queued for blocks
@@ -111,7 +123,7 @@ struct Stats {
   std::uint64_t waiting_kv = 0;
   // P: blocks by hold phase (placeholders hold none).
   core::EnumArray<core::HoldPhase, std::uint64_t, core::kAllHoldPhases.size()> held_blocks;
-  std::uint64_t quarantined_blocks = 0;      // D: blocks held back by the ledger
+  std::uint64_t quarantined_blocks = 0;                    // D: blocks held back by the ledger
   std::map<std::string, std::uint64_t> requests_finished;  // by outcome
   std::map<std::string, std::uint64_t> failures;           // by stage
   std::map<std::string, std::uint64_t> receive_failures;   // D: by the first error's code
@@ -130,7 +142,7 @@ std::string StatusReason(const Status& s) { return s.ToString(); }
 
 }  // namespace
 
-struct Engine::Impl {
+struct ServingEngine::Impl {
   explicit Impl(EngineOptions& o) : options(o) {}
 
   EngineOptions& options;
@@ -139,7 +151,7 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<runtime::PrefillWorker>> prefill;
   std::vector<std::unique_ptr<runtime::DecodeWorker>> decode;
   std::vector<std::thread> collectors;
-  std::unique_ptr<BlockPool> pool;  // engine thread only
+  std::unique_ptr<core::BlockPool> pool;  // engine thread only; owners are request handles
 
   // Inbox and lifecycle.
   std::mutex mu;
@@ -158,7 +170,7 @@ struct Engine::Impl {
   std::mutex stats_mu;
   Stats stats;
 
-  // Engine thread state.
+  // ServingEngine thread state.
   std::unordered_map<std::uint64_t, std::unique_ptr<Request>> requests;
   std::unordered_map<std::string, std::uint64_t> by_id;  // D request id → handle
   std::deque<std::uint64_t> waiting;
@@ -205,9 +217,9 @@ struct Engine::Impl {
 // ---------------------------------------------------------------------------------------------
 // Start / stop
 
-Engine::Engine(EngineOptions options) : options_(std::move(options)) {}
+ServingEngine::ServingEngine(EngineOptions options) : options_(std::move(options)) {}
 
-Result<std::unique_ptr<Engine>> Engine::Start(EngineOptions options) {
+Result<std::unique_ptr<ServingEngine>> ServingEngine::Start(EngineOptions options) {
   Status geometry = options.geometry.Validate();
   if (!geometry.ok()) return tl::unexpected(geometry);
   if (options.num_blocks == 0 || options.costs.max_running == 0 ||
@@ -215,12 +227,12 @@ Result<std::unique_ptr<Engine>> Engine::Start(EngineOptions options) {
     return Err(ErrorCode::kInvalidArgument,
                "num_blocks, max_running and max_batch_tokens must be positive");
   }
-  std::unique_ptr<Engine> engine(new Engine(std::move(options)));
+  std::unique_ptr<ServingEngine> engine(new ServingEngine(std::move(options)));
   engine->impl_ = std::make_unique<Impl>(engine->options_);
   Impl& impl = *engine->impl_;
   impl.block_len = impl.options.geometry.block_len();
-  impl.pool = std::make_unique<BlockPool>(impl.options.num_blocks, impl.options.trace.get(),
-                                          ToString(impl.options.role));
+  impl.pool = std::make_unique<core::BlockPool>(
+      impl.options.num_blocks, PoolTrace(impl.options.trace.get(), ToString(impl.options.role)));
   Status started = impl.StartRanks();
   if (!started.ok()) {
     engine->Shutdown();
@@ -230,7 +242,7 @@ Result<std::unique_ptr<Engine>> Engine::Start(EngineOptions options) {
   return engine;
 }
 
-Status Engine::Impl::StartRanks() {
+Status ServingEngine::Impl::StartRanks() {
   const std::uint32_t tp = options.geometry.tp;
   for (std::uint32_t rank = 0; rank < tp; ++rank) {
     transport::UcxOptions ucx;
@@ -329,8 +341,8 @@ Status Engine::Impl::StartRanks() {
       o.block_len = block_len;
       o.num_blocks = options.num_blocks;
       o.lease = options.lease;
-      o.abort_request_timeout = std::chrono::ceil<std::chrono::milliseconds>(
-          options.hold.abort_request_timeout);
+      o.abort_request_timeout =
+          std::chrono::ceil<std::chrono::milliseconds>(options.hold.abort_request_timeout);
       o.write_bound = options.write_bound;
       o.pull_timeout = options.pull_timeout;
       auto warn = [this, rank](std::string_view message) {
@@ -350,7 +362,7 @@ Status Engine::Impl::StartRanks() {
   return Status::Ok();
 }
 
-void Engine::Impl::Collect(std::uint32_t rank) {
+void ServingEngine::Impl::Collect(std::uint32_t rank) {
   // One owner per rank's finished queue: this thread moves it into the engine's inbox.
   while (!collectors_stop.load()) {
     runtime::DecodeFinished finished =
@@ -364,9 +376,9 @@ void Engine::Impl::Collect(std::uint32_t rank) {
   }
 }
 
-Engine::~Engine() { Shutdown(); }
+ServingEngine::~ServingEngine() { Shutdown(); }
 
-void Engine::Shutdown() {
+void ServingEngine::Shutdown() {
   if (!impl_) return;
   Impl& impl = *impl_;
   {
@@ -395,7 +407,7 @@ void Engine::Shutdown() {
 // ---------------------------------------------------------------------------------------------
 // Submit / Abort (HTTP threads)
 
-Result<std::shared_ptr<RequestStream>> Engine::Submit(const CompletionSpec& spec) {
+Result<std::shared_ptr<RequestStream>> ServingEngine::Submit(const CompletionSpec& spec) {
   Impl& impl = *impl_;
   const EngineOptions& o = options_;
   const std::uint32_t bt = o.geometry.block_tokens;
@@ -474,7 +486,7 @@ Result<std::shared_ptr<RequestStream>> Engine::Submit(const CompletionSpec& spec
   return stream;
 }
 
-void Engine::Abort(std::uint64_t handle) {
+void ServingEngine::Abort(std::uint64_t handle) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->inbox.aborts.push_back(handle);
@@ -485,7 +497,7 @@ void Engine::Abort(std::uint64_t handle) {
 // ---------------------------------------------------------------------------------------------
 // The engine thread
 
-void Engine::Impl::Loop() {
+void ServingEngine::Impl::Loop() {
   while (true) {
     Inbox in;
     bool stop = false;
@@ -510,7 +522,7 @@ void Engine::Impl::Loop() {
   }
 }
 
-void Engine::Impl::Apply(Inbox& in) {
+void ServingEngine::Impl::Apply(Inbox& in) {
   // New requests first: a hold event or abort drained together with its request must find it.
   for (auto& r : in.fresh) AddRequest(std::move(r));
   for (const HoldNote& note : in.holds) ApplyHold(note);
@@ -518,7 +530,7 @@ void Engine::Impl::Apply(Inbox& in) {
   for (std::uint64_t handle : in.aborts) ApplyAbort(handle);
 }
 
-void Engine::Impl::AddRequest(std::unique_ptr<Request> r) {
+void ServingEngine::Impl::AddRequest(std::unique_ptr<Request> r) {
   const std::uint64_t handle = r->handle;
   by_id[r->id] = handle;
   requests[handle] = std::move(r);
@@ -530,7 +542,7 @@ void Engine::Impl::AddRequest(std::unique_ptr<Request> r) {
   }
 }
 
-void Engine::Impl::ApplyAbort(std::uint64_t handle) {
+void ServingEngine::Impl::ApplyAbort(std::uint64_t handle) {
   Request* r = Find(handle);
   if (r == nullptr || r->answered) return;
   {
@@ -540,7 +552,7 @@ void Engine::Impl::ApplyAbort(std::uint64_t handle) {
   Finish(*r, Status(ErrorCode::kCancelled, "client disconnected"), 499);
 }
 
-void Engine::Impl::ApplyHold(const HoldNote& note) {
+void ServingEngine::Impl::ApplyHold(const HoldNote& note) {
   const core::HoldEvent& event = note.event;
   Request* r = Find(event.handle);
   if (event.kind == core::HoldEvent::Kind::kFreeBlocks) {
@@ -580,7 +592,7 @@ void Engine::Impl::ApplyHold(const HoldNote& note) {
          503);
 }
 
-void Engine::Impl::ApplyRecv(RecvNote& note) {
+void ServingEngine::Impl::ApplyRecv(RecvNote& note) {
   for (runtime::ReceiveResult& result : note.finished.received) {
     auto it = by_id.find(result.request);
     Request* r = it == by_id.end() ? nullptr : Find(it->second);
@@ -605,7 +617,7 @@ void Engine::Impl::ApplyRecv(RecvNote& note) {
   }
 }
 
-void Engine::Impl::OnReceiveDone(Request& r) {
+void ServingEngine::Impl::OnReceiveDone(Request& r) {
   for (auto& worker : decode) worker->RequestFinished(r.id);  // stop renewing
   const std::uint32_t kv_blocks = BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens);
   {
@@ -656,7 +668,7 @@ void Engine::Impl::OnReceiveDone(Request& r) {
   ready.push_back(r.handle);
 }
 
-void Engine::Impl::Schedule() {
+void ServingEngine::Impl::Schedule() {
   const EngineCosts& c = options.costs;
   // Received requests first: their blocks are already allocated.
   while (!ready.empty() && running.size() < c.max_running) {
@@ -677,7 +689,7 @@ void Engine::Impl::Schedule() {
     const std::uint64_t tokens = r->spec.kind == RequestKind::kRemoteDecode
                                      ? r->spec.prompt_tokens
                                      : std::uint64_t{r->spec.prompt_tokens} + r->spec.max_tokens;
-    auto blocks = pool->Allocate(BlocksFor(tokens, bt), r->id);
+    auto blocks = pool->Allocate(BlocksFor(tokens, bt), r->handle);
     if (!blocks) break;
     waiting.pop_front();
     r->blocks = std::move(*blocks);
@@ -712,7 +724,7 @@ void Engine::Impl::Schedule() {
   }
 }
 
-void Engine::Impl::RunStep() {
+void ServingEngine::Impl::RunStep() {
   if (running.empty()) return;
   const EngineCosts& c = options.costs;
   std::uint32_t budget = c.max_batch_tokens;
@@ -770,7 +782,7 @@ void Engine::Impl::RunStep() {
   stats.tokens_generated += decodes.size();
 }
 
-void Engine::Impl::FinishPrefill(Request& r) {
+void ServingEngine::Impl::FinishPrefill(Request& r) {
   // The KV of the prompt, as every rank holds it.
   const std::uint32_t kv_blocks = BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens);
   for (std::uint32_t rank = 0; rank < options.geometry.tp; ++rank) {
@@ -802,7 +814,7 @@ void Engine::Impl::FinishPrefill(Request& r) {
   }
 }
 
-void Engine::Impl::HandOver(Request& r) {
+void ServingEngine::Impl::HandOver(Request& r) {
   running.erase(std::find(running.begin(), running.end(), r.handle));
   {
     std::lock_guard<std::mutex> lock(source_mu);
@@ -856,7 +868,7 @@ void Engine::Impl::HandOver(Request& r) {
   }
 }
 
-void Engine::Impl::Finish(Request& r, const Status& error, int http_status) {
+void ServingEngine::Impl::Finish(Request& r, const Status& error, int http_status) {
   if (!r.answered) {
     r.answered = true;
     if (error.ok()) {
@@ -890,7 +902,7 @@ void Engine::Impl::Finish(Request& r, const Status& error, int http_status) {
   MaybeRelease(r);
 }
 
-void Engine::Impl::MaybeRelease(Request& r) {
+void ServingEngine::Impl::MaybeRelease(Request& r) {
   if (r.phase != Phase::kDraining) return;
   // D: not before every rank's receive settled and no peer may still write (quarantine).
   if (r.load_started && (r.results < options.geometry.tp || !r.quarantined_ranks.empty())) {
@@ -900,28 +912,28 @@ void Engine::Impl::MaybeRelease(Request& r) {
   Erase(r.handle);
 }
 
-void Engine::Impl::FreeBlocks(Request& r) {
+void ServingEngine::Impl::FreeBlocks(Request& r) {
   if (r.blocks.empty()) return;
-  pool->Free(r.blocks, r.id);
+  (void)pool->Free(r.blocks, r.handle);  // a block it does not hold is counted, not freed
   r.blocks.clear();
   std::lock_guard<std::mutex> lock(source_mu);
   source_blocks.erase(r.handle);
 }
 
-void Engine::Impl::EngineFinishedAll(const Request& r) {
+void ServingEngine::Impl::EngineFinishedAll(const Request& r) {
   std::vector<std::future<Status>> acks;
   for (auto& worker : prefill) acks.push_back(worker->EngineFinished(r.spec.transfer_id));
   for (auto& f : acks) (void)f.wait_for(kListenerAckTimeout);
 }
 
-void Engine::Impl::Erase(std::uint64_t handle) {
+void ServingEngine::Impl::Erase(std::uint64_t handle) {
   auto it = requests.find(handle);
   if (it == requests.end()) return;
   by_id.erase(it->second->id);
   requests.erase(it);
 }
 
-void Engine::Impl::Publish() {
+void ServingEngine::Impl::Publish() {
   Stats gauges;
   gauges.blocks_used = pool->used();
   gauges.waiting = waiting.size();
@@ -948,7 +960,7 @@ void Engine::Impl::Publish() {
   stats.double_frees = pool->double_frees();
 }
 
-void Engine::Impl::FailAll() {
+void ServingEngine::Impl::FailAll() {
   std::vector<std::uint64_t> handles;
   for (const auto& [h, r] : requests) handles.push_back(h);
   for (std::uint64_t h : handles) {
@@ -962,7 +974,7 @@ void Engine::Impl::FailAll() {
 // ---------------------------------------------------------------------------------------------
 // Metrics
 
-std::string Engine::RenderMetrics() {
+std::string ServingEngine::RenderMetrics() {
   Impl& impl = *impl_;
   const EngineOptions& o = options_;
   Stats s;
@@ -1073,9 +1085,9 @@ std::string Engine::RenderMetrics() {
     }
     w.Family("kvferry_hold_expiries_total", "counter",
              "Hold entries that timed out (lease/timeout, dead decoder, wait timeout)");
-    for (core::ReleaseReason reason : {core::ReleaseReason::kExpired,
-                                       core::ReleaseReason::kDeadDecoder,
-                                       core::ReleaseReason::kWaitTimeout}) {
+    for (core::ReleaseReason reason :
+         {core::ReleaseReason::kExpired, core::ReleaseReason::kDeadDecoder,
+          core::ReleaseReason::kWaitTimeout}) {
       w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[reason]),
                {{"reason", core::ToString(reason)}});
     }
@@ -1103,8 +1115,7 @@ std::string Engine::RenderMetrics() {
     w.Family("kvferry_side_channel_refusals_total", "counter",
              "What a D peer pushed against P's limits, by kind (each changed nothing)");
     for (const auto& [kind, count] : refused) {
-      w.Sample("kvferry_side_channel_refusals_total", static_cast<double>(count),
-               {{"kind", kind}});
+      w.Sample("kvferry_side_channel_refusals_total", static_cast<double>(count), {{"kind", kind}});
     }
     w.Single("kvferry_writes_in_flight", "gauge", "KV writes queued or running",
              static_cast<double>(in_flight));

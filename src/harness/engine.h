@@ -1,6 +1,6 @@
-// Engine: the synthetic model behind `kvferry serve` (SPEC §6). One per process; its TP ranks are
-// threads of that process, each a runtime::PrefillWorker (P) or runtime::DecodeWorker (D) with
-// its own UCX engine and KV region, all driven by one continuous-batching scheduler.
+// ServingEngine: the synthetic model behind `kvferry serve` (SPEC §6). One per process; its TP
+// ranks are threads of that process, each a runtime::PrefillWorker (P) or runtime::DecodeWorker (D)
+// with its own UCX engine and KV region, all driven by one continuous-batching scheduler.
 //
 // The model: a request's cost is --prefill-us-per-token · prompt tokens (+ a per-batch cost) to
 // prefill and --decode-us-per-step per step to decode; one step runs every running request's
@@ -110,7 +110,7 @@ class RequestStream {
   explicit RequestStream(std::uint64_t handle) : handle_(handle) {}
   std::uint64_t handle() const { return handle_; }
 
-  // Engine side. Events after the terminal one are dropped.
+  // ServingEngine side. Events after the terminal one are dropped.
   void Push(StreamEvent event);
   // Handler side: every event available by `deadline` (empty if none came).
   std::vector<StreamEvent> Wait(std::chrono::steady_clock::time_point deadline);
@@ -123,15 +123,15 @@ class RequestStream {
   bool closed_ = false;
 };
 
-class Engine {
+class ServingEngine {
  public:
   // Starts every rank (UCX engine, KV region, worker) and the engine thread. P ranks register
   // with the bootstrap service at options.bootstrap_address, which must already serve.
-  [[nodiscard]] static Result<std::unique_ptr<Engine>> Start(EngineOptions options);
+  [[nodiscard]] static Result<std::unique_ptr<ServingEngine>> Start(EngineOptions options);
   // Shutdown()s.
-  ~Engine();
-  Engine(const Engine&) = delete;
-  Engine& operator=(const Engine&) = delete;
+  ~ServingEngine();
+  ServingEngine(const ServingEngine&) = delete;
+  ServingEngine& operator=(const ServingEngine&) = delete;
 
   // Queues a request. Errors: kInvalidArgument (does not fit this instance, wrong kind for the
   // role), kAlreadyExists (the transfer is already held here), kTombstoned (P freed that transfer
@@ -151,7 +151,7 @@ class Engine {
 
  private:
   struct Impl;
-  explicit Engine(EngineOptions options);
+  explicit ServingEngine(EngineOptions options);
   EngineOptions options_;
   std::unique_ptr<Impl> impl_;
 };

@@ -211,7 +211,7 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, Role rol
 
 struct HttpFront::Impl {
   HttpFrontOptions options;
-  Engine* engine = nullptr;
+  ServingEngine* engine = nullptr;
   httplib::Server server;
   std::thread thread;
   int port = 0;
@@ -227,7 +227,8 @@ HttpFront::HttpFront() : impl_(std::make_unique<Impl>()) {}
 HttpFront::~HttpFront() { Stop(); }
 int HttpFront::port() const { return impl_->port; }
 
-Result<std::unique_ptr<HttpFront>> HttpFront::Start(HttpFrontOptions options, Engine* engine) {
+Result<std::unique_ptr<HttpFront>> HttpFront::Start(HttpFrontOptions options,
+                                                    ServingEngine* engine) {
   std::unique_ptr<HttpFront> front(new HttpFront());
   Impl& impl = *front->impl_;
   impl.options = std::move(options);
@@ -379,7 +380,7 @@ void HttpFront::Impl::Stream(std::shared_ptr<RequestStream> stream,
   state->created = static_cast<std::int64_t>(std::time(nullptr));
   state->prompt_tokens = request.spec.prompt_tokens;
   state->deadline = Clock::now() + options.request_timeout;
-  Engine* eng = engine;
+  ServingEngine* eng = engine;
   std::atomic<bool>* front_stopping = &stopping;
   res.set_chunked_content_provider(
       "text/event-stream",

@@ -6,7 +6,7 @@
 //                          then `data: [DONE]`). Bad input → 4xx with {"object":"error",...};
 //                          engine failures → 500/503 before streaming starts, or an in-stream
 //                          `data: {"error": {...}}` followed by `data: [DONE]` after.
-//   GET  /metrics         Prometheus text (Engine::RenderMetrics).
+//   GET  /metrics         Prometheus text (ServingEngine::RenderMetrics).
 //   GET  /health          {"status":"ok", role, engine_id, tp, ...}.
 //
 // A streaming response begins at once and writes an SSE comment every second while it waits, so
@@ -49,14 +49,14 @@ class HttpFront {
  public:
   // Binds and serves on background threads; returns once the server accepts connections.
   [[nodiscard]] static Result<std::unique_ptr<HttpFront>> Start(HttpFrontOptions options,
-                                                                Engine* engine);
+                                                                ServingEngine* engine);
   ~HttpFront();  // Stop()s
   HttpFront(const HttpFront&) = delete;
   HttpFront& operator=(const HttpFront&) = delete;
 
   int port() const;
   // Stops accepting and joins the server threads. Handlers still waiting on the engine return
-  // once the engine answers them (Engine::Shutdown answers every open request). Idempotent.
+  // once the engine answers them (ServingEngine::Shutdown answers every open request). Idempotent.
   void Stop();
 
  private:

@@ -129,7 +129,7 @@ int RunServe(const ServeOptions& options) {
     eo.bootstrap_address = fmt::format("{}:{}", options.host, bootstrap_port);
   }
 
-  auto engine = Engine::Start(eo);
+  auto engine = ServingEngine::Start(eo);
   if (!engine) return Fail("engine: " + engine.error().ToString());
 
   nlohmann::json info = {

@@ -36,12 +36,12 @@ Status DecodeSession::ValidateOptions(const DecodeSessionOptions& o) {
     return bad("engine_id must be 1.." + std::to_string(wire::kMaxIdBytes) + " bytes");
   }
   if (o.tp_size == 0 || o.tp_size > core::kMaxTpSize || o.tp_rank >= o.tp_size) {
-    return bad(fmt::format("tp_rank {} of tp {}: tp must be 1..{} and the rank below it",
-                           o.tp_rank, o.tp_size, core::kMaxTpSize));
+    return bad(fmt::format("tp_rank {} of tp {}: tp must be 1..{} and the rank below it", o.tp_rank,
+                           o.tp_size, core::kMaxTpSize));
   }
   if (o.block_len == 0 || o.num_blocks == 0) {
-    return bad(fmt::format("block_len {} and num_blocks {} must be >= 1", o.block_len,
-                           o.num_blocks));
+    return bad(
+        fmt::format("block_len {} and num_blocks {} must be >= 1", o.block_len, o.num_blocks));
   }
   if (o.region_descriptor.size() > wire::kMaxDescriptorBytes) {
     return bad(fmt::format("region descriptor of {} bytes exceeds {}", o.region_descriptor.size(),
@@ -51,17 +51,18 @@ Status DecodeSession::ValidateOptions(const DecodeSessionOptions& o) {
     return bad("lease and renewal_reply_timeout must be >= 0");
   }
   if (o.lease.count() > 0 && o.renewal_reply_timeout > o.lease / 12) {
-    return bad(fmt::format("renewal_reply_timeout {} exceeds lease/12 ({}): a renewal pass could "
-                           "outlast the interval between passes",
-                           Secs(o.renewal_reply_timeout), Secs(o.lease / 12)));
+    return bad(
+        fmt::format("renewal_reply_timeout {} exceeds lease/12 ({}): a renewal pass could "
+                    "outlast the interval between passes",
+                    Secs(o.renewal_reply_timeout), Secs(o.lease / 12)));
   }
   // P answers every pull within abort_request_timeout plus the write bound; a shorter deadline
   // turns a slow but healthy P into quarantined blocks.
   if (o.pull_timeout <= o.abort_request_timeout + o.write_bound) {
-    return bad(fmt::format("pull_timeout {} must exceed abort_request_timeout {} + the write "
-                           "bound {}: P answers every pull within that",
-                           Secs(o.pull_timeout), Secs(o.abort_request_timeout),
-                           Secs(o.write_bound)));
+    return bad(
+        fmt::format("pull_timeout {} must exceed abort_request_timeout {} + the write "
+                    "bound {}: P answers every pull within that",
+                    Secs(o.pull_timeout), Secs(o.abort_request_timeout), Secs(o.write_bound)));
   }
   if (o.lookup_timeout.count() <= 0 || o.lookup_failure_ttl.count() < 0) {
     return bad("lookup_timeout must be > 0 and lookup_failure_ttl >= 0");
@@ -135,8 +136,7 @@ Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSour
 
 // ---- lookups ----
 
-void DecodeSession::RequestLookup(const core::EngineId& engine, EngineState& state,
-                                  TimePoint now) {
+void DecodeSession::RequestLookup(const core::EngineId& engine, EngineState& state, TimePoint now) {
   if (state.lookup_in_flight) return;
   state.lookup_in_flight = true;
   state.lookup_deadline = now + options_.lookup_timeout;
@@ -154,10 +154,12 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now) {
     // A new process (or another registration of the same id). It only adds peers: the old
     // process's pulls end by their own replies or by a fence, never by this lookup.
     renewals_.ResetEngine(engine.engine_id);
-    events_out_.push_back(Warning{Warning::Kind::kIncarnation, fmt::format(
-        "prefill engine {} now reports incarnation {} (was {}); pulls to the old one end by "
-        "their replies or a fence",
-        engine.engine_id, engine.incarnation, state.view->incarnation)});
+    events_out_.push_back(Warning{
+        Warning::Kind::kIncarnation,
+        fmt::format(
+            "prefill engine {} now reports incarnation {} (was {}); pulls to the old one end by "
+            "their replies or a fence",
+            engine.engine_id, engine.incarnation, state.view->incarnation)});
   }
   state.view = engine;
   state.view_stale = false;
@@ -169,8 +171,7 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now) {
   for (const auto& ids : batches) SendRenewals(engine.engine_id, engine, ids, now);
 }
 
-void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& why,
-                                   TimePoint now) {
+void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& why, TimePoint now) {
   auto it = engines_.find(engine);
   if (it == engines_.end()) return;
   EngineState& state = it->second;
@@ -200,7 +201,7 @@ void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& w
 // ---- pulls ----
 
 std::optional<std::vector<std::uint32_t>> DecodeSession::Targets(const PeerEngine& view,
-                                                                  Status* why) const {
+                                                                 Status* why) const {
   auto targets = core::PullTargets(options_.tp_rank, options_.tp_size, view.tp_size);
   if (!targets) {
     *why = targets.error();
@@ -348,10 +349,10 @@ void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, con
   Endpoint& ep = endpoints_[endpoint];
   if (auto op = ep.pulls.find(wire_id); op != ep.pulls.end()) {
     // Never left: P cannot be writing for it. A plain failure, no quarantine.
-    (void)ledger_->Settle(op->second.request, op->second.peer, core::Settle::kErr,
-                          Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
-                                 fmt::format("pull to {} not sent: {}", ep.address,
-                                             why.message())));
+    (void)ledger_->Settle(
+        op->second.request, op->second.peer, core::Settle::kErr,
+        Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
+               fmt::format("pull to {} not sent: {}", ep.address, why.message())));
     ForgetPull(endpoint, op);
     DrainLedger();
     return;
@@ -379,14 +380,14 @@ void DecodeSession::ExpirePulls(TimePoint now) {
     // peer is fenced if the data plane can.
     ++counters_.pull_timeouts;
     op->second.timed_out = true;
-    (void)ledger_->Settle(op->second.request, op->second.peer, core::Settle::kTimeout,
-                          Status(ErrorCode::kTimeout,
-                                 fmt::format("no answer from prefill worker {} within {}",
-                                             ep.address, Secs(options_.pull_timeout))));
+    (void)ledger_->Settle(
+        op->second.request, op->second.peer, core::Settle::kTimeout,
+        Status(ErrorCode::kTimeout, fmt::format("no answer from prefill worker {} within {}",
+                                                ep.address, Secs(options_.pull_timeout))));
     auto engine = std::find_if(engines_.begin(), engines_.end(), [&](const auto& e) {
-      return e.second.view && std::find(e.second.view->side_channels.begin(),
-                                        e.second.view->side_channels.end(),
-                                        ep.address) != e.second.view->side_channels.end();
+      return e.second.view &&
+             std::find(e.second.view->side_channels.begin(), e.second.view->side_channels.end(),
+                       ep.address) != e.second.view->side_channels.end();
     });
     if (engine != engines_.end()) engine->second.view_stale = true;  // ask again next time
     AskFence(endpoint);
@@ -423,10 +424,12 @@ void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, Ti
     ++counters_.fences_failed;
     if (!warned_fence_) {
       warned_fence_ = true;
-      events_out_.push_back(Warning{Warning::Kind::kFence, fmt::format(
-          "cannot fence prefill worker {} ({}); its timed-out pulls stay quarantined until it "
-          "answers",
-          endpoints_[fence.endpoint].address, result.ToString())});
+      events_out_.push_back(Warning{
+          Warning::Kind::kFence,
+          fmt::format(
+              "cannot fence prefill worker {} ({}); its timed-out pulls stay quarantined until it "
+              "answers",
+              endpoints_[fence.endpoint].address, result.ToString())});
     }
     return;
   }
@@ -438,8 +441,8 @@ void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, Ti
   }
   Endpoint& ep = endpoints_[fence.endpoint];
   for (auto op = ep.pulls.begin(); op != ep.pulls.end();) {
-    const bool covered = std::find(fence.peers.begin(), fence.peers.end(), op->second.peer) !=
-                         fence.peers.end();
+    const bool covered =
+        std::find(fence.peers.begin(), fence.peers.end(), op->second.peer) != fence.peers.end();
     if (covered) {
       pull_deadlines_.erase({op->second.deadline, fence.endpoint, op->first});
       op = ep.pulls.erase(op);
@@ -542,17 +545,20 @@ void DecodeSession::OnRenewalReply(EndpointId endpoint, const wire::RenewalReply
         EngineState& state = engines_[engine];
         if (!state.warned_lease) {
           state.warned_lease = true;
-          events_out_.push_back(Warning{Warning::Kind::kLeaseMismatch,
-                                        fmt::format("prefill engine {}: {}", engine, reply.message)});
+          events_out_.push_back(
+              Warning{Warning::Kind::kLeaseMismatch,
+                      fmt::format("prefill engine {}: {}", engine, reply.message)});
         }
       }
       break;
     case wire::RenewalStatus::kRejected:
       ++counters_.renewals_rejected;
       if (renewals_.NoteRejected(engine)) {
-        events_out_.push_back(Warning{Warning::Kind::kNoLease, fmt::format(
-            "prefill engine {} runs without kv_lease_duration: renewals stop, pulls go on ({})",
-            engine, reply.message)});
+        events_out_.push_back(Warning{
+            Warning::Kind::kNoLease,
+            fmt::format(
+                "prefill engine {} runs without kv_lease_duration: renewals stop, pulls go on ({})",
+                engine, reply.message)});
       }
       break;
     case wire::RenewalStatus::kError:
@@ -566,8 +572,9 @@ void DecodeSession::OnRenewalReply(EndpointId endpoint, const wire::RenewalReply
 void DecodeSession::OnTimeout(TimePoint now) {
   for (auto& [engine, state] : engines_) {
     if (state.lookup_in_flight && state.lookup_deadline <= now) {
-      OnLookupFailed(engine, Status(ErrorCode::kTimeout, fmt::format("no answer within {}",
-                                                                     Secs(options_.lookup_timeout))),
+      OnLookupFailed(engine,
+                     Status(ErrorCode::kTimeout,
+                            fmt::format("no answer within {}", Secs(options_.lookup_timeout))),
                      now);
     }
   }

@@ -37,12 +37,12 @@
 #include <cstdint>
 #include <deque>
 #include <map>
-#include <set>
-#include <tuple>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <variant>
@@ -85,14 +85,14 @@ struct DecodeSessionOptions {
   std::uint64_t block_len = 0;  // bytes per block in this rank's region
   std::uint32_t num_blocks = 0;
   std::vector<std::uint8_t> region_descriptor;  // sent with every pull
-  core::Duration lease{0};                       // kv_lease_duration; 0 = off
+  core::Duration lease{0};                      // kv_lease_duration; 0 = off
   // P answers every pull within abort_request_timeout (a prefill that never finishes) plus the
   // time a write may take until it is fenced; D's deadline must be longer.
   core::Duration abort_request_timeout = 480s;
   core::Duration write_bound = 35s;
   core::Duration pull_timeout = 600s;
-  core::Duration lookup_timeout = 5s;        // a lookup not answered by then failed
-  core::Duration lookup_failure_ttl = 2s;    // how long a failed lookup is believed
+  core::Duration lookup_timeout = 5s;      // a lookup not answered by then failed
+  core::Duration lookup_failure_ttl = 2s;  // how long a failed lookup is believed
   // How long one renewal reply is awaited (0: lease/12). Longer than lease/12 is refused: a
   // pass must never run into the next one.
   core::Duration renewal_reply_timeout{0};
@@ -144,8 +144,8 @@ using DecodeEvent = std::variant<ReceiveDone, BlocksReleased, Warning>;
 
 struct DecodeStats {
   std::uint64_t pulls_sent = 0;
-  std::uint64_t pull_timeouts = 0;    // pulls whose deadline passed with entries pending
-  std::uint64_t late_replies = 0;     // replies to a pull after its deadline
+  std::uint64_t pull_timeouts = 0;      // pulls whose deadline passed with entries pending
+  std::uint64_t late_replies = 0;       // replies to a pull after its deadline
   std::uint64_t replies_unmatched = 0;  // replies naming no pull or renewal of that endpoint
   std::uint64_t receives_ok = 0;
   std::uint64_t receives_failed = 0;
@@ -187,8 +187,7 @@ class DecodeSession {
   // ---- Results of what the session asked for ----
   void OnLookup(const PeerEngine& engine, core::TimePoint now);
   void OnLookupFailed(const core::EngineId& engine, const Status& why, core::TimePoint now);
-  void OnPullResponse(EndpointId endpoint, const wire::PullResponse& response,
-                      core::TimePoint now);
+  void OnPullResponse(EndpointId endpoint, const wire::PullResponse& response, core::TimePoint now);
   void OnRenewalReply(EndpointId endpoint, const wire::RenewalReply& reply, core::TimePoint now);
   // A message could not be sent (it never left): its requests settle as failed, not
   // quarantined — P cannot be writing for a pull it never got.
@@ -213,7 +212,9 @@ class DecodeSession {
 
   DecodeStats stats() const;
   const DecodeSessionOptions& options() const { return options_; }
-  const std::string& AddressOf(EndpointId endpoint) const { return endpoints_.at(endpoint).address; }
+  const std::string& AddressOf(EndpointId endpoint) const {
+    return endpoints_.at(endpoint).address;
+  }
 
  private:
   struct PullOp {
@@ -243,7 +244,8 @@ class DecodeSession {
     std::optional<PeerEngine> view;
     bool lookup_in_flight = false;
     core::TimePoint lookup_deadline = core::kNever;
-    core::TimePoint failed_until = core::TimePoint::min();  // a failed lookup is believed until then
+    core::TimePoint failed_until =
+        core::TimePoint::min();  // a failed lookup is believed until then
     Status failure;
     std::vector<Load> waiting_loads;
     std::vector<std::vector<core::Fingerprint>> waiting_renewals;  // this pass's batches
@@ -288,7 +290,7 @@ class DecodeSession {
   std::vector<Endpoint> endpoints_;  // by EndpointId
   std::unordered_map<std::string, EndpointId> endpoint_of_;
   std::map<PeerKey, core::PeerId> peers_;
-  std::vector<PeerKey> peer_keys_;  // by PeerId
+  std::vector<PeerKey> peer_keys_;             // by PeerId
   std::unordered_set<core::PeerId> quiesced_;  // epochs a fence proved stopped
   // (deadline, endpoint, wire id) of pulls not yet timed out and of renewals not yet answered.
   using Deadline = std::tuple<core::TimePoint, EndpointId, std::uint64_t>;

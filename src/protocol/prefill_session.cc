@@ -160,8 +160,8 @@ std::optional<std::uint32_t> PrefillSession::CheckPull(const PeerAddress& peer,
   return static_cast<std::uint32_t>(paired->size());
 }
 
-std::shared_ptr<const std::vector<std::uint8_t>> PrefillSession::Descriptor(
-    const PeerAddress& peer, wire::Pull& pull) {
+std::shared_ptr<const std::vector<std::uint8_t>> PrefillSession::Descriptor(const PeerAddress& peer,
+                                                                            wire::Pull& pull) {
   const std::string key = fmt::format("{}\n{}", pull.d_engine_id, pull.d_tp_rank);
   auto cached = descriptors_.find(key);
   if (!pull.region_descriptor) {
@@ -260,7 +260,7 @@ void PrefillSession::AdmitRequest(std::uint64_t key, std::uint32_t index, TimePo
     return;
   }
   core::PullAdmission admission = table_->AdmitPull(request.transfer_id, pull.context->d_tp_rank,
-                                                   pull.need_send, pull.d_lease, now);
+                                                    pull.need_send, pull.d_lease, now);
   switch (admission.verdict) {
     case core::PullAdmission::Verdict::kFail:
       AddErr(key, OpenWave(pull, key), index, admission.error);
@@ -391,8 +391,7 @@ void PrefillSession::EngineFinished(const core::TransferId& id, TimePoint now) {
 
 // ---- input from the data plane ----
 
-void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outcome,
-                                 TimePoint now) {
+void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outcome, TimePoint now) {
   const WriteEnd end = outcome.end;
   const Status& status = outcome.status;
   auto it = writes_.find(ticket);
@@ -404,7 +403,7 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
   // The entry may have left the table while we wrote (e.g. the engine aborted it); the write's
   // outcome is still what D must hear.
   (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, end == WriteEnd::kLanded,
-                       now);
+                        now);
   Wave& wave = pull.waves.at(t.wave);
   --wave.outstanding;
   touched_.push_back(t.ref.pull_key);
@@ -508,9 +507,8 @@ void PrefillSession::Flush() {
         response.id = pull.id;
         // FINISH tells D nothing more will be written for this pull: never while a request is
         // unsettled (its writer may still land bytes).
-        response.status = pull.listed == total && pull.unsettled == 0
-                              ? wire::PullStatus::kFinish
-                              : wire::PullStatus::kContinue;
+        response.status = pull.listed == total && pull.unsettled == 0 ? wire::PullStatus::kFinish
+                                                                      : wire::PullStatus::kContinue;
         response.ok = std::move(wave.ok);
         response.err = std::move(wave.err);
         Emit(pull.peer, std::move(response));

@@ -31,9 +31,9 @@
 #include <cstdint>
 #include <deque>
 #include <map>
-#include <set>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -221,8 +221,8 @@ class PrefillSession {
     std::vector<wire::PullRequest> requests;
     std::uint32_t need_send = 0;
     std::optional<core::Duration> d_lease;
-    std::size_t listed = 0;      // requests already sent in some ok/err
-    std::size_t unsettled = 0;   // requests never to be listed (WriteEnd::kUnsettled)
+    std::size_t listed = 0;     // requests already sent in some ok/err
+    std::size_t unsettled = 0;  // requests never to be listed (WriteEnd::kUnsettled)
     std::map<std::uint32_t, Wave> waves;
     std::uint32_t next_wave = 0;
     std::uint64_t open_step = UINT64_MAX;  // the step in which `open_wave` accepts more

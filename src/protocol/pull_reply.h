@@ -46,9 +46,9 @@ void ApplyPullResponse(Ledger& ledger, core::PeerId peer,
   if (response.status == wire::PullStatus::kFinish) {
     for (const core::RequestId& id : pull_requests) {
       if (!ledger.IsPending(id, peer)) continue;
-      (void)ledger.Settle(id, peer, core::Settle::kFinished,
-                          Status(ErrorCode::kNotFound,
-                                 "prefill peer finished the pull without listing " + id));
+      (void)ledger.Settle(
+          id, peer, core::Settle::kFinished,
+          Status(ErrorCode::kNotFound, "prefill peer finished the pull without listing " + id));
     }
   }
 }

@@ -179,8 +179,7 @@ class DecodeWorker::Impl {
                                       std::move(done->invalid), done->quarantined});
         any = true;
       } else if (auto* released = std::get_if<protocol::BlocksReleased>(&event)) {
-        finished_.released.emplace_back(std::move(released->request),
-                                        std::move(released->blocks));
+        finished_.released.emplace_back(std::move(released->request), std::move(released->blocks));
         any = true;
       } else {
         warnings->push_back(std::move(std::get<protocol::Warning>(event).text));
@@ -260,14 +259,14 @@ class DecodeWorker::Impl {
     try {
       socket.connect(address);
     } catch (const zmq::error_t& e) {
-      *error = Status(ErrorCode::kUnavailable, fmt::format("cannot connect to {}: {}", address,
-                                                           e.what()));
+      *error = Status(ErrorCode::kUnavailable,
+                      fmt::format("cannot connect to {}: {}", address, e.what()));
     }
     return sockets_.emplace(endpoint, std::move(socket)).first->second;
   }
 
-  void Send(const protocol::Transmit& t, std::vector<std::pair<const protocol::Transmit*, Status>>*
-                                            failed) {
+  void Send(const protocol::Transmit& t,
+            std::vector<std::pair<const protocol::Transmit*, Status>>* failed) {
     Status error;
     zmq::socket_t& socket = SocketFor(t.endpoint, t.address, &error);
     if (error.ok()) {
@@ -375,8 +374,7 @@ class DecodeWorker::Impl {
         std::lock_guard<std::mutex> lock(mu_);
         const TimePoint now = Clock::now();
         for (auto& [t, why] : failed) {
-          const std::uint64_t id =
-              std::visit([](const auto& m) { return m.id; }, t->message);
+          const std::uint64_t id = std::visit([](const auto& m) { return m.id; }, t->message);
           session_->OnSendFailed(t->endpoint, id, why, now);
         }
         Collect(&warnings);

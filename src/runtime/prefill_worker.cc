@@ -67,7 +67,7 @@ Result<TransportKvWriter::Peer> TransportKvWriter::PeerFor(
 }
 
 void TransportKvWriter::DropPeer(const std::vector<std::uint8_t>& descriptor,
-                                 transport::PeerId id) {
+                                 transport::ConnectionId id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = peers_.find(std::string(descriptor.begin(), descriptor.end()));
@@ -124,7 +124,7 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
   std::vector<transport::WriteOp> batch;
   batch.reserve(ops->size());
   std::uint64_t bytes = 0;
-  for (const core::WriteOp& op : *ops) {
+  for (const core::BlockWrite& op : *ops) {
     batch.push_back(
         {options_.region, peer->remote_region, op.src_offset, op.dst_offset, op.length});
     bytes += op.length;

@@ -71,11 +71,11 @@ class TransportKvWriter : public control::KvWriter {
 
  private:
   struct Peer {
-    transport::PeerId id;
+    transport::ConnectionId id;
     transport::RegionId remote_region;
   };
   Result<Peer> PeerFor(const std::vector<std::uint8_t>& descriptor);
-  void DropPeer(const std::vector<std::uint8_t>& descriptor, transport::PeerId id);
+  void DropPeer(const std::vector<std::uint8_t>& descriptor, transport::ConnectionId id);
 
   std::shared_ptr<transport::Engine> engine_;
   Options options_;

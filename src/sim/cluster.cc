@@ -5,15 +5,15 @@
 #include <algorithm>
 #include <deque>
 #include <map>
+#include <memory>
 #include <set>
 #include <tuple>
 #include <type_traits>
-#include <memory>
 #include <unordered_map>
 #include <unordered_set>
 #include <variant>
 
-#include "kvferry/core/renewal_scheduler.h"
+#include "kvferry/core/block_pool.h"
 #include "kvferry/core/tp_plan.h"
 #include "protocol/decode_session.h"
 #include "protocol/prefill_session.h"
@@ -72,53 +72,10 @@ enum Kind : std::uint32_t {
   kSample,
 };
 
-constexpr std::int64_t kFree = -1;
-
-// A fixed-capacity block pool. Every free and every allocation bumps the block's generation, so
-// a WRITE that remembers the generation it was aimed at can tell whether the block changed hands
-// since. Free blocks are reused oldest first, like vLLM's free-block queue.
-class BlockPool {
- public:
-  explicit BlockPool(std::uint32_t n) : gen_(n, 0), owner_(n, kFree) {
-    for (BlockId b = 0; b < n; ++b) free_.push_back(b);
-  }
-  std::uint32_t capacity() const { return static_cast<std::uint32_t>(gen_.size()); }
-  std::uint32_t used() const { return capacity() - static_cast<std::uint32_t>(free_.size()); }
-  bool CanAlloc(std::uint32_t n) const { return free_.size() >= n; }
-  std::vector<BlockId> Alloc(std::uint32_t n, std::int64_t owner) {
-    std::vector<BlockId> out;
-    out.reserve(n);
-    for (std::uint32_t i = 0; i < n; ++i) {
-      const BlockId b = free_.front();
-      free_.pop_front();
-      ++gen_[b];
-      owner_[b] = owner;
-      out.push_back(b);
-    }
-    return out;
-  }
-  // False (and nothing changed for that block) when `owner` does not own it: a double free.
-  bool Free(const std::vector<BlockId>& blocks, std::int64_t owner) {
-    bool ok = true;
-    for (BlockId b : blocks) {
-      if (owner_[b] != owner) {
-        ok = false;
-        continue;
-      }
-      owner_[b] = kFree;
-      ++gen_[b];
-      free_.push_back(b);
-    }
-    return ok;
-  }
-  std::uint64_t gen(BlockId b) const { return gen_[b]; }
-  std::int64_t owner(BlockId b) const { return owner_[b]; }
-
- private:
-  std::vector<std::uint64_t> gen_;
-  std::vector<std::int64_t> owner_;
-  std::deque<BlockId> free_;
-};
+// Pools of P and D: core::BlockPool, whose generations tell a WRITE whether its destination
+// changed hands (the same class `kvferry serve` uses). Owners are request indexes.
+using core::BlockPool;
+using Owner = BlockPool::Owner;
 
 std::uint32_t BlocksFor(std::uint64_t tokens, std::uint32_t block_tokens) {
   return static_cast<std::uint32_t>((tokens + block_tokens - 1) / block_tokens);
@@ -141,7 +98,9 @@ struct Msg {
         for (const wire::PullRequest& r : m.requests) n += 24 + 4 * r.block_ids.size();
         return n;
       }
-      std::uint64_t operator()(const wire::Renewal& m) const { return 48 + 7 * m.fingerprints.size(); }
+      std::uint64_t operator()(const wire::Renewal& m) const {
+        return 48 + 7 * m.fingerprints.size();
+      }
       std::uint64_t operator()(const wire::PullResponse& m) const {
         return 32 + 16 * (m.ok.size() + m.err.size());
       }
@@ -222,14 +181,13 @@ struct Write {
   std::vector<std::uint64_t> gens;
   std::uint32_t epoch;
   bool fenced = false;
-  bool err_after = false;  // scenario C's injected P0 failure
+  bool err_after = false;    // scenario C's injected P0 failure
   std::uint64_t ticket = 0;  // the session's write ticket
 };
 
 class Sim {
  public:
-  explicit Sim(const SimConfig& c)
-      : c_(c), rng_(c.seed), p_pool_(c.p.blocks), d_pool_(c.d.blocks) {
+  explicit Sim(const SimConfig& c) : c_(c), rng_(c.seed), p_pool_(c.p.blocks), d_pool_(c.d.blocks) {
     const std::size_t n = c.load.requests.size();
     res_.requests.resize(n);
     preqs_.resize(n);
@@ -436,9 +394,9 @@ class Sim {
         continue;
       }
       const std::uint32_t need = BlocksFor(p.prompt, c_.model.block_tokens);
-      if (!p_pool_.CanAlloc(need)) break;
+      if (!p_pool_.CanAllocate(need)) break;
       queue_p_.pop_front();
-      p.blocks = p_pool_.Alloc(need, id);
+      p.blocks = *p_pool_.Allocate(need, static_cast<Owner>(id));
       OnPPoolChange();
       p.st = PReq::St::kRunning;
       running_p_.push_back(id);
@@ -535,7 +493,9 @@ class Sim {
         return;
       }
     }
-    if (!p_pool_.Free(p.blocks, id)) Violation(fmt::format("P freed {} twice", p.xfer));
+    if (!p_pool_.Free(p.blocks, static_cast<Owner>(id))) {
+      Violation(fmt::format("P freed {} twice", p.xfer));
+    }
     p.blocks.clear();
     p.free_pending = false;
     OnPPoolChange();
@@ -643,8 +603,8 @@ class Sim {
       return;
     }
     const NetConfig& n = c_.net;
-    const bool promise = c_.d.lease.count() > 0 && c_.d.lease == c_.p.hold.lease &&
-                         n.loss == 0 && n.delay_prob == 0 && n.drop_renewals_from == kNever &&
+    const bool promise = c_.d.lease.count() > 0 && c_.d.lease == c_.p.hold.lease && n.loss == 0 &&
+                         n.delay_prob == 0 && n.drop_renewals_from == kNever &&
                          n.jitter <= c_.d.lease / 60;
     if (!promise || d_dead_ || preqs_[idx].probe) return;
     const DReq& d = dreqs_[idx];
@@ -837,9 +797,8 @@ class Sim {
     auto shadow = pulls_.find({job.context->d_tp_rank, r, job.pull_id});
     if (shadow == pulls_.end()) {
       Violation(fmt::format("P rank {} writes for pull {}, which D never sent", r, job.pull_id));
-      rank.session->OnWriteDone(job.ticket,
-                                protocol::WriteOutcome::Failed(Status(ErrorCode::kInternal, "?")),
-                                now());
+      rank.session->OnWriteDone(
+          job.ticket, protocol::WriteOutcome::Failed(Status(ErrorCode::kInternal, "?")), now());
       return;
     }
     const PullShadow& pull = shadow->second;
@@ -847,8 +806,8 @@ class Sim {
     if (rng_.Chance(c_.faults.peer_err)) {
       rank.session->OnWriteDone(
           job.ticket,
-          protocol::WriteOutcome::Failed(
-              Status(ErrorCode::kInternal, fmt::format("injected: P rank {} failed {}", r, p.xfer))),
+          protocol::WriteOutcome::Failed(Status(
+              ErrorCode::kInternal, fmt::format("injected: P rank {} failed {}", r, p.xfer))),
           now());
       return;
     }
@@ -868,15 +827,15 @@ class Sim {
       auto ops = core::PlanWrites(p.blocks, job.dst_block_ids, *slice, p_layout_.block_len,
                                   d_layout_.block_len);
       if (ops) {
-        for (const core::WriteOp& op : *ops) bytes += op.length;
+        for (const core::BlockWrite& op : *ops) bytes += op.length;
       } else {
         Violation("PlanWrites: " + ops.error().ToString());
       }
     } else {
       Violation("PlanSlice: " + slice.error().ToString());
     }
-    Write w{pull.req, r,     d_rank, std::move(job.dst_block_ids), pull.gens, pull.epoch, false,
-            false,    job.ticket};
+    Write w{pull.req, r,     d_rank,    std::move(job.dst_block_ids), pull.gens, pull.epoch,
+            false,    false, job.ticket};
     if (r == 0 && rng_.Chance(c_.faults.p0_err_after_write)) w.err_after = true;
     Duration delay{0};
     if (r == 1 && c_.faults.p1_write_delay.count() > 0) {
@@ -906,9 +865,9 @@ class Sim {
     bool freed = false;
     bool reallocated = false;
     for (std::size_t i = 0; i < w.dest.size(); ++i) {
-      if (d_pool_.gen(w.dest[i]) != w.gens[i]) {
+      if (d_pool_.generation(w.dest[i]) != w.gens[i]) {
         freed = true;
-        if (d_pool_.owner(w.dest[i]) != kFree) reallocated = true;
+        if (d_pool_.owner(w.dest[i]).has_value()) reallocated = true;
       }
     }
     if (!freed) return true;
@@ -1045,9 +1004,9 @@ class Sim {
     for (std::uint32_t r = 0; r < c_.d.tp; ++r) {  // on_new_request: renew while still queued
       d_sessions_[r]->OnNewRequest(RequestName(idx), SourceOf(idx), now());
       for (std::uint32_t g = 0; g < c_.faults.silent_engines; ++g) {
-        d_sessions_[r]->OnNewRequest(GhostName(idx, g),
-                                     {fmt::format("ghost-xfer-{}-{}", idx, g), GhostEngine(g), "ghost"},
-                                     now());
+        d_sessions_[r]->OnNewRequest(
+            GhostName(idx, g), {fmt::format("ghost-xfer-{}-{}", idx, g), GhostEngine(g), "ghost"},
+            now());
       }
       DrainD(r);
     }
@@ -1073,12 +1032,12 @@ class Sim {
       }
       const RequestSpec& spec = c_.load.requests[static_cast<std::size_t>(idx)];
       const std::uint32_t need = BlocksFor(spec.prompt + spec.output, c_.model.block_tokens);
-      if (!d_pool_.CanAlloc(need)) break;  // D admits only with room: requests queue on D
+      if (!d_pool_.CanAllocate(need)) break;  // D admits only with room: requests queue on D
       queue_d_.pop_front();
-      d.blocks = d_pool_.Alloc(need, idx);
+      d.blocks = *d_pool_.Allocate(need, static_cast<Owner>(idx));
       const std::uint32_t prompt_blocks = BlocksFor(spec.prompt, c_.model.block_tokens);
       d.dest.assign(d.blocks.begin(), d.blocks.begin() + prompt_blocks);
-      for (BlockId b : d.dest) d.gens.push_back(d_pool_.gen(b));
+      for (BlockId b : d.dest) d.gens.push_back(d_pool_.generation(b));
       d.st = DReq::St::kReceiving;
       ++receiving_;
       res_.requests[static_cast<std::size_t>(idx)].d_admitted = now();
@@ -1182,8 +1141,7 @@ class Sim {
     loop_.After(2 * c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id] {
       if (d_dead_) return;
       if (p_dead_) {
-        d_sessions_[r]->OnLookupFailed(engine, Status(ErrorCode::kUnavailable, "P is down"),
-                                       now());
+        d_sessions_[r]->OnLookupFailed(engine, Status(ErrorCode::kUnavailable, "P is down"), now());
       } else {
         protocol::PeerEngine view{engine, "1", c_.p.tp, {}};
         for (std::uint32_t p = 0; p < c_.p.tp; ++p) view.side_channels.push_back(PName(p));
@@ -1277,7 +1235,9 @@ class Sim {
     if (d.ranks_completed < c_.d.tp || d.ranks_released < c_.d.tp) return;
     if (d.st == DReq::St::kDecoding || d.st == DReq::St::kReceiving) return;
     d.freed = true;
-    if (!d_pool_.Free(d.blocks, idx)) Violation(fmt::format("D freed req-{}'s blocks twice", idx));
+    if (!d_pool_.Free(d.blocks, static_cast<Owner>(idx))) {
+      Violation(fmt::format("D freed req-{}'s blocks twice", idx));
+    }
     KickD();
   }
 
@@ -1351,15 +1311,15 @@ class Sim {
 
   void OnPPoolChange() {
     if (c_.faults.d_crash == kNever || now() < c_.faults.d_crash) return;
-    const double pct = 100.0 * p_pool_.used() / p_pool_.capacity();
+    const double pct = 100.0 * p_pool_.used() / p_pool_.total();
     if (pct >= 95.0) p_was_full_ = true;
     if (p_was_full_ && pct < 95.0 && res_.p_kv_left_full == kNever) res_.p_kv_left_full = now();
     if (pct < 5.0 && res_.p_kv_below_5 == kNever) res_.p_kv_below_5 = now();
   }
 
   void Sample() {
-    res_.samples.push_back({At(now()), 100.0 * p_pool_.used() / p_pool_.capacity(),
-                            d_dead_ ? 0.0 : 100.0 * d_pool_.used() / d_pool_.capacity()});
+    res_.samples.push_back({At(now()), 100.0 * p_pool_.used() / p_pool_.total(),
+                            d_dead_ ? 0.0 : 100.0 * d_pool_.used() / d_pool_.total()});
     if (now() + c_.sample_every <= c_.horizon) {
       loop_.After(c_.sample_every, kSample, 0, [this] { Sample(); });
     }
@@ -1386,7 +1346,8 @@ class Sim {
       for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
         const protocol::PrefillSession& session = *p_ranks_[r].session;
         if (session.hold().size() != 0) {
-          Violation(fmt::format("leak: P rank {} still holds {} entries", r, session.hold().size()));
+          Violation(
+              fmt::format("leak: P rank {} still holds {} entries", r, session.hold().size()));
         }
         const protocol::PrefillStats stats = session.stats();
         if (stats.pulls_in_progress != 0 || stats.requests_parked != 0) {
@@ -1405,10 +1366,10 @@ class Sim {
       for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
         const protocol::DecodeStats stats = d_sessions_[r]->stats();
         if (stats.receiving != 0 || stats.quarantined_blocks != 0 || stats.pulls_in_flight != 0) {
-          Violation(fmt::format("leak: D rank {} still has {} receives, {} quarantined blocks, {} "
-                                "pulls in flight",
-                                r, stats.receiving, stats.quarantined_blocks,
-                                stats.pulls_in_flight));
+          Violation(
+              fmt::format("leak: D rank {} still has {} receives, {} quarantined blocks, {} "
+                          "pulls in flight",
+                          r, stats.receiving, stats.quarantined_blocks, stats.pulls_in_flight));
         }
         if (stats.tracked != 0) {
           Violation(fmt::format("leak: D rank {} still renews {} transfers", r, stats.tracked));

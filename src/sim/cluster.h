@@ -6,9 +6,10 @@
 // runs for real: every P rank is a protocol::PrefillSession (pairing, parking, waves, replies,
 // renewals, expiry; it owns the core::HoldTable) fed through the wire codec, the D engine
 // drives a core::RenewalScheduler, every D rank a core::ReceiveLedger settled by
-// protocol::ApplyPullResponse, pairing and slicing come from core/tp_plan.h. What the simulator adds is everything around them: schedulers, block pools
-// with generation counters, a lossy control network, a data plane with WRITE start/end times,
-// faults, and invariant checks (docs/simulation.md lists what is and is not modelled).
+// protocol::ApplyPullResponse, pairing and slicing come from core/tp_plan.h. What the simulator
+// adds is everything around them: schedulers, block pools with generation counters, a lossy control
+// network, a data plane with WRITE start/end times, faults, and invariant checks
+// (docs/simulation.md lists what is and is not modelled).
 #pragma once
 
 #include <cstdint>
@@ -47,7 +48,7 @@ struct NetConfig {
 // The data plane: a WRITE lasts latency + bytes / bandwidth; concurrent WRITEs do not share it.
 struct DataPlaneConfig {
   Duration latency = 10us;
-  double bytes_per_s = 25e9;  // 200 Gb/s
+  double bytes_per_s = 25e9;     // 200 Gb/s
   Duration fence_latency = 1ms;  // from D's fence request until it holds (and is reported)
 };
 
@@ -74,9 +75,9 @@ struct DecodeConfig {
   std::uint32_t max_running = 256;
   Duration step_base = 20ms;  // one decode step costs step_base + per_seq · batch
   Duration per_seq = 300us;
-  Duration lease{0};               // the lease D believes in; renews every lease/6 when > 0
-  bool send_lease = true;          // declare the lease with every pull (SPEC §4); false: an old D
-  Duration pull_timeout = 600s;    // D's deadline for each peer's answer to a pull
+  Duration lease{0};             // the lease D believes in; renews every lease/6 when > 0
+  bool send_lease = true;        // declare the lease with every pull (SPEC §4); false: an old D
+  Duration pull_timeout = 600s;  // D's deadline for each peer's answer to a pull
   // How long a P write may take until it is fenced (D requires pull_timeout to exceed P's
   // abort_request_timeout plus this).
   Duration write_bound = 35s;
@@ -196,7 +197,7 @@ struct SimResult {
   std::uint64_t messages_to_silent_engines = 0;
   std::uint64_t hostile_pulls_sent = 0;
   std::uint64_t hostile_pulls_answered = 0;  // pulls answered (ERROR, or every request listed)
-  core::HoldStats hold_stats;  // P rank 0
+  core::HoldStats hold_stats;                // P rank 0
   // Invariant violations, in order of detection (empty: every invariant held).
   std::vector<std::string> violations;
   std::uint64_t trace_hash = 0;

@@ -3,9 +3,10 @@
 //
 // P's hold table is reached through protocol::Hold, the seam of protocol::PrefillSession, and
 // D's ledger through protocol::Ledger, the seam of protocol::DecodeSession (the sessions the
-// simulator drives). The production wiring is protocol::CoreHold / CoreLedger, thin forwarders to core::HoldTable and core::ReceiveLedger:
-// the simulator runs the SAME lifetime rules as real processes. The interfaces mirror those
-// classes' public APIs one to one; their contracts are the core's.
+// simulator drives). The production wiring is protocol::CoreHold / CoreLedger, thin forwarders to
+// core::HoldTable and core::ReceiveLedger: the simulator runs the SAME lifetime rules as real
+// processes. The interfaces mirror those classes' public APIs one to one; their contracts are the
+// core's.
 #pragma once
 
 #include <functional>

@@ -93,14 +93,15 @@ int RunExplore(const SimOptions& o) {
       static_cast<unsigned long long>(report.failed),
       static_cast<unsigned long long>(report.aborted),
       static_cast<unsigned long long>(report.events), report.failures.size(), wall);
-  std::printf("  reached: %llu pull timeouts, %llu late replies, %llu fences, %llu duplicate pulls "
-              "dropped by P, %llu hostile pulls answered, %llu messages to silent P engines\n",
-              static_cast<unsigned long long>(report.pull_timeouts),
-              static_cast<unsigned long long>(report.late_replies),
-              static_cast<unsigned long long>(report.fences),
-              static_cast<unsigned long long>(report.duplicate_pulls_dropped),
-              static_cast<unsigned long long>(report.hostile_pulls),
-              static_cast<unsigned long long>(report.messages_to_silent_engines));
+  std::printf(
+      "  reached: %llu pull timeouts, %llu late replies, %llu fences, %llu duplicate pulls "
+      "dropped by P, %llu hostile pulls answered, %llu messages to silent P engines\n",
+      static_cast<unsigned long long>(report.pull_timeouts),
+      static_cast<unsigned long long>(report.late_replies),
+      static_cast<unsigned long long>(report.fences),
+      static_cast<unsigned long long>(report.duplicate_pulls_dropped),
+      static_cast<unsigned long long>(report.hostile_pulls),
+      static_cast<unsigned long long>(report.messages_to_silent_engines));
   return report.failures.empty() ? 0 : 1;
 }
 

@@ -139,7 +139,7 @@ double Memcpy(std::size_t size, double seconds) {
 }
 
 // Keeps `window` batches in flight for `seconds`; returns GB/s, or nullopt on a failed batch.
-std::optional<double> Measure(Engine& engine, PeerId peer, const std::vector<WriteOp>& ops,
+std::optional<double> Measure(Engine& engine, ConnectionId peer, const std::vector<WriteOp>& ops,
                               std::size_t bytes, double seconds, std::string* error) {
   std::mutex mu;
   std::condition_variable cv;

@@ -136,7 +136,8 @@ class InProcessEngineImpl final : public InProcessEngine {
     return internal::EncodeDescriptor(d);
   }
 
-  Result<PeerId> Connect(std::span<const std::byte> descriptor, TimePoint /*deadline*/) override {
+  Result<ConnectionId> Connect(std::span<const std::byte> descriptor,
+                               TimePoint /*deadline*/) override {
     if (OnCallbackThread()) return tl::unexpected(CallbackMisuse("Connect"));
     auto d = internal::DecodeDescriptor(descriptor);
     if (!d) return tl::unexpected(d.error());
@@ -151,12 +152,12 @@ class InProcessEngineImpl final : public InProcessEngine {
       }
     }
     std::lock_guard<std::mutex> lock(mu_);
-    PeerId id = next_peer_++;
+    ConnectionId id = next_peer_++;
     peers_[id] = Peer{std::move(name), std::move(*d), false, 0};
     return id;
   }
 
-  Result<BatchId> SubmitWrites(PeerId peer, std::span<const WriteOp> ops,
+  Result<BatchId> SubmitWrites(ConnectionId peer, std::span<const WriteOp> ops,
                                CompletionFn done) override {
     if (ops.empty()) return Err(ErrorCode::kInvalidArgument, "empty batch");
     std::unique_lock<std::mutex> lock(mu_);
@@ -203,7 +204,7 @@ class InProcessEngineImpl final : public InProcessEngine {
     return id;
   }
 
-  Status ClosePeer(PeerId peer, TimePoint deadline) override {
+  Status ClosePeer(ConnectionId peer, TimePoint deadline) override {
     if (OnCallbackThread()) return CallbackMisuse("ClosePeer");
     std::vector<Pending> cancelled;
     {
@@ -247,7 +248,7 @@ class InProcessEngineImpl final : public InProcessEngine {
     return Status::Ok();
   }
 
-  Result<PeerInfo> DescribePeer(PeerId peer) override {
+  Result<PeerInfo> DescribePeer(ConnectionId peer) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto pit = peers_.find(peer);
     if (pit == peers_.end()) return Err(ErrorCode::kNotFound, "unknown peer");
@@ -292,7 +293,7 @@ class InProcessEngineImpl final : public InProcessEngine {
   };
   struct Pending {
     BatchId id = 0;
-    PeerId peer = 0;
+    ConnectionId peer = 0;
     std::vector<WriteOp> ops;
     CompletionFn done;
     std::optional<FaultKind> fault;
@@ -412,11 +413,11 @@ class InProcessEngineImpl final : public InProcessEngine {
 
   mutable std::mutex mu_;  // guards everything below
   std::condition_variable cv_;
-  std::map<PeerId, Peer> peers_;
+  std::map<ConnectionId, Peer> peers_;
   std::map<std::string, std::deque<Fault>, std::less<>> faults_;
   std::map<std::pair<TimePoint, BatchId>, Pending> pending_;
   TimePoint now_{};  // manual mode: the `now` of the last Pump
-  PeerId next_peer_ = 1;
+  ConnectionId next_peer_ = 1;
   BatchId next_batch_ = 1;
   bool stopping_ = false;
   std::atomic<std::thread::id> callback_thread_{};

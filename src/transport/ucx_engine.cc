@@ -159,11 +159,11 @@ class UcxEngine final : public Engine {
   Result<Region> AllocateRegion(std::size_t length) override;
   Status DeregisterMemory(RegionId id, TimePoint deadline) override;
   Result<std::vector<std::byte>> ExportDescriptor(std::span<const RegionId> ids) override;
-  Result<PeerId> Connect(std::span<const std::byte> descriptor, TimePoint deadline) override;
-  Result<BatchId> SubmitWrites(PeerId peer, std::span<const WriteOp> ops,
+  Result<ConnectionId> Connect(std::span<const std::byte> descriptor, TimePoint deadline) override;
+  Result<BatchId> SubmitWrites(ConnectionId peer, std::span<const WriteOp> ops,
                                CompletionFn done) override;
-  Status ClosePeer(PeerId peer, TimePoint deadline) override;
-  Result<PeerInfo> DescribePeer(PeerId peer) override;
+  Status ClosePeer(ConnectionId peer, TimePoint deadline) override;
+  Result<PeerInfo> DescribePeer(ConnectionId peer) override;
 
  private:
   struct LocalRegion {
@@ -179,7 +179,7 @@ class UcxEngine final : public Engine {
 
   struct Peer {
     UcxEngine* engine = nullptr;
-    PeerId id = 0;
+    ConnectionId id = 0;
     internal::Descriptor desc;
     // Guarded by mu_:
     PeerState state = PeerState::kConnecting;
@@ -314,9 +314,9 @@ class UcxEngine final : public Engine {
   std::condition_variable cv_;  // signalled on every state change callers wait for
   std::deque<std::function<void()>> commands_;
   std::map<RegionId, LocalRegion> regions_;
-  std::map<PeerId, std::shared_ptr<Peer>> peers_;
+  std::map<ConnectionId, std::shared_ptr<Peer>> peers_;
   RegionId next_region_ = 1;
-  PeerId next_peer_ = 1;
+  ConnectionId next_peer_ = 1;
   BatchId next_batch_ = 1;
 
   // Progress thread only.
@@ -449,13 +449,13 @@ Status UcxEngine::Init() {
 void UcxEngine::Shutdown() {
   if (thread_.joinable()) {
     // Close every peer (draining up to shutdown_drain), then stop the loop.
-    std::vector<PeerId> ids;
+    std::vector<ConnectionId> ids;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& [id, p] : peers_) ids.push_back(id);
     }
     TimePoint deadline = Clock::now() + options_.shutdown_drain;
-    for (PeerId id : ids) (void)ClosePeer(id, deadline);
+    for (ConnectionId id : ids) (void)ClosePeer(id, deadline);
     stop_.store(true);
     Wake();
     thread_.join();
@@ -691,7 +691,7 @@ Result<std::vector<std::byte>> UcxEngine::ExportDescriptor(std::span<const Regio
 // ---------------------------------------------------------------------------------------------
 // Connect
 
-Result<PeerId> UcxEngine::Connect(std::span<const std::byte> descriptor, TimePoint deadline) {
+Result<ConnectionId> UcxEngine::Connect(std::span<const std::byte> descriptor, TimePoint deadline) {
   if (OnProgressThread()) return tl::unexpected(CallbackMisuse("Connect"));
   auto d = internal::DecodeDescriptor(descriptor);
   if (!d) return tl::unexpected(d.error());
@@ -951,7 +951,7 @@ void UcxEngine::SendSmall(ucp_ep_h ep, unsigned id, const H& header) {
 // ---------------------------------------------------------------------------------------------
 // Writes: sender side
 
-Result<BatchId> UcxEngine::SubmitWrites(PeerId peer_id, std::span<const WriteOp> ops,
+Result<BatchId> UcxEngine::SubmitWrites(ConnectionId peer_id, std::span<const WriteOp> ops,
                                         CompletionFn done) {
   if (ops.empty()) return Err(ErrorCode::kInvalidArgument, "empty batch");
   auto b = std::make_unique<Batch>();
@@ -1351,7 +1351,7 @@ void UcxEngine::PeerFailed(Peer* raw, ucs_status_t status) {
   }
 }
 
-Status UcxEngine::ClosePeer(PeerId peer_id, TimePoint deadline) {
+Status UcxEngine::ClosePeer(ConnectionId peer_id, TimePoint deadline) {
   if (OnProgressThread()) return CallbackMisuse("ClosePeer");
   std::shared_ptr<Peer> peer;
   {
@@ -1472,7 +1472,7 @@ void UcxEngine::DriveCloses() {
   }
 }
 
-Result<PeerInfo> UcxEngine::DescribePeer(PeerId peer_id) {
+Result<PeerInfo> UcxEngine::DescribePeer(ConnectionId peer_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(peer_id);
   if (it == peers_.end()) return Err(ErrorCode::kNotFound, "unknown peer");

@@ -10,8 +10,6 @@
 
 #include "wire/messages.h"
 
-#include "kvferry/core/tp_plan.h"
-
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -22,6 +20,7 @@
 #include <string>
 #include <utility>
 
+#include "kvferry/core/tp_plan.h"
 #include "wire/scan.h"
 
 namespace kvferry::wire {

@@ -95,14 +95,14 @@ TEST(TpPlanRules, ContiguousRunsOfWholeBlocksAreCoalesced) {
   const std::vector<BlockId> dst = {0, 1, 2, 3, 7};
   auto ops = *PlanWrites(src, dst, whole, 100, 100);
   // 3..5→0..2 is one run; 9→3 breaks (dst continues, src jumps); 10→7 breaks again.
-  EXPECT_EQ(ops, (std::vector<WriteOp>{{300, 0, 300}, {900, 300, 100}, {1000, 700, 100}}));
+  EXPECT_EQ(ops, (std::vector<BlockWrite>{{300, 0, 300}, {900, 300, 100}, {1000, 700, 100}}));
 }
 
 TEST(TpPlanRules, PartialSlicesAreNotMergedAcrossBlocks) {
   const Slice half{true, 50, 0, 50};
   const std::vector<BlockId> src = {0, 1}, dst = {0, 1};
   auto ops = *PlanWrites(src, dst, half, 100, 50);
-  EXPECT_EQ(ops, (std::vector<WriteOp>{{50, 0, 50}, {150, 50, 50}}));
+  EXPECT_EQ(ops, (std::vector<BlockWrite>{{50, 0, 50}, {150, 50, 50}}));
 }
 
 TEST(TpPlanRules, NonWritingSliceProducesNoOpsAndBadInputIsRejected) {

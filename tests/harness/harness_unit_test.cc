@@ -6,7 +6,6 @@
 #include <cstring>
 #include <vector>
 
-#include "harness/block_pool.h"
 #include "harness/http_front.h"
 #include "harness/kv_pattern.h"
 #include "harness/metrics.h"
@@ -107,27 +106,6 @@ TEST(KvPattern, ReplicatedHeads) {
   EXPECT_EQ(a, b);
   EXPECT_FALSE(VerifyBlock(a.data(), g, 2, 1, 0));
   EXPECT_FALSE((KvGeometry{.tp = 3, .kv_heads = 4}).Validate().ok());
-}
-
-TEST(BlockPool, GenerationsAndFifoReuse) {
-  BlockPool pool(4, nullptr, "decode");
-  auto a = pool.Allocate(3, "a");
-  ASSERT_TRUE(a.has_value());
-  EXPECT_EQ(pool.used(), 3u);
-  EXPECT_FALSE(pool.Allocate(2, "b").has_value());  // all or nothing
-  EXPECT_EQ(pool.used(), 3u);
-  EXPECT_EQ(pool.generation((*a)[0]), 1u);
-  pool.Free(*a, "a");
-  EXPECT_EQ(pool.used(), 0u);
-  EXPECT_EQ(pool.generation((*a)[0]), 2u);
-  // FIFO: the never-used block 3 comes first, then the freed ones in order.
-  auto b = pool.Allocate(2, "b");
-  ASSERT_TRUE(b.has_value());
-  EXPECT_EQ((*b)[0], 3u);
-  EXPECT_EQ((*b)[1], (*a)[0]);
-  EXPECT_EQ(pool.generation((*a)[0]), 3u);
-  pool.Free(*a, "a");  // a[0] is b's now; a[1], a[2] are free: both double frees
-  EXPECT_EQ(pool.double_frees(), 2u);
 }
 
 TEST(CompletionRequest, ParsesKvTransferParams) {

@@ -388,8 +388,8 @@ TEST_F(ServeTest, MultiPeerFaultsNeverCorrupt) {
       StartPrefill({"--tp", "2", "--fault-err-after-write", "0.3", "--fault-err-ranks", "0",
                     "--fault-write-delay-ms", "100", "--fault-delay-ranks", "1"});
   // A small D pool, so freed blocks are reused at once.
-  ServeProcess& d = Start("decode", {"--role", "decode", "--num-blocks", "40",
-                                     "--decode-us-per-step", "200"});
+  ServeProcess& d =
+      Start("decode", {"--role", "decode", "--num-blocks", "40", "--decode-us-per-step", "200"});
   ASSERT_FALSE(HasFailure());
   constexpr int kRequests = 16;
   std::vector<std::future<std::pair<HttpResult, HttpResult>>> calls;

@@ -200,8 +200,7 @@ TEST_F(DecodeSessionTest, LateReplyAfterTheDeadlineReleasesTheQuarantine) {
   EXPECT_EQ(s().stats().quarantined_blocks, 2u);
   std::vector<FenceRequest> fences = s().TakeFences();
   ASSERT_EQ(fences.size(), 1u);
-  s().OnFenceDone(fences[0].id, Status(ErrorCode::kRejected, "no receiver-side fence"),
-                  kT0 + 600s);
+  s().OnFenceDone(fences[0].id, Status(ErrorCode::kRejected, "no receiver-side fence"), kT0 + 600s);
   EXPECT_EQ(s().stats().quarantined_blocks, 2u);
   s().OnPullResponse(last_endpoints_[0],
                      Finish(pulls[0].id, {}, {{"r1", ErrorCode::kTimeout, "prefill never ran"}}),
@@ -412,8 +411,8 @@ TEST(DecodeSessionWithPrefill, TwentySilentEnginesCannotCostALiveDecoderItsKv) {
         d.OnRenewalReply(t.endpoint, std::get<wire::RenewalReply>(out.message), now);
       }
     }
-    ASSERT_TRUE(p.hold().Contains("x-live")) << "P expired a live decoder's KV at t="
-                                             << core::ToSeconds(now - kT0) << " s";
+    ASSERT_TRUE(p.hold().Contains("x-live"))
+        << "P expired a live decoder's KV at t=" << core::ToSeconds(now - kT0) << " s";
     const TimePoint next = std::min(d.NextDeadline(), p.NextDeadline());
     ASSERT_NE(next, core::kNever);
     now = std::max(now, next);

@@ -2,8 +2,8 @@
 // bootstrap service (HTTP), in-process data plane. Each test is a small end-to-end transfer.
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -49,8 +49,8 @@ struct Cluster {
     ASSERT_TRUE(port.has_value()) << port.error().ToString();
     bootstrap_addr = "127.0.0.1:" + std::to_string(*port);
     ASSERT_NO_FATAL_FAILURE(StartPrefill(p_tp, p_lease_s, "inc-1"));
-    ASSERT_NO_FATAL_FAILURE(StartDecode(d_lease_s, pull_timeout, d_abort.value_or(p_abort),
-                                        write_bound));
+    ASSERT_NO_FATAL_FAILURE(
+        StartDecode(d_lease_s, pull_timeout, d_abort.value_or(p_abort), write_bound));
   }
 
   void StartPrefill(std::uint32_t p_tp, double p_lease_s, const std::string& incarnation) {

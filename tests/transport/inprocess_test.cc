@@ -44,7 +44,7 @@ class InProcessTest : public ::testing::Test {
   std::shared_ptr<InProcessFabric> fabric_;
   std::unique_ptr<InProcessEngine> p_, d_;
   Region src_, dst_;
-  PeerId peer_ = 0;
+  ConnectionId peer_ = 0;
 };
 
 TEST_F(InProcessTest, WritesEveryOpOfABatch) {

@@ -91,7 +91,7 @@ class UcxTest : public ::testing::TestWithParam<Config> {
   std::unique_ptr<Engine> engine_;
   Region src_;
   RegionId remote_ = 0;
-  PeerId peer_id_ = 0;
+  ConnectionId peer_id_ = 0;
 };
 
 TEST_P(UcxTest, ScatteredBlocksAndOneRunArriveIntact) {

@@ -81,8 +81,8 @@ enum class ReleaseReason : std::uint8_t {
   kAbortedByEngine,  // P's engine aborted or finished the request without a send
 };
 inline constexpr std::array<ReleaseReason, 6> kAllReleaseReasons = {
-    ReleaseReason::kSent,          ReleaseReason::kExpired,       ReleaseReason::kDeadDecoder,
-    ReleaseReason::kWaitTimeout,   ReleaseReason::kLeaseMismatch, ReleaseReason::kAbortedByEngine};
+    ReleaseReason::kSent,        ReleaseReason::kExpired,       ReleaseReason::kDeadDecoder,
+    ReleaseReason::kWaitTimeout, ReleaseReason::kLeaseMismatch, ReleaseReason::kAbortedByEngine};
 const char* ToString(ReleaseReason reason);
 
 struct HoldEvent {
@@ -109,8 +109,8 @@ struct PullAdmission {
 
 struct HoldStats {
   EnumArray<HoldPhase, std::size_t, kAllHoldPhases.size()> entries;
-  std::uint64_t blocks_ready = 0;      // blocks held by kReady entries
-  std::uint64_t sending = 0;           // sends in flight
+  std::uint64_t blocks_ready = 0;  // blocks held by kReady entries
+  std::uint64_t sending = 0;       // sends in flight
   std::size_t tombstones = 0;
   EnumArray<ReleaseReason, std::uint64_t, kAllReleaseReasons.size()> released;
   std::uint64_t renewals_extended = 0;

@@ -56,18 +56,19 @@ Result<Slice> PlanSlice(std::uint32_t p_rank, const TpLayout& p, std::uint32_t d
                         const TpLayout& d);
 
 // One data-plane write, in bytes relative to the start of each side's region.
-struct WriteOp {
+struct BlockWrite {
   std::uint64_t src_offset;
   std::uint64_t dst_offset;
   std::uint64_t length;
-  friend bool operator==(const WriteOp&, const WriteOp&) = default;
+  friend bool operator==(const BlockWrite&, const BlockWrite&) = default;
 };
 
 // The writes that move `slice` of every block src_blocks[i] → dst_blocks[i] for one region,
 // with contiguous runs (consecutive on both sides and covering whole blocks) merged into one op.
 // Errors: kInvalidArgument when the lists differ in length.
-Result<std::vector<WriteOp>> PlanWrites(std::span<const BlockId> src_blocks,
-                                        std::span<const BlockId> dst_blocks, const Slice& slice,
-                                        std::uint64_t src_block_len, std::uint64_t dst_block_len);
+Result<std::vector<BlockWrite>> PlanWrites(std::span<const BlockId> src_blocks,
+                                           std::span<const BlockId> dst_blocks, const Slice& slice,
+                                           std::uint64_t src_block_len,
+                                           std::uint64_t dst_block_len);
 
 }  // namespace kvferry::core

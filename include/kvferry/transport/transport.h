@@ -45,7 +45,7 @@ enum class MemoryKind : std::uint8_t { kHost = 0, kCuda = 1 };
 // writer addresses a remote region by the id its owner assigned. Never reused by one engine.
 using RegionId = std::uint32_t;
 // Engine-local handle of a connection to a peer. Never reused by one engine.
-using PeerId = std::uint64_t;
+using ConnectionId = std::uint64_t;
 // Engine-local id of a submitted batch, passed to its completion. Never reused by one engine.
 using BatchId = std::uint64_t;
 
@@ -132,7 +132,8 @@ class Engine {
   // Connects to the engine that exported `descriptor` and waits until it answers (so a dead or
   // wrong address fails here, not at the first write): kUnavailable when it cannot be reached,
   // kTimeout at the deadline, kProtocol for a malformed descriptor or one from another backend.
-  virtual Result<PeerId> Connect(std::span<const std::byte> descriptor, TimePoint deadline) = 0;
+  virtual Result<ConnectionId> Connect(std::span<const std::byte> descriptor,
+                                       TimePoint deadline) = 0;
 
   // Submits a batch. Every op is checked before anything is posted: kOutOfRange if a range is
   // outside its local region or outside the remote region as the descriptor describes it,
@@ -140,7 +141,7 @@ class Engine {
   // zero-length op, kUnavailable if the peer is known dead, kCancelled if it is being closed.
   // On such an error nothing was posted and `done` is never called. Otherwise `done` is called
   // exactly once with the batch's outcome.
-  virtual Result<BatchId> SubmitWrites(PeerId peer, std::span<const WriteOp> ops,
+  virtual Result<BatchId> SubmitWrites(ConnectionId peer, std::span<const WriteOp> ops,
                                        CompletionFn done) = 0;
 
   // Fence and close: refuses new batches at once, waits for in-flight batches until `deadline`,
@@ -149,10 +150,10 @@ class Engine {
   // OK if every batch finished before the deadline; kTimeout if some had to be cancelled (their
   // bytes may have partly landed); kNotFound for an unknown or already closed peer. A dead peer
   // is closed the same way (its batches have already failed).
-  virtual Status ClosePeer(PeerId peer, TimePoint deadline) = 0;
+  virtual Status ClosePeer(ConnectionId peer, TimePoint deadline) = 0;
 
   // Transport details for logs and benchmarks.
-  virtual Result<PeerInfo> DescribePeer(PeerId peer) = 0;
+  virtual Result<PeerInfo> DescribePeer(ConnectionId peer) = 0;
 };
 
 // A completion that a thread can wait on: pass Callback() as SubmitWrites' `done`, then Wait.
