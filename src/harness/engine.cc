@@ -11,9 +11,9 @@
 #include <thread>
 #include <unordered_map>
 
-#include "kvferry/core/block_pool.h"
 #include "harness/metrics.h"
 #include "harness/trace_file.h"
+#include "kvferry/core/block_pool.h"
 #include "kvferry/transport/ucx.h"
 #include "runtime/decode_worker.h"
 
@@ -270,12 +270,18 @@ Status ServingEngine::Impl::StartRanks() {
       auto listed = [rank](const std::vector<std::uint32_t>& ranks) {
         return std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
       };
-      o.faults.seed = options.faults.seed + rank;
+      WriteFaults faults;
+      faults.seed = options.faults.seed + rank;
       if (listed(options.fault_err_ranks)) {
-        o.faults.err_after_write_fraction = options.faults.err_after_write_fraction;
+        faults.err_after_write_fraction = options.faults.err_after_write_fraction;
       }
       if (listed(options.fault_delay_ranks))
-        o.faults.max_write_delay = options.faults.max_write_delay;
+        faults.max_write_delay = options.faults.max_write_delay;
+      if (faults.any()) {
+        o.decorate_writer = [faults](std::shared_ptr<control::KvWriter> writer) {
+          return std::make_shared<FaultInjectingWriter>(std::move(writer), faults);
+        };
+      }
       TraceFile* trace = options.trace.get();
       o.trace = [this, trace, rank](runtime::WritePhase phase, const protocol::PullContext& ctx,
                                     const protocol::WriteJob& job, core::TimePoint t,

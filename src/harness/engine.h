@@ -37,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "harness/fault_writer.h"
 #include "harness/kv_pattern.h"
 #include "harness/serve_config.h"
 #include "kvferry/core/hold_table.h"
@@ -68,7 +69,7 @@ struct EngineOptions {
   std::string incarnation;
   // Faults (SPEC §8 C): err_after_write_fraction applies to err_ranks, max_write_delay to
   // delay_ranks (other ranks write without faults).
-  runtime::WriteFaults faults;
+  WriteFaults faults;
   std::vector<std::uint32_t> fault_err_ranks;
   std::vector<std::uint32_t> fault_delay_ranks;
   std::size_t num_senders = 4;

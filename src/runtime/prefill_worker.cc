@@ -21,10 +21,7 @@ constexpr std::chrono::milliseconds kFenceWait{5000};
 
 TransportKvWriter::TransportKvWriter(std::shared_ptr<transport::Engine> engine, Options options,
                                      SourceBlocksFn source)
-    : engine_(std::move(engine)),
-      options_(std::move(options)),
-      source_(std::move(source)),
-      rng_state_(options_.faults.seed) {}
+    : engine_(std::move(engine)), options_(std::move(options)), source_(std::move(source)) {}
 
 TransportKvWriter::~TransportKvWriter() { CancelWrites(); }
 
@@ -102,23 +99,6 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
   if (!ops) return failed(ops.error());
   if (ops->empty()) return WriteOutcome::Landed();  // replicated KV another P rank writes
 
-  // Injected faults: draw both decisions up front, under the lock (senders run in parallel).
-  bool fail_after_write = false;
-  std::chrono::milliseconds delay{0};
-  if (options_.faults.err_after_write_fraction > 0 || options_.faults.max_write_delay.count() > 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto next = [&] {
-      std::uint64_t z = (rng_state_ += 0x9e3779b97f4a7c15ull);
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      return static_cast<double>((z ^ (z >> 31)) >> 11) / 9007199254740992.0;  // [0, 1)
-    };
-    fail_after_write = next() < options_.faults.err_after_write_fraction;
-    delay = std::chrono::milliseconds(static_cast<std::int64_t>(
-        next() * static_cast<double>(options_.faults.max_write_delay.count() + 1)));
-  }
-  if (delay.count() > 0) std::this_thread::sleep_for(delay);
-
   auto peer = PeerFor(*context.region_descriptor);
   if (!peer) return failed(peer.error());
   std::vector<transport::WriteOp> batch;
@@ -163,11 +143,6 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
     bytes_written_ += bytes;
     ++batches_;
   }
-  if (status.ok() && fail_after_write) {
-    return failed(Status(ErrorCode::kInternal, fmt::format("injected failure after a successful "
-                                                           "write of {}",
-                                                           job.transfer_id)));
-  }
   // The batch completed (or failed and was fenced): nothing more of it can land.
   return status.ok() ? WriteOutcome::Landed() : failed(std::move(status));
 }
@@ -204,7 +179,6 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   writer_options.layout = {options.tp_size, options.kv_heads, options.block_len};
   writer_options.region = region->id;
   writer_options.write_timeout = options.write_timeout;
-  writer_options.faults = options.faults;
   writer_options.trace = options.trace;
   worker->writer_ =
       std::make_shared<TransportKvWriter>(worker->engine_, writer_options, std::move(source));
@@ -215,8 +189,10 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   listener_options.p_tp_size = options.tp_size;
   listener_options.p_tp_rank = options.tp_rank;
   listener_options.num_senders = options.num_senders;
-  auto listener =
-      control::PrefillListener::Start(listener_options, worker->writer_, std::move(on_hold_event));
+  std::shared_ptr<control::KvWriter> writer = worker->writer_;
+  if (options.decorate_writer) writer = options.decorate_writer(std::move(writer));
+  auto listener = control::PrefillListener::Start(listener_options, std::move(writer),
+                                                  std::move(on_hold_event));
   if (!listener) return tl::unexpected(listener.error());
   worker->listener_ = std::move(*listener);
 

@@ -31,14 +31,6 @@ namespace kvferry::runtime {
 // no longer has them (the write then fails with that reason).
 using SourceBlocksFn = std::function<Result<std::vector<core::BlockId>>(std::uint64_t handle)>;
 
-// Faults a test harness injects into one P rank's writes (SPEC §8 C): the write happens, then
-// the request is reported as failed; and/or each write starts after a random delay.
-struct WriteFaults {
-  double err_after_write_fraction = 0;           // [0, 1]
-  std::chrono::milliseconds max_write_delay{0};  // uniform in [0, max]
-  std::uint64_t seed = 1;
-};
-
 // What a trace hook sees: the moment a write of `job` starts or ends (steady clock, which is
 // system-wide on Linux, so traces of several processes on one host can be merged).
 enum class WritePhase : std::uint8_t { kStart, kEnd };
@@ -54,7 +46,6 @@ class TransportKvWriter : public control::KvWriter {
     core::TpLayout layout;  // this P engine: tp, kv_heads, block_len
     transport::RegionId region = 0;
     std::chrono::milliseconds write_timeout{30000};
-    WriteFaults faults;
     WriteTraceFn trace;  // optional
   };
   TransportKvWriter(std::shared_ptr<transport::Engine> engine, Options options,
@@ -84,7 +75,6 @@ class TransportKvWriter : public control::KvWriter {
   std::unordered_map<std::string, Peer> peers_;  // by descriptor bytes
   std::uint64_t bytes_written_ = 0;
   std::uint64_t batches_ = 0;
-  std::uint64_t rng_state_ = 0;  // splitmix64 for the injected faults
 };
 
 struct PrefillWorkerOptions {
@@ -102,8 +92,11 @@ struct PrefillWorkerOptions {
   std::string bootstrap_address;
   std::string incarnation;  // random per process start; all ranks of the engine share it
   std::chrono::milliseconds write_timeout{30000};
-  WriteFaults faults;
   WriteTraceFn trace;
+  // Optional: wraps the writer the listener calls (the serving harness injects its faults this
+  // way, so the worker carries none); the worker keeps the undecorated writer for its metrics.
+  std::function<std::shared_ptr<control::KvWriter>(std::shared_ptr<control::KvWriter>)>
+      decorate_writer;
 };
 
 class PrefillWorker {

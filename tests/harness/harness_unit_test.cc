@@ -1,11 +1,12 @@
 // Unit tests of the serving engine's pieces: the --kv-transfer-config parser, the KV byte
-// pattern (and that TP slices composed through core/tp_plan verify on D), the block pool's
-// generations, and the /v1/completions body parser.
+// pattern (and that TP slices composed through core/tp_plan verify on D), the fault-injecting
+// writer, and the /v1/completions body parser.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <vector>
 
+#include "harness/fault_writer.h"
 #include "harness/http_front.h"
 #include "harness/kv_pattern.h"
 #include "harness/metrics.h"
@@ -106,6 +107,37 @@ TEST(KvPattern, ReplicatedHeads) {
   EXPECT_EQ(a, b);
   EXPECT_FALSE(VerifyBlock(a.data(), g, 2, 1, 0));
   EXPECT_FALSE((KvGeometry{.tp = 3, .kv_heads = 4}).Validate().ok());
+}
+
+// The harness's faults wrap the real writer: a landed write is reported failed at fraction 1, a
+// failed one stays failed, and cancellation reaches the writer underneath.
+TEST(FaultInjectingWriter, FailsLandedWritesAndForwardsCancellation) {
+  struct Inner final : control::KvWriter {
+    protocol::WriteOutcome next = protocol::WriteOutcome::Landed();
+    int writes = 0;
+    bool cancelled = false;
+    protocol::WriteOutcome Write(const protocol::PullContext&, const protocol::WriteJob&) override {
+      ++writes;
+      return next;
+    }
+    void CancelWrites() override { cancelled = true; }
+  };
+  auto inner = std::make_shared<Inner>();
+  const protocol::PullContext context;
+  protocol::WriteJob job;
+  job.transfer_id = "xfer-1";
+  FaultInjectingWriter always(inner, {.err_after_write_fraction = 1.0});
+  protocol::WriteOutcome out = always.Write(context, job);
+  EXPECT_EQ(out.end, protocol::WriteEnd::kFailed);
+  EXPECT_NE(out.status.message().find("injected"), std::string::npos);
+  EXPECT_EQ(inner->writes, 1) << "the write itself still happens";
+  inner->next = protocol::WriteOutcome::Unsettled(Status(ErrorCode::kInternal, "unfenced"));
+  EXPECT_EQ(always.Write(context, job).end, protocol::WriteEnd::kUnsettled);
+  FaultInjectingWriter never(inner, {});
+  inner->next = protocol::WriteOutcome::Landed();
+  EXPECT_EQ(never.Write(context, job).end, protocol::WriteEnd::kLanded);
+  never.CancelWrites();
+  EXPECT_TRUE(inner->cancelled);
 }
 
 TEST(CompletionRequest, ParsesKvTransferParams) {
