@@ -259,6 +259,23 @@ TEST(RuntimeEndToEnd, TimedOutPullIsReleasedByTheLateAnswerOfALivePrefill) {
   EXPECT_EQ(c.d->Stats().late_replies, 1u);
 }
 
+// Hole 3's other case: P refused its copy of the request (an overload 503), so it never admits
+// the transfer. D's pull waits on P until P's abort_request_timeout and then gets `err`; since
+// D's deadline is longer than that (the pull_timeout rule), nothing is quarantined.
+TEST(RuntimeEndToEnd, PullForATransferPNeverAdmitsFailsWithoutQuarantine) {
+  Cluster c;
+  c.p_abort = 1000ms;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30, 1500ms, /*d_abort=*/1000ms, /*write_bound=*/100ms));
+  ASSERT_TRUE(c.d->StartLoad("req-refused", c.Source("xfer-refused"), kDestBlocks).ok());
+  ReceiveResult r = c.Receive("req-refused", core::Clock::now() + 5s);
+  EXPECT_FALSE(r.ok);
+  EXPECT_FALSE(r.quarantined) << r.error.ToString();
+  EXPECT_EQ(r.error.code(), ErrorCode::kTimeout) << r.error.ToString();  // P's wait deadline
+  EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
+  EXPECT_EQ(c.d->Stats().pull_timeouts, 0u);
+  EXPECT_EQ(c.p[0]->listener().Stats().hold_entries, 0u);
+}
+
 // Hole 4: a second registration of the engine id (a restart, another bootstrap, or a forgery)
 // releases nothing by itself: the first process may still be writing. Only its own answer does.
 TEST(RuntimeEndToEnd, SecondRegistrationOfALiveEngineReleasesNothing) {
