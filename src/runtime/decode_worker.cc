@@ -27,6 +27,11 @@ using core::TimePoint;
 
 // Every wait of the I/O thread is bounded even if a wake-up is lost.
 constexpr std::chrono::milliseconds kMaxPollWait{1000};
+// Deregistering the region at shutdown waits for the transport's last operations on it.
+constexpr std::chrono::milliseconds kDeregisterTimeout{5000};
+// The session's deadline for a lookup exceeds the query's own timeout by this, so the query's
+// timeout, not the session's, is what reports a bootstrap that does not answer.
+constexpr std::chrono::milliseconds kLookupSlack{1000};
 // A DEALER's queue toward one P worker. Beyond it a send fails at once (reported to the
 // session as unsent) instead of blocking every other peer behind a P that stopped reading.
 constexpr int kSendHighWaterMark = 4096;
@@ -44,9 +49,7 @@ protocol::DecodeSessionOptions SessionOptions(const DecodeWorkerOptions& o,
   s.abort_request_timeout = o.abort_request_timeout;
   s.write_bound = o.write_bound;
   s.pull_timeout = o.pull_timeout;
-  // The lookup thread bounds a query by bootstrap_timeout; the session gives it a little more
-  // so that a query's own timeout, not the session's, is what reports a dead bootstrap.
-  s.lookup_timeout = o.bootstrap_timeout + std::chrono::seconds(1);
+  s.lookup_timeout = o.bootstrap_timeout + kLookupSlack;
   return s;
 }
 
@@ -95,7 +98,7 @@ class DecodeWorker::Impl {
     if (engine_ && region_.base != nullptr) {
       // Every thread is joined. A P peer whose pull was quarantined may in principle still
       // write, which is why the region goes only at the very end.
-      (void)engine_->DeregisterMemory(region_.id, Clock::now() + std::chrono::seconds(5));
+      (void)engine_->DeregisterMemory(region_.id, Clock::now() + kDeregisterTimeout);
       region_.base = nullptr;
     }
   }

@@ -14,8 +14,20 @@ namespace {
 core::TimePoint Deadline(std::chrono::milliseconds timeout) { return core::Clock::now() + timeout; }
 
 // How long a sender waits for its batch's completion once the peer is being closed. ClosePeer
-// bounds itself (1 s to drain, then cancels), so this is a generous upper bound.
+// bounds itself (kFenceDrain, then cancels), so this is a generous upper bound. D's write_bound
+// (DecodeWorkerOptions) is P's write_timeout plus this.
 constexpr std::chrono::milliseconds kFenceWait{5000};
+// The fence after a failed write: ClosePeer waits this long for the peer's in-flight batches to
+// drain before it cancels them.
+constexpr std::chrono::milliseconds kFenceDrain{1000};
+// A duplicate endpoint (two senders connected to the same D at once) has nothing in flight.
+constexpr std::chrono::milliseconds kDuplicateClose{100};
+// Shutdown closes every endpoint: CancelWrites must return soon (KvWriter's contract).
+constexpr std::chrono::milliseconds kCancelClose{500};
+// Registration retries with backoff until this (BootstrapClient::Register).
+constexpr std::chrono::milliseconds kRegisterTimeout{10000};
+// Deregistering the region waits for the transport's last operations on it.
+constexpr std::chrono::milliseconds kDeregisterTimeout{5000};
 
 }  // namespace
 
@@ -58,7 +70,7 @@ Result<TransportKvWriter::Peer> TransportKvWriter::PeerFor(
   auto [it, inserted] = peers_.try_emplace(key, peer);
   if (!inserted) {
     // Another sender connected first; keep one endpoint per peer.
-    (void)engine_->ClosePeer(*id, Deadline(std::chrono::milliseconds(100)));
+    (void)engine_->ClosePeer(*id, Deadline(kDuplicateClose));
   }
   return it->second;
 }
@@ -72,7 +84,7 @@ void TransportKvWriter::DropPeer(const std::vector<std::uint8_t>& descriptor,
     peers_.erase(it);
   }
   // The fence: when ClosePeer returns, nothing more of ours can land in that peer's memory.
-  (void)engine_->ClosePeer(id, Deadline(std::chrono::milliseconds(1000)));
+  (void)engine_->ClosePeer(id, Deadline(kFenceDrain));
 }
 
 protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& context,
@@ -154,7 +166,7 @@ void TransportKvWriter::CancelWrites() {
     peers.swap(peers_);
   }
   for (const auto& [key, peer] : peers) {
-    (void)engine_->ClosePeer(peer.id, Deadline(std::chrono::milliseconds(500)));
+    (void)engine_->ClosePeer(peer.id, Deadline(kCancelClose));
   }
 }
 
@@ -209,7 +221,7 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
     reg.kv_lease_duration = core::ToSeconds(options.hold.lease);
     reg.protocol_version = wire::kProtocolVersion;
     reg.incarnation = options.incarnation;
-    Status registered = client->Register(reg, std::chrono::seconds(10));
+    Status registered = client->Register(reg, kRegisterTimeout);
     if (!registered.ok()) return tl::unexpected(registered);
   }
   return worker;
@@ -223,7 +235,7 @@ Status PrefillWorker::Stop() {
   if (engine_ && region_.base != nullptr) {
     // Only after the listener drained: no write reads the region any more.
     Status dereg =
-        engine_->DeregisterMemory(region_.id, core::Clock::now() + std::chrono::seconds(5));
+        engine_->DeregisterMemory(region_.id, Deadline(kDeregisterTimeout));
     if (status.ok()) status = dereg;
   }
   return status;
