@@ -77,6 +77,9 @@ class PrefillListener::Impl {
       router_ = zmq::socket_t(ctx_, zmq::socket_type::router);
       // Replies to a vanished peer fail loudly (counted) instead of vanishing silently.
       router_.set(zmq::sockopt::router_mandatory, 1);
+      // A D socket that reconnects keeps its identity (D sets one): hand it the identity, so
+      // the answers to its pulls in progress reach it instead of being dropped.
+      router_.set(zmq::sockopt::router_handover, 1);
       // Frames up to 1 MiB over the protocol limit still get an ERROR reply; beyond that ZeroMQ
       // drops the connection before we would buffer the frame.
       router_.set(zmq::sockopt::maxmsgsize,
@@ -345,7 +348,9 @@ bool PrefillListener::Impl::ReadMessage() {
   if (!got) return false;
   protocol::PeerAddress peer(frame.data<char>(), frame.size());
   // docs/protocol.md §1: exactly [identity, payload]. The rest of a multipart message is
-  // already here; frames beyond the payload are read and dropped, never buffered.
+  // already here (libzmq delivers a multipart message whole, so a peer can make it large:
+  // bounded only by ZMQ_MAXMSGSIZE per frame, until peers are authenticated); frames beyond the
+  // payload are read and dropped.
   std::size_t frames = 1;
   zmq::message_t payload;
   bool more = frame.more();

@@ -77,7 +77,7 @@ struct EngineOptions {
   // (must exceed hold.abort_request_timeout + write_bound: runtime::DecodeWorkerOptions).
   core::Duration lease{0};
   std::chrono::milliseconds pull_timeout{600000};
-  std::chrono::milliseconds write_bound{35000};
+  std::chrono::milliseconds write_bound{70000};  // runtime::DecodeWorkerOptions::write_bound
   // Optional JSON-lines trace (block alloc/free on both roles, WRITE start/end on P).
   std::shared_ptr<TraceFile> trace;
   // UCX: how ranks name their workers in UCX logs.

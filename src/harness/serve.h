@@ -32,7 +32,8 @@ struct ServeOptions {
   std::size_t http_threads = 512;
   double request_timeout_s = 3600;
   // D: seconds a pull may take before its blocks are quarantined. 0: abort_request_timeout +
-  // the write bound (35 s: P's 30 s write timeout + 5 s to fence) + 5 s. Must exceed the first
+  // the write bound (70 s: P's 30 s connect and 30 s write timeouts, then closing and fencing)
+  // + 5 s. Must exceed the first
   // two (P answers every pull within that), or serve refuses to start.
   double pull_timeout_s = 0;
   // Faults on P (SPEC §8 C), applied to fault_ranks only; fault_err_ranks / fault_delay_ranks,

@@ -114,6 +114,19 @@ Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSour
   if (loading_.count(request) != 0) {
     return Status(ErrorCode::kAlreadyExists, fmt::format("request {} is already loading", request));
   }
+  if (quarantined_.count(request) != 0) {
+    return Status(
+        ErrorCode::kAlreadyExists,
+        fmt::format("request {}: its blocks of an earlier load are still quarantined", request));
+  }
+  // What P's decoder would refuse fails here, unsent, instead of as an unreadable pull.
+  if (request.empty() || request.size() > wire::kMaxIdBytes || source.transfer_id.empty() ||
+      source.transfer_id.size() > wire::kMaxIdBytes || blocks.size() > wire::kMaxBlocksPerRequest) {
+    return Status(
+        ErrorCode::kInvalidArgument,
+        fmt::format("request {}: ids must be 1..{} bytes and blocks at most {}",
+                    request.substr(0, 64), wire::kMaxIdBytes, wire::kMaxBlocksPerRequest));
+  }
   for (core::BlockId b : blocks) {
     if (b >= options_.num_blocks) {
       return Status(ErrorCode::kOutOfRange, fmt::format("request {}: block {} outside the {} "
@@ -307,16 +320,21 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
     return;
   }
   Endpoint& ep = endpoints_[endpoint];
-  auto op = ep.pulls.find(response.id);
-  if (op == ep.pulls.end() && response.id == 0 && ep.pulls.size() == 1) {
-    op = ep.pulls.begin();  // P could not read the id; only one pull can be meant (protocol §1)
+  std::uint64_t id = response.id;
+  if (id == 0 && ep.pulls.size() + ep.renewals.size() == 1) {
+    // P could not read the id (protocol §1): only the one message outstanding can be meant —
+    // a pull, or a renewal an old P could not dispatch. With several outstanding nothing is
+    // settled (an ERROR meant for a renewal must never settle a pull P may be writing): their
+    // own deadlines decide.
+    id = ep.pulls.empty() ? ep.renewals.begin()->first : ep.pulls.begin()->first;
   }
+  auto op = ep.pulls.find(id);
   if (op == ep.pulls.end() && response.status == wire::PullStatus::kError) {
-    if (ep.renewals.count(response.id) != 0) {
+    if (ep.renewals.count(id) != 0) {
       // A P that predates renewals cannot dispatch one and answers ERROR (protocol §6): the
       // same as a rejection — warn once, stop renewing, keep pulling.
       wire::RenewalReply rejected;
-      rejected.id = response.id;
+      rejected.id = id;
       rejected.status = wire::RenewalStatus::kRejected;
       rejected.message = response.message;
       OnRenewalReply(endpoint, rejected, now);
@@ -324,9 +342,7 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
     }
   }
   if (op == ep.pulls.end()) {
-    // Unknown, or id 0 with several pulls outstanding: failing them all would settle pulls
-    // whose writes may be running. Their own deadlines (and fences) decide instead.
-    ++counters_.replies_unmatched;
+    ++counters_.replies_unmatched;  // unknown, or an unreadable id with several outstanding
     return;
   }
   if (op->second.timed_out) ++counters_.late_replies;
@@ -405,12 +421,12 @@ void DecodeSession::AskFence(EndpointId endpoint) {
     if (key.endpoint == endpoint && quiesced_.count(peer) == 0) fence.peers.push_back(peer);
   }
   // Pulls sent from now on are a new epoch of the peer: the fence does not cover them.
-  ++ep.epoch;
+  const std::uint32_t through = ep.epoch++;
   if (fence.peers.empty()) return;
   const std::uint64_t id = next_fence_++;
   ++counters_.fences_requested;
   fences_.emplace(id, std::move(fence));
-  fences_out_.push_back({id, endpoint, ep.address});
+  fences_out_.push_back({id, endpoint, ep.address, through});
 }
 
 void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, TimePoint now) {
@@ -605,10 +621,12 @@ TimePoint DecodeSession::NextDeadline() const {
 void DecodeSession::DrainLedger() {
   for (core::LedgerEvent& e : ledger_->TakeEvents()) {
     if (e.kind == core::LedgerEvent::Kind::kBlocksReleased) {
+      quarantined_.erase(e.request);
       events_out_.push_back(BlocksReleased{e.request, std::move(e.blocks)});
       continue;
     }
     loading_.erase(e.request);
+    if (e.quarantined) quarantined_.insert(e.request);
     ++(e.ok ? counters_.receives_ok : counters_.receives_failed);
     // The receive settled: stop renewing it (SPEC §2.1).
     RequestFinished(e.request, TimePoint{});

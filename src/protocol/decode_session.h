@@ -17,8 +17,9 @@
 //  - Nothing waits behind anything: every pull and renewal goes out at once, many per endpoint
 //    (wire ids are per endpoint), so a dead P delays no pull or renewal to a live one. A renewal
 //    pass sends to every P worker at once; each reply is awaited at most `renewal_reply_timeout`
-//    (≤ lease/12); one lookup per engine per pass, and a failed lookup is cached for
-//    `lookup_failure_ttl`, during which loads from that engine fail at once (nothing sent).
+//    (≤ lease/12); one lookup per engine at a time (an answer to a lookup that already timed
+//    out may overlap the next one), and a failed lookup is cached for `lookup_failure_ttl`,
+//    during which loads from that engine fail at once (nothing sent).
 //  - A pull's deadline settles its still-pending entries as timeouts: the receive fails at once
 //    but its blocks stay quarantined (a local timeout is not proof that P stopped writing). The
 //    pull stays known, so a late reply still settles it and releases the quarantine; and the
@@ -89,7 +90,7 @@ struct DecodeSessionOptions {
   // P answers every pull within abort_request_timeout (a prefill that never finishes) plus the
   // time a write may take until it is fenced; D's deadline must be longer.
   core::Duration abort_request_timeout = 480s;
-  core::Duration write_bound = 35s;
+  core::Duration write_bound = 70s;  // runtime::DecodeWorkerOptions::write_bound says why
   core::Duration pull_timeout = 600s;
   core::Duration lookup_timeout = 5s;      // a lookup not answered by then failed
   core::Duration lookup_failure_ttl = 2s;  // how long a failed lookup is believed
@@ -110,13 +111,17 @@ struct Transmit {
   std::variant<wire::Pull, wire::Renewal> message;
 };
 
-// Close the data plane to `endpoint`'s P worker so that none of its writes can land any more,
-// then answer OnFenceDone(id, OK). A transport that cannot prove that answers an error: the
-// session then waits for the peer's late replies instead.
+// Make it impossible for `endpoint`'s P worker to land any write that a pull of epoch
+// <= `through_epoch` asked for — also over a later reconnection (closing today's connection is
+// not enough: P reconnects to serve newer pulls), e.g. by revoking the credentials those pulls
+// carried — then answer OnFenceDone(id, OK). A data plane that cannot prove that answers an
+// error: the session then waits for the peer's late replies instead. (The simulator's data
+// plane stamps every write with its pull's epoch; the runtime's transports cannot fence yet.)
 struct FenceRequest {
   std::uint64_t id = 0;
   EndpointId endpoint = 0;
   std::string address;
+  std::uint32_t through_epoch = 0;
 };
 
 struct ReceiveDone {
@@ -178,7 +183,9 @@ class DecodeSession {
                     core::TimePoint now);
   // Its blocks are allocated: pull its KV from every paired P rank. The outcome comes exactly
   // once as a ReceiveDone. Empty `blocks`: notify-only, nothing to wait for. kAlreadyExists if
-  // the request is still receiving (or its blocks are still quarantined); nothing is started.
+  // the request is still receiving or its blocks are still quarantined, kOutOfRange for a block
+  // outside the region, kInvalidArgument for ids or a block count the wire cannot carry;
+  // nothing is started then.
   [[nodiscard]] Status StartLoad(const core::RequestId& request, const RemoteSource& source,
                                  std::vector<core::BlockId> blocks, core::TimePoint now);
   // It finished or was aborted: stop renewing it.
@@ -297,7 +304,8 @@ class DecodeSession {
   std::set<Deadline> pull_deadlines_;
   std::set<Deadline> renewal_deadlines_;
   std::unordered_map<core::RequestId, core::TransferId> tracked_;  // renewed: request -> transfer
-  std::unordered_set<core::RequestId> loading_;  // StartLoad until its ReceiveDone
+  std::unordered_set<core::RequestId> loading_;      // StartLoad until its ReceiveDone
+  std::unordered_set<core::RequestId> quarantined_;  // ReceiveDone quarantined, not released
   std::map<std::uint64_t, Fence> fences_;
   std::uint64_t next_fence_ = 1;
   bool warned_fence_ = false;

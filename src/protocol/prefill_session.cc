@@ -157,12 +157,22 @@ std::optional<std::uint32_t> PrefillSession::CheckPull(const PeerAddress& peer,
                   fmt::format("{} pulls already in progress on this prefill worker",
                               options_.max_pulls_in_progress));
   }
+  std::size_t blocks = 0;
+  for (const wire::PullRequest& r : pull.requests) blocks += r.block_ids.size();
+  if (retained_blocks_ + blocks > options_.max_retained_blocks) {
+    ++counters_.pulls_over_limit;
+    return refuse(ErrorCode::kResourceExhausted,
+                  fmt::format("pulls in progress already name {} blocks (limit {})",
+                              retained_blocks_, options_.max_retained_blocks));
+  }
   return static_cast<std::uint32_t>(paired->size());
 }
 
 std::shared_ptr<const std::vector<std::uint8_t>> PrefillSession::Descriptor(const PeerAddress& peer,
                                                                             wire::Pull& pull) {
-  const std::string key = fmt::format("{}\n{}", pull.d_engine_id, pull.d_tp_rank);
+  // Keyed by the socket too: a pull may only use a descriptor its own socket sent, so no peer
+  // can make P write into another decoder's region by naming it.
+  const std::string key = fmt::format("{}\n{}\n{}", peer, pull.d_engine_id, pull.d_tp_rank);
   auto cached = descriptors_.find(key);
   if (!pull.region_descriptor) {
     if (cached != descriptors_.end()) return cached->second;
@@ -231,6 +241,10 @@ void PrefillSession::OnPull(const PeerAddress& peer, wire::Pull pull, TimePoint 
   pending.id = pull.id;
   pending.context = std::move(context);
   pending.requests = std::move(pull.requests);
+  for (const wire::PullRequest& r : pending.requests) {
+    pending.blocks.push_back(static_cast<std::uint32_t>(r.block_ids.size()));
+    retained_blocks_ += r.block_ids.size();
+  }
   pending.need_send = *need_send;
   if (pull.d_lease_ms) pending.d_lease = std::chrono::milliseconds(*pull.d_lease_ms);
   if (pending.id != 0) pull_ids_.emplace(peer, pending.id);
@@ -317,6 +331,16 @@ PrefillSession::Wave& PrefillSession::OpenWave(PendingPull& pull, std::uint64_t 
 void PrefillSession::AddOk(std::uint64_t key, Wave& wave, std::uint32_t index) {
   wave.ok.push_back(pulls_.at(key).requests[index].d_req_id);
   ++counters_.requests_ok;
+  Listed(key, index);
+}
+
+void PrefillSession::Listed(std::uint64_t key, std::uint32_t index) {
+  PendingPull& pull = pulls_.at(key);
+  // An answered request needs its block ids no more: what a pull retains is bounded by what is
+  // still waiting or being written (max_retained_blocks).
+  retained_blocks_ -= pull.blocks[index];
+  pull.blocks[index] = 0;
+  std::vector<core::BlockId>().swap(pull.requests[index].block_ids);
   touched_.push_back(key);
 }
 
@@ -330,7 +354,7 @@ void PrefillSession::AddErr(std::uint64_t key, Wave& wave, std::uint32_t index,
   ++counters_.requests_err;
   if (status.code() == ErrorCode::kTombstoned) ++counters_.late_pulls_rejected;
   if (status.code() == ErrorCode::kLeaseMismatch) ++counters_.lease_mismatches;
-  touched_.push_back(key);
+  Listed(key, index);
 }
 
 void PrefillSession::DrainHoldEvents(TimePoint now) {
@@ -421,6 +445,7 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
       ++counters_.writes_failed;
       ++counters_.writes_unsettled;
       ++pull.unsettled;
+      Listed(t.ref.pull_key, t.ref.request);  // never listed, but nothing more to keep
       break;
   }
   DrainHoldEvents(now);

@@ -113,6 +113,9 @@ struct PrefillSessionOptions {
   // Requests parked until a prefill finishes, over all pulls; beyond this a request that would
   // wait is listed in `err` with kResourceExhausted (the hold table is not touched).
   std::size_t max_parked_requests = 65536;
+  // Destination block ids kept for requests not yet answered, over all pulls (4 bytes each);
+  // a pull that would exceed it gets ERROR kResourceExhausted. 16 Mi blocks = 64 MiB.
+  std::size_t max_retained_blocks = std::size_t{1} << 24;
   // Finished pulls whose (socket, id) is remembered, so that a late duplicate is dropped too:
   // answered again, it could start a second write into blocks D already settled (and freed).
   // D numbers pulls with a 64-bit counter per socket, so a real id never comes back.
@@ -128,7 +131,8 @@ struct PrefillStats {
   std::uint64_t pulls_received = 0;      // Pull messages admitted (not ERROR)
   std::uint64_t pull_errors = 0;         // Pull messages answered with ERROR
   std::uint64_t pulls_unpaired = 0;      // ... of them: D rank not paired with this P rank
-  std::uint64_t pulls_over_limit = 0;    // ... of them: max_pulls_in_progress reached
+  std::uint64_t pulls_over_limit = 0;    // ... of them: max_pulls_in_progress or
+                                         // max_retained_blocks reached
   std::uint64_t pulls_duplicate = 0;     // a pull id in progress or recently finished on the
                                          // same socket: dropped unanswered
   std::uint64_t requests_ok = 0;
@@ -219,6 +223,7 @@ class PrefillSession {
     std::uint64_t id = 0;  // the Pull's wire id, copied into every response
     std::shared_ptr<const PullContext> context;
     std::vector<wire::PullRequest> requests;
+    std::vector<std::uint32_t> blocks;  // per request: block ids still retained (0 once listed)
     std::uint32_t need_send = 0;
     std::optional<core::Duration> d_lease;
     std::size_t listed = 0;     // requests already sent in some ok/err
@@ -250,6 +255,8 @@ class PrefillSession {
   Wave& OpenWave(PendingPull& pull, std::uint64_t key, std::uint32_t* index = nullptr);
   void AddOk(std::uint64_t key, Wave& wave, std::uint32_t index);
   void AddErr(std::uint64_t key, Wave& wave, std::uint32_t index, const Status& status);
+  // The request is answered (or will never be): drop what it retained.
+  void Listed(std::uint64_t key, std::uint32_t index);
   void DrainHoldEvents(core::TimePoint now);
   // Sends the waves that are complete, forgets finished pulls, closes the step.
   void Flush();
@@ -269,6 +276,7 @@ class PrefillSession {
   std::deque<PullName> finished_ids_;  // oldest first
   std::unordered_map<core::TransferId, std::vector<RequestRef>> parked_;
   std::size_t parked_count_ = 0;
+  std::size_t retained_blocks_ = 0;
   std::unordered_map<core::TransferId, std::uint64_t> handles_;  // Admit's cookie
   std::unordered_map<std::string, std::shared_ptr<const std::vector<std::uint8_t>>> descriptors_;
   std::unordered_map<std::uint64_t, Ticket> writes_;

@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <unordered_map>
 #include <variant>
@@ -255,6 +256,10 @@ class DecodeWorker::Impl {
     auto it = sockets_.find(endpoint);
     if (it != sockets_.end()) return it->second;
     zmq::socket_t socket(context_, zmq::socket_type::dealer);
+    // A stable identity, so that P's answers still reach this socket after it reconnects (P's
+    // ROUTER hands the identity over to the new connection) instead of being dropped as sent
+    // to a vanished peer — a lost answer would leave a timed-out pull quarantined.
+    socket.set(zmq::sockopt::routing_id, NewRoutingId());
     socket.set(zmq::sockopt::linger, 0);
     socket.set(zmq::sockopt::sndhwm, kSendHighWaterMark);
     // A reply can never be larger than the protocol's limit; a bigger frame is hostile.
@@ -285,6 +290,14 @@ class DecodeWorker::Impl {
       }
     }
     if (!error.ok()) failed->emplace_back(&t, std::move(error));
+  }
+
+  // 16 random bytes, the first non-zero (ZeroMQ reserves identities that start with 0).
+  std::string NewRoutingId() {
+    std::string id(16, '\0');
+    for (char& c : id) c = static_cast<char>(routing_random_() & 0xff);
+    id[0] = static_cast<char>(1 + (routing_random_() % 255));
+    return id;
   }
 
   // Reads every reply waiting on `endpoint`'s socket and hands it to the session (mu_ held).
@@ -358,27 +371,29 @@ class DecodeWorker::Impl {
           }
         }
         if (session_->NextDeadline() <= now) session_->OnTimeout(now);
-        // The data plane cannot fence a sender from the receiving side (yet): say so, and the
-        // session waits for the peer's late answer instead of releasing anything.
-        for (const protocol::FenceRequest& fence : session_->TakeFences()) {
+        out = session_->TakeMessages();
+        fences = session_->TakeFences();
+        Collect(&warnings);
+      }
+      // Messages first: a fence covers only pulls sent before it was asked for.
+      std::vector<std::pair<const protocol::Transmit*, Status>> failed;
+      for (const protocol::Transmit& t : out) Send(t, &failed);
+      if (!failed.empty() || !fences.empty()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        const TimePoint now = Clock::now();
+        for (auto& [t, why] : failed) {
+          const std::uint64_t id = std::visit([](const auto& m) { return m.id; }, t->message);
+          session_->OnSendFailed(t->endpoint, id, why, now);
+        }
+        // The data plane cannot revoke a sender's credentials from the receiving side (yet):
+        // say so, and the session waits for the peer's late answer instead of releasing.
+        for (const protocol::FenceRequest& fence : fences) {
           session_->OnFenceDone(
               fence.id,
               Status(ErrorCode::kRejected,
                      fmt::format("the {} data plane cannot fence {} from the receiving side",
                                  engine_->backend(), fence.address)),
               now);
-        }
-        out = session_->TakeMessages();
-        Collect(&warnings);
-      }
-      std::vector<std::pair<const protocol::Transmit*, Status>> failed;
-      for (const protocol::Transmit& t : out) Send(t, &failed);
-      if (!failed.empty()) {
-        std::lock_guard<std::mutex> lock(mu_);
-        const TimePoint now = Clock::now();
-        for (auto& [t, why] : failed) {
-          const std::uint64_t id = std::visit([](const auto& m) { return m.id; }, t->message);
-          session_->OnSendFailed(t->endpoint, id, why, now);
         }
         Collect(&warnings);
       }
@@ -405,6 +420,7 @@ class DecodeWorker::Impl {
   // I/O thread only.
   zmq::context_t context_{1};
   std::map<protocol::EndpointId, zmq::socket_t> sockets_;
+  std::mt19937_64 routing_random_{std::random_device{}()};
   std::uint64_t undecodable_replies_ = 0;
 
   std::thread io_;

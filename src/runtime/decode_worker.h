@@ -10,7 +10,9 @@
 //  - engine calls run the session directly (under its mutex) and wake the I/O thread.
 // Fences: the data-plane interface cannot yet fence a sender from the receiving side, so every
 // fence is answered "not supported" and quarantined blocks wait for the P worker's late answer,
-// which P sends within abort_request_timeout + its write bound (hence the pull_timeout rule).
+// which a live P sends within abort_request_timeout + its write bound (hence the pull_timeout
+// rule). They stay quarantined if P dies first, or if P could not fence a failed write of its
+// own (it then never answers that request): docs/operations.md, known limits.
 //
 // Engine-facing calls (thread-safe), after vLLM's KV connector contract:
 //   OnNewRequest     a request with remote prefill arrived (it may wait for blocks): renew it
@@ -51,7 +53,10 @@ struct DecodeWorkerOptions {
   // it (Start refuses otherwise). A pull that gets no answer by then settles as a timeout and
   // its blocks stay quarantined until the late answer comes.
   std::chrono::milliseconds abort_request_timeout{480000};
-  std::chrono::milliseconds write_bound{35000};
+  // P's write: connect (<= write_timeout, 30 s) + the batch (<= 30 s) + closing the peer (1 s)
+  // + waiting for the fence (5 s) = 66 s, rounded up. Time a write waits for a free sender on P
+  // comes on top (P's senders are few and writes are short: not bounded here).
+  std::chrono::milliseconds write_bound{70000};
   std::chrono::milliseconds pull_timeout{600000};
   std::chrono::milliseconds bootstrap_timeout{5000};
   // Lookups run concurrently, at most one per engine (the session's rule): a bootstrap that

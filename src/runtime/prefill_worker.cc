@@ -234,8 +234,7 @@ Status PrefillWorker::Stop() {
   if (writer_) writer_->CancelWrites();
   if (engine_ && region_.base != nullptr) {
     // Only after the listener drained: no write reads the region any more.
-    Status dereg =
-        engine_->DeregisterMemory(region_.id, Deadline(kDeregisterTimeout));
+    Status dereg = engine_->DeregisterMemory(region_.id, Deadline(kDeregisterTimeout));
     if (status.ok()) status = dereg;
   }
   return status;

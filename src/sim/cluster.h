@@ -80,7 +80,7 @@ struct DecodeConfig {
   Duration pull_timeout = 600s;  // D's deadline for each peer's answer to a pull
   // How long a P write may take until it is fenced (D requires pull_timeout to exceed P's
   // abort_request_timeout plus this).
-  Duration write_bound = 35s;
+  Duration write_bound = 70s;
   Duration peer_dead_detect = 2s;  // how long until a liveness source tells D that P died
 };
 

@@ -72,7 +72,7 @@ void SetPolicy(SimConfig& c, bool lease, double seconds) {
     c.p.hold.abort_request_timeout = core::Seconds(seconds);
   }
   // D's own deadline for an answer: beyond anything P may legitimately make it wait.
-  c.d.pull_timeout = c.p.hold.abort_request_timeout + 60s;
+  c.d.pull_timeout = c.p.hold.abort_request_timeout + c.d.write_bound + 30s;
 }
 
 double Latency(const ProbeResult& p) { return p.done == core::kNever ? -1 : Secs(p.done - p.sent); }
@@ -250,7 +250,7 @@ SimConfig ScenarioCConfig(bool old_logic, std::uint64_t seed) {
   c.p.hold.abort_request_timeout = 480s;
   c.d.tp = 1;
   c.d.blocks = 6000;  // ~30 requests at once: D runs full, so freed blocks are reused at once
-  c.d.pull_timeout = 540s;
+  c.d.pull_timeout = 600s;
   c.faults.p0_err_after_write = 0.05;
   c.faults.p1_write_delay = 500ms;
   // A replayed trace stand-in: Poisson arrivals at 4.5/s (a little above what D sustains, so

@@ -76,7 +76,7 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
       ->check(CLI::Range(1.0, 86400.0));
   cmd->add_option("--pull-timeout", o.pull_timeout_s,
                   "D: seconds a pull may take before its blocks are quarantined; must exceed "
-                  "abort_request_timeout + 35 s (P's write bound). 0: that + 5 s")
+                  "abort_request_timeout + 70 s (P's write bound). 0: that + 5 s")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 86400.0));
   cmd->add_option("--fault-err-after-write", o.fault_err_after_write,

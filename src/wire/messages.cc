@@ -454,6 +454,9 @@ Status Validate(const Pull& msg) {
     return bad(ErrorCode::kOutOfRange, "d_tp_rank: must be < d_tp_size");
   }
   if (msg.block_len == 0) return bad(ErrorCode::kOutOfRange, "block_len: must be >= 1");
+  if (msg.d_lease_ms && *msg.d_lease_ms > kMaxLeaseMs) {
+    return bad(ErrorCode::kOutOfRange, "d_lease_ms: too large");
+  }
   if (msg.region_descriptor && msg.region_descriptor->size() > kMaxDescriptorBytes) {
     return bad(ErrorCode::kOutOfRange, "region_descriptor: too long");
   }
@@ -513,7 +516,7 @@ Result<Pull> DecodePull(const std::uint8_t* data, std::size_t size) {
   KVF_ASSIGN(num_blocks, GetUint(*f[kPNumBlocks], kPullLabels[kPNumBlocks], UINT32_MAX));
   if (f[kPLease] != nullptr) {
     std::uint64_t lease = 0;
-    KVF_ASSIGN(lease, GetUint(*f[kPLease], kPullLabels[kPLease]));
+    KVF_ASSIGN(lease, GetUint(*f[kPLease], kPullLabels[kPLease], kMaxLeaseMs));
     msg.d_lease_ms = lease;
   }
   std::span<const std::uint8_t> desc;
@@ -629,6 +632,7 @@ Status Validate(const Renewal& msg) {
   if (msg.fingerprints.size() > kMaxFingerprintsPerRenewal) {
     return Status(ErrorCode::kOutOfRange, "fingerprints: too many");
   }
+  if (msg.d_lease_ms > kMaxLeaseMs) return Status(ErrorCode::kOutOfRange, "d_lease_ms: too large");
   for (core::Fingerprint fp : msg.fingerprints) {
     if (fp > core::kFingerprintMask) {
       return Status(ErrorCode::kOutOfRange, "fingerprints: value wider than 56 bits");
@@ -650,7 +654,7 @@ Result<Renewal> DecodeRenewal(const std::uint8_t* data, std::size_t size) {
   }
   std::string_view engine;
   KVF_ASSIGN(engine, GetStr(*f[kREngine], kRenewalLabels[kREngine], kMaxIdBytes, true));
-  KVF_ASSIGN(msg.d_lease_ms, GetUint(*f[kRLease], kRenewalLabels[kRLease]));
+  KVF_ASSIGN(msg.d_lease_ms, GetUint(*f[kRLease], kRenewalLabels[kRLease], kMaxLeaseMs));
   std::span<const std::uint8_t> fps;
   KVF_ASSIGN(fps, GetBin(*f[kRFingerprints], kRenewalLabels[kRFingerprints],
                          kMaxFingerprintsPerRenewal * core::kFingerprintBytes));

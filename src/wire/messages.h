@@ -52,6 +52,9 @@ inline constexpr std::size_t kMaxRequestsPerPull = 4096;
 inline constexpr std::size_t kMaxBlocksPerRequest = 65536;
 inline constexpr std::size_t kMaxBlocksPerPull = std::size_t{1} << 20;
 inline constexpr std::size_t kMaxFingerprintsPerRenewal = 8192;
+// A lease in ms (Pull and Renewal `d_lease_ms`): one year. Bounded so that converting it to
+// nanoseconds can never overflow.
+inline constexpr std::uint64_t kMaxLeaseMs = 365ull * 24 * 3600 * 1000;
 // ok + err entries of one PullResponse: one response never lists more than its pull held.
 inline constexpr std::size_t kMaxEntriesPerResponse = kMaxRequestsPerPull;
 // Keys in one message map, unknown ones included (forward compatibility, but bounded).

@@ -357,6 +357,59 @@ TEST_F(DecodeSessionTest, OldPrefillerErrorOnRenewalCountsAsRejection) {
   EXPECT_TRUE(s().TakeMessages().empty()) << "renewals to it stop";
 }
 
+// Found in review: an ERROR with id 0 (P could not read the message's id) is attributed only
+// when a single message is outstanding on that socket. An old P's id-0 ERROR to a renewal must
+// never settle a pull that P may still be writing.
+TEST_F(DecodeSessionTest, UnreadableIdErrorSettlesNothingWhenSeveralAreOutstanding) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  s().OnTimeout(kT0);  // a renewal pass: now a pull and a renewal are outstanding
+  std::vector<Transmit> out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 2u);
+  wire::PullResponse error;
+  error.id = 0;
+  error.status = wire::PullStatus::kError;
+  error.code = ErrorCode::kProtocol;
+  error.message = "unknown message type 2";
+  s().OnPullResponse(out[0].endpoint, error, kT0 + 1ms);
+  EXPECT_TRUE(Done().empty()) << "an unattributable ERROR settled a pull";
+  EXPECT_EQ(s().stats().receiving, 1u);
+  EXPECT_EQ(s().stats().replies_unmatched, 1u);
+}
+
+TEST_F(DecodeSessionTest, UnreadableIdErrorToTheOnlyRenewalIsARejection) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnLookup(Engine("p"), kT0);
+  s().OnTimeout(kT0);
+  std::vector<Transmit> out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 1u);
+  wire::PullResponse error;
+  error.status = wire::PullStatus::kError;
+  error.code = ErrorCode::kProtocol;
+  error.message = "unknown message type 2";
+  s().OnPullResponse(out[0].endpoint, error, kT0 + 1ms);
+  EXPECT_EQ(s().stats().renewals_rejected, 1u);
+}
+
+// Found in review: a request whose blocks are still quarantined cannot start a second load
+// (it would get a second ReceiveDone for the same id); nor can one the wire cannot carry.
+TEST_F(DecodeSessionTest, LoadOfAQuarantinedOrOversizedRequestIsRefused) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  s().OnTimeout(kT0 + 600s);
+  ASSERT_EQ(Done().size(), 1u);
+  EXPECT_EQ(s().StartLoad("r1", Source("x1"), {2}, kT0 + 601s).code(), ErrorCode::kAlreadyExists);
+  EXPECT_EQ(s().StartLoad(std::string(300, 'r'), Source("x2"), {3}, kT0).code(),
+            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(s().StartLoad("r3", Source(std::string(300, 'x')), {3}, kT0).code(),
+            ErrorCode::kInvalidArgument);
+  EXPECT_TRUE(Done().empty());
+}
+
 TEST(DecodeSessionOptionsTest, PullTimeoutMustOutlastWhatPMayTakeToAnswer) {
   DecodeSessionOptions o = Options();
   o.pull_timeout = 120s;  // kvferry serve's old default, below abort_request_timeout

@@ -352,6 +352,44 @@ TEST_F(PrefillSessionTest, GarbageGetsAnErrorAndChangesNothing) {
   EXPECT_EQ(s().hold().PhaseOf("x1"), core::HoldPhase::kReady);
 }
 
+// Found in review: what pulls retain is bounded in blocks too, and answered requests drop
+// theirs, so a peer cannot hold P's memory with many parked pulls naming many blocks.
+TEST_F(PrefillSessionTest, BlocksRetainedByPullsInProgressAreCapped) {
+  PrefillSessionOptions options;
+  options.max_retained_blocks = 4;
+  Make(options);
+  s().OnPull("d0", MakePull(1, {{"r1", "x1"}, {"r2", "x2"}}), kT0);  // 4 blocks, parked
+  s().OnPull("d0", MakePull(2, {{"r3", "x3"}}), kT0);                // 2 more: refused
+  std::vector<wire::PullResponse> replies = Responses();
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(replies[0].id, 2u);
+  EXPECT_EQ(replies[0].code, ErrorCode::kResourceExhausted);
+  EXPECT_FALSE(s().hold().Contains("x3"));
+  // Once the parked requests are answered (the engine aborted them), their blocks are released.
+  s().EngineFinished("x1", kT0);
+  s().EngineFinished("x2", kT0);
+  ASSERT_EQ(Responses().size(), 2u);  // one answer per call: CONTINUE, then FINISH
+  s().OnPull("d0", MakePull(3, {{"r3", "x3"}}), kT0);
+  EXPECT_TRUE(Responses().empty());  // accepted and parked
+  EXPECT_TRUE(s().hold().Contains("x3"));
+}
+
+// Found in review: a pull may use only a descriptor its own socket sent, so no peer can make P
+// write into another decoder's region by naming that decoder.
+TEST_F(PrefillSessionTest, CachedDescriptorServesOnlyTheSocketThatSentIt) {
+  Make();
+  Ready("x1");
+  s().OnPull("d0", MakePull(1, {}), kT0);  // d0 sends its descriptor (notify-only)
+  ASSERT_EQ(Responses().size(), 1u);
+  wire::Pull forged = MakePull(2, {{"r1", "x1"}});  // same d_engine_id and rank, another socket
+  forged.region_descriptor.reset();
+  s().OnPull("intruder", forged, kT0);
+  std::vector<wire::PullResponse> replies = Responses();
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(replies[0].code, ErrorCode::kNotFound);
+  EXPECT_TRUE(s().TakeWrites().empty());
+}
+
 TEST(PrefillSessionOptionsTest, TpBeyondTheLimitIsRefused) {
   PrefillSessionOptions options;
   options.p_tp_size = core::kMaxTpSize + 1;

@@ -42,9 +42,9 @@ struct Cluster {
   // P TP `p_tp` (2 KV heads) → D TP1; leases in seconds (0 = off). D's pull deadline must
   // exceed its abort_request_timeout + write bound (DecodeWorkerOptions).
   void Start(std::uint32_t p_tp, double p_lease_s, double d_lease_s,
-             std::chrono::milliseconds pull_timeout = 15s,
+             std::chrono::milliseconds pull_timeout = 20s,
              std::optional<std::chrono::milliseconds> d_abort = std::nullopt,
-             std::chrono::milliseconds write_bound = 7s) {
+             std::chrono::milliseconds write_bound = 10s) {
     auto port = bootstrap.Start("127.0.0.1", 0);
     ASSERT_TRUE(port.has_value()) << port.error().ToString();
     bootstrap_addr = "127.0.0.1:" + std::to_string(*port);
@@ -98,7 +98,7 @@ struct Cluster {
     o.lease = core::Seconds(d_lease_s);
     o.pull_timeout = pull_timeout;
     o.abort_request_timeout = d_abort;
-    o.write_bound = write_bound;  // P: 2 s write timeout + 5 s to fence
+    o.write_bound = write_bound;  // P: 2 s connect + 2 s write + 1 s close + 5 s fence
     auto worker = DecodeWorker::Start(o, std::shared_ptr<transport::Engine>(std::move(*engine)),
                                       [this](std::string_view w) {
                                         std::lock_guard<std::mutex> lock(mu);
@@ -350,7 +350,7 @@ TEST(RuntimeEndToEnd, PullTimeoutBelowWhatPMayTakeIsRefused) {
   DecodeWorkerOptions o;
   o.block_len = 64;
   o.num_blocks = 4;
-  o.pull_timeout = 120s;  // below abort_request_timeout (480 s) + write bound (35 s)
+  o.pull_timeout = 120s;  // below abort_request_timeout (480 s) + write bound (70 s)
   auto worker = DecodeWorker::Start(o, std::shared_ptr<transport::Engine>(std::move(*engine)));
   ASSERT_FALSE(worker.has_value());
   EXPECT_EQ(worker.error().code(), ErrorCode::kInvalidArgument);

@@ -509,6 +509,9 @@ TEST(WirePullFields, ValueRules) {
               "'ts' (d_tp_size): 2147483648 exceeds 64");
   ExpectError(DecodePull(PullWith("", "bl", Raw().Uint(0))), ErrorCode::kOutOfRange,
               "'bl' (block_len): must be >= 1");
+  // A lease is converted to nanoseconds on P: bounded so that can never overflow.
+  ExpectError(DecodePull(PullWith("", "l", Raw().Uint(kMaxLeaseMs + 1))), ErrorCode::kOutOfRange,
+              "'l' (d_lease_ms)");
   ExpectError(DecodePull(PullWith("", "nb", Raw().Uint(1ull << 32))), ErrorCode::kOutOfRange,
               "'nb' (num_blocks)");
 }

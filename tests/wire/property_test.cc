@@ -30,13 +30,18 @@ std::uint64_t GenU64() {
   return *rc::gen::oneOf(rc::gen::inRange<std::uint64_t>(0, 300),
                          rc::gen::arbitrary<std::uint64_t>());
 }
+// A lease in ms, up to the protocol's bound (kMaxLeaseMs) and at it.
+std::uint64_t GenLeaseMs() {
+  return *rc::gen::oneOf(rc::gen::inRange<std::uint64_t>(0, 300),
+                         rc::gen::inRange<std::uint64_t>(0, kMaxLeaseMs + 1));
+}
 
 Pull GenPull() {
   Pull p;
   p.d_engine_id = GenId();
   p.d_tp_size = *rc::gen::inRange<std::uint32_t>(1, 65);
   p.d_tp_rank = *rc::gen::inRange<std::uint32_t>(0, p.d_tp_size);
-  if (*rc::gen::arbitrary<bool>()) p.d_lease_ms = GenU64();
+  if (*rc::gen::arbitrary<bool>()) p.d_lease_ms = GenLeaseMs();
   if (*rc::gen::arbitrary<bool>())
     p.region_descriptor = *rc::gen::resize(300, rc::gen::arbitrary<Bytes>());
   p.block_len = *rc::gen::inRange<std::uint64_t>(1, std::uint64_t{1} << 40);
@@ -51,7 +56,7 @@ Pull GenPull() {
 }
 
 Renewal GenRenewal() {
-  return {GenId(), GenU64(),
+  return {GenId(), GenLeaseMs(),
           *rc::gen::resize(300, rc::gen::container<std::vector<core::Fingerprint>>(rc::gen::map(
                                     rc::gen::arbitrary<std::uint64_t>(),
                                     [](auto v) { return v & core::kFingerprintMask; }))),
