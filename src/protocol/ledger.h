@@ -28,7 +28,8 @@ class Ledger {
   virtual std::uint64_t quarantined_blocks() const = 0;
 };
 
-class CoreLedger final : public Ledger {
+// Not final: a mutation check derives from it and overrides only what it breaks.
+class CoreLedger : public Ledger {
  public:
   Status Begin(const core::RequestId& request, std::vector<core::BlockId> blocks,
                std::span<const core::PeerId> peers, Status no_peer_error) override {

@@ -14,81 +14,33 @@
 namespace kvferry::sim {
 namespace {
 
-// Forwards every call to the real hold table; a mutant overrides the calls it breaks.
-class ForwardingHold : public protocol::Hold {
- public:
-  explicit ForwardingHold(const core::HoldConfig& config) : real_(config) {}
-  const core::HoldConfig& config() const override { return real_.config(); }
-  Status Admit(const core::TransferId& id, std::uint64_t handle, core::TimePoint now) override {
-    return real_.Admit(id, handle, now);
-  }
-  Status PrefillDone(const core::TransferId& id, std::uint32_t n, core::TimePoint now) override {
-    return real_.PrefillDone(id, n, now);
-  }
-  void EngineFinished(const core::TransferId& id, core::TimePoint now) override {
-    real_.EngineFinished(id, now);
-  }
-  Result<core::HoldTable::RenewResult> Renew(std::span<const core::Fingerprint> ids,
-                                             core::TimePoint now) override {
-    return real_.Renew(ids, now);
-  }
-  core::PullAdmission AdmitPull(const core::TransferId& id, std::uint32_t d_rank,
-                                std::uint32_t need_send, std::optional<core::Duration> d_lease,
-                                core::TimePoint now) override {
-    return real_.AdmitPull(id, d_rank, need_send, d_lease, now);
-  }
-  Status BeginSend(const core::TransferId& id, std::uint32_t d_rank, core::TimePoint now) override {
-    return real_.BeginSend(id, d_rank, now);
-  }
-  Status EndSend(const core::TransferId& id, std::uint32_t d_rank, bool ok,
-                 core::TimePoint now) override {
-    return real_.EndSend(id, d_rank, ok, now);
-  }
-  void Expire(core::TimePoint now) override { real_.Expire(now); }
-  core::TimePoint NextDeadline() const override { return real_.NextDeadline(); }
-  std::vector<core::HoldEvent> TakeEvents() override { return real_.TakeEvents(); }
-  bool Contains(const core::TransferId& id) const override { return real_.Contains(id); }
-  std::optional<core::HoldPhase> PhaseOf(const core::TransferId& id) const override {
-    return real_.PhaseOf(id);
-  }
-  std::optional<core::TimePoint> DeadlineOf(const core::TransferId& id) const override {
-    return real_.DeadlineOf(id);
-  }
-  bool IsTombstoned(const core::TransferId& id) const override { return real_.IsTombstoned(id); }
-  std::size_t size() const override { return real_.size(); }
-  const core::HoldStats& stats() const override { return real_.stats(); }
-
- protected:
-  protocol::CoreHold real_;
-};
-
 // vLLM #58222's reaper: it walks entries in admission order and stops at the first one that has
 // not expired, so an expired entry behind a renewed (or still waiting) head is stranded. Here:
 // the real expiry pass runs only while the oldest admitted live entry's deadline has passed.
-class OrderedReaperHold final : public ForwardingHold {
+class OrderedReaperHold final : public protocol::CoreHold {
  public:
-  using ForwardingHold::ForwardingHold;
+  using CoreHold::CoreHold;
   Status Admit(const core::TransferId& id, std::uint64_t handle, core::TimePoint now) override {
-    const bool had = real_.Contains(id);
-    Status s = real_.Admit(id, handle, now);
+    const bool had = Contains(id);
+    Status s = CoreHold::Admit(id, handle, now);
     if (s.ok() && !had) order_.push_back(id);
     return s;
   }
   core::PullAdmission AdmitPull(const core::TransferId& id, std::uint32_t d_rank,
                                 std::uint32_t need_send, std::optional<core::Duration> d_lease,
                                 core::TimePoint now) override {
-    const bool had = real_.Contains(id);
-    core::PullAdmission a = real_.AdmitPull(id, d_rank, need_send, d_lease, now);
-    if (!had && real_.Contains(id)) order_.push_back(id);
+    const bool had = Contains(id);
+    core::PullAdmission a = CoreHold::AdmitPull(id, d_rank, need_send, d_lease, now);
+    if (!had && Contains(id)) order_.push_back(id);
     return a;
   }
   void Expire(core::TimePoint now) override {
-    while (!order_.empty() && !real_.Contains(order_.front())) order_.pop_front();
+    while (!order_.empty() && !Contains(order_.front())) order_.pop_front();
     if (!order_.empty()) {
-      const auto head = real_.DeadlineOf(order_.front());
+      const auto head = DeadlineOf(order_.front());
       if (head && *head > now) return;  // the bug: stop at the first unexpired head
     }
-    real_.Expire(now);
+    CoreHold::Expire(now);
   }
 
  private:
@@ -99,13 +51,13 @@ class OrderedReaperHold final : public ForwardingHold {
 // interval (lease/6) — so a live decoder's KV expires between two renewals: what a renewal pass
 // stuck behind silent engines did to P (hole 5). Its deadlines are only ever earlier than the
 // real ones, so only the lease-kept invariant can see it.
-class ShortRenewalHold final : public ForwardingHold {
+class ShortRenewalHold final : public protocol::CoreHold {
  public:
-  using ForwardingHold::ForwardingHold;
+  using CoreHold::CoreHold;
   Result<core::HoldTable::RenewResult> Renew(std::span<const core::Fingerprint> ids,
                                              core::TimePoint now) override {
     const core::Duration lease = config().lease;
-    return real_.Renew(ids, now - (config().renewal_extension() - lease / 12));
+    return CoreHold::Renew(ids, now - (config().renewal_extension() - lease / 12));
   }
 };
 
@@ -152,27 +104,13 @@ TEST(Mutation, OrderedReaperIsCaught) {
 
 // A ledger that takes a local timeout for proof that the peer stopped writing (no quarantine):
 // D reuses the blocks while the slow peer's WRITE is still coming.
-class TimeoutTrustingLedger final : public protocol::Ledger {
+class TimeoutTrustingLedger final : public protocol::CoreLedger {
  public:
-  Status Begin(const core::RequestId& request, std::vector<core::BlockId> blocks,
-               std::span<const core::PeerId> peers, Status no_peer_error) override {
-    return real_.Begin(request, std::move(blocks), peers, std::move(no_peer_error));
-  }
   core::SettleOutcome Settle(const core::RequestId& request, core::PeerId peer, core::Settle how,
                              Status reason) override {
     if (how == core::Settle::kTimeout) how = core::Settle::kErr;  // the bug
-    return real_.Settle(request, peer, how, std::move(reason));
+    return CoreLedger::Settle(request, peer, how, std::move(reason));
   }
-  void PeerQuiesced(core::PeerId peer) override { real_.PeerQuiesced(peer); }
-  bool IsPending(const core::RequestId& request, core::PeerId peer) const override {
-    return real_.IsPending(request, peer);
-  }
-  std::vector<core::LedgerEvent> TakeEvents() override { return real_.TakeEvents(); }
-  std::size_t active() const override { return real_.active(); }
-  std::uint64_t quarantined_blocks() const override { return real_.quarantined_blocks(); }
-
- private:
-  protocol::CoreLedger real_;
 };
 
 bool AnyWriteAfterFree(const ExploreFailure& f) {
