@@ -635,29 +635,13 @@ void DecodeSession::DrainLedger() {
   }
 }
 
-std::vector<LookupRequest> DecodeSession::TakeLookups() {
-  std::vector<LookupRequest> out;
-  out.swap(lookups_out_);
-  return out;
-}
+std::vector<LookupRequest> DecodeSession::TakeLookups() { return std::exchange(lookups_out_, {}); }
 
-std::vector<Transmit> DecodeSession::TakeMessages() {
-  std::vector<Transmit> out;
-  out.swap(messages_out_);
-  return out;
-}
+std::vector<Transmit> DecodeSession::TakeMessages() { return std::exchange(messages_out_, {}); }
 
-std::vector<FenceRequest> DecodeSession::TakeFences() {
-  std::vector<FenceRequest> out;
-  out.swap(fences_out_);
-  return out;
-}
+std::vector<FenceRequest> DecodeSession::TakeFences() { return std::exchange(fences_out_, {}); }
 
-std::vector<DecodeEvent> DecodeSession::TakeEvents() {
-  std::vector<DecodeEvent> out;
-  out.swap(events_out_);
-  return out;
-}
+std::vector<DecodeEvent> DecodeSession::TakeEvents() { return std::exchange(events_out_, {}); }
 
 DecodeStats DecodeSession::stats() const {
   DecodeStats s = counters_;

@@ -549,22 +549,12 @@ void PrefillSession::Flush() {
   ++step_;
 }
 
-std::vector<Outgoing> PrefillSession::TakeOutgoing() {
-  std::vector<Outgoing> out;
-  out.swap(outgoing_);
-  return out;
-}
+std::vector<Outgoing> PrefillSession::TakeOutgoing() { return std::exchange(outgoing_, {}); }
 
-std::vector<WriteJob> PrefillSession::TakeWrites() {
-  std::vector<WriteJob> out;
-  out.swap(new_writes_);
-  return out;
-}
+std::vector<WriteJob> PrefillSession::TakeWrites() { return std::exchange(new_writes_, {}); }
 
 std::vector<core::HoldEvent> PrefillSession::TakeEngineEvents() {
-  std::vector<core::HoldEvent> out;
-  out.swap(engine_events_);
-  return out;
+  return std::exchange(engine_events_, {});
 }
 
 PrefillStats PrefillSession::stats() const {

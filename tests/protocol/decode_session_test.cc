@@ -88,6 +88,32 @@ class DecodeSessionTest : public ::testing::Test {
     return out;
   }
 
+  // A leased session tracking r1/x1 with engine "p" known, after one renewal pass: what it sent.
+  std::vector<Transmit> AfterRenewalPass(bool with_load = false) {
+    Make(Options(30s));
+    s().OnNewRequest("r1", Source("x1"), kT0);
+    s().OnLookup(Engine("p"), kT0);
+    if (with_load && !s().StartLoad("r1", Source("x1"), {1}, kT0).ok()) ADD_FAILURE();
+    s().OnTimeout(kT0);
+    return s().TakeMessages();
+  }
+  // A load of `request` from engine "p" whose pull deadline passed unanswered: the fences asked.
+  std::vector<FenceRequest> TimedOutLoad(const core::RequestId& request) {
+    Make();
+    s().OnLookup(Engine("p"), kT0);
+    if (!s().StartLoad(request, Source("x-" + request), {1}, kT0).ok()) ADD_FAILURE();
+    s().OnTimeout(kT0 + 600s);
+    return s().TakeFences();
+  }
+  static wire::PullResponse UnreadableIdError() {
+    wire::PullResponse error;
+    error.id = 0;
+    error.status = wire::PullStatus::kError;
+    error.code = ErrorCode::kProtocol;
+    error.message = "unknown message type 2";
+    return error;
+  }
+
   std::optional<DecodeSession> session_;
   std::vector<EndpointId> last_endpoints_;
 };
@@ -216,11 +242,7 @@ TEST_F(DecodeSessionTest, LateReplyAfterTheDeadlineReleasesTheQuarantine) {
 // Hole 3: a fence that succeeds releases what it covers — and never what it does not: pulls sent
 // after it was asked for are a new epoch of the peer.
 TEST_F(DecodeSessionTest, FenceReleasesTheTimedOutEpochOnly) {
-  Make();
-  s().OnLookup(Engine("p"), kT0);
-  ASSERT_TRUE(s().StartLoad("old", Source("x1"), {1}, kT0).ok());
-  s().OnTimeout(kT0 + 600s);
-  std::vector<FenceRequest> fences = s().TakeFences();
+  std::vector<FenceRequest> fences = TimedOutLoad("old");
   ASSERT_EQ(fences.size(), 1u);
   ASSERT_TRUE(s().StartLoad("new", Source("x2"), {2}, kT0 + 601s).ok());
   (void)Pulls();
@@ -240,11 +262,7 @@ TEST_F(DecodeSessionTest, FenceReleasesTheTimedOutEpochOnly) {
 // Found by exploration: a fence that failed (P alive) leaves its epoch to the next fence, e.g.
 // the one asked for once the engine is known down.
 TEST_F(DecodeSessionTest, EngineDownFencesEpochsWhoseEarlierFenceFailed) {
-  Make();
-  s().OnLookup(Engine("p"), kT0);
-  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
-  s().OnTimeout(kT0 + 600s);
-  std::vector<FenceRequest> first = s().TakeFences();
+  std::vector<FenceRequest> first = TimedOutLoad("r1");
   ASSERT_EQ(first.size(), 1u);
   s().OnFenceDone(first[0].id, Status(ErrorCode::kRejected, "P alive, cannot fence"), kT0 + 600s);
   s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "registry lease expired"), kT0 + 700s);
@@ -320,11 +338,7 @@ TEST_F(DecodeSessionTest, RenewingStopsWhenTheReceiveSettles) {
 }
 
 TEST_F(DecodeSessionTest, RejectedRenewalsWarnOncePerEngineAndStop) {
-  Make(Options(30s));
-  s().OnNewRequest("r1", Source("x1"), kT0);
-  s().OnLookup(Engine("p"), kT0);
-  s().OnTimeout(kT0);
-  std::vector<Transmit> out = s().TakeMessages();
+  std::vector<Transmit> out = AfterRenewalPass();
   ASSERT_EQ(out.size(), 1u);
   wire::RenewalReply reply;
   reply.id = std::get<wire::Renewal>(out[0].message).id;
@@ -340,17 +354,10 @@ TEST_F(DecodeSessionTest, RejectedRenewalsWarnOncePerEngineAndStop) {
 // Mixed versions (protocol §6): a P that predates renewals answers one with a PullResponse
 // ERROR; D takes it as a rejection.
 TEST_F(DecodeSessionTest, OldPrefillerErrorOnRenewalCountsAsRejection) {
-  Make(Options(30s));
-  s().OnNewRequest("r1", Source("x1"), kT0);
-  s().OnLookup(Engine("p"), kT0);
-  s().OnTimeout(kT0);
-  std::vector<Transmit> out = s().TakeMessages();
+  std::vector<Transmit> out = AfterRenewalPass();
   ASSERT_EQ(out.size(), 1u);
-  wire::PullResponse error;
-  error.id = std::get<wire::Renewal>(out[0].message).id;
-  error.status = wire::PullStatus::kError;
-  error.code = ErrorCode::kProtocol;
-  error.message = "unknown message type 2";
+  wire::PullResponse error = UnreadableIdError();
+  error.id = std::get<wire::Renewal>(out[0].message).id;  // this P read the id
   s().OnPullResponse(out[0].endpoint, error, kT0 + 1ms);
   EXPECT_EQ(s().stats().renewals_rejected, 1u);
   s().OnTimeout(kT0 + 5s);
@@ -361,48 +368,27 @@ TEST_F(DecodeSessionTest, OldPrefillerErrorOnRenewalCountsAsRejection) {
 // when a single message is outstanding on that socket. An old P's id-0 ERROR to a renewal must
 // never settle a pull that P may still be writing.
 TEST_F(DecodeSessionTest, UnreadableIdErrorSettlesNothingWhenSeveralAreOutstanding) {
-  Make(Options(30s));
-  s().OnNewRequest("r1", Source("x1"), kT0);
-  s().OnLookup(Engine("p"), kT0);
-  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
-  s().OnTimeout(kT0);  // a renewal pass: now a pull and a renewal are outstanding
-  std::vector<Transmit> out = s().TakeMessages();
-  ASSERT_EQ(out.size(), 2u);
-  wire::PullResponse error;
-  error.id = 0;
-  error.status = wire::PullStatus::kError;
-  error.code = ErrorCode::kProtocol;
-  error.message = "unknown message type 2";
-  s().OnPullResponse(out[0].endpoint, error, kT0 + 1ms);
+  std::vector<Transmit> out = AfterRenewalPass(/*with_load=*/true);
+  ASSERT_EQ(out.size(), 2u);  // a pull and a renewal outstanding on one socket
+  s().OnPullResponse(out[0].endpoint, UnreadableIdError(), kT0 + 1ms);
   EXPECT_TRUE(Done().empty()) << "an unattributable ERROR settled a pull";
   EXPECT_EQ(s().stats().receiving, 1u);
   EXPECT_EQ(s().stats().replies_unmatched, 1u);
 }
 
 TEST_F(DecodeSessionTest, UnreadableIdErrorToTheOnlyRenewalIsARejection) {
-  Make(Options(30s));
-  s().OnNewRequest("r1", Source("x1"), kT0);
-  s().OnLookup(Engine("p"), kT0);
-  s().OnTimeout(kT0);
-  std::vector<Transmit> out = s().TakeMessages();
+  std::vector<Transmit> out = AfterRenewalPass();
   ASSERT_EQ(out.size(), 1u);
-  wire::PullResponse error;
-  error.status = wire::PullStatus::kError;
-  error.code = ErrorCode::kProtocol;
-  error.message = "unknown message type 2";
-  s().OnPullResponse(out[0].endpoint, error, kT0 + 1ms);
+  s().OnPullResponse(out[0].endpoint, UnreadableIdError(), kT0 + 1ms);
   EXPECT_EQ(s().stats().renewals_rejected, 1u);
 }
 
 // Found in review: a request whose blocks are still quarantined cannot start a second load
 // (it would get a second ReceiveDone for the same id); nor can one the wire cannot carry.
 TEST_F(DecodeSessionTest, LoadOfAQuarantinedOrOversizedRequestIsRefused) {
-  Make();
-  s().OnLookup(Engine("p"), kT0);
-  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
-  s().OnTimeout(kT0 + 600s);
+  ASSERT_EQ(TimedOutLoad("r1").size(), 1u);
   ASSERT_EQ(Done().size(), 1u);
-  EXPECT_EQ(s().StartLoad("r1", Source("x1"), {2}, kT0 + 601s).code(), ErrorCode::kAlreadyExists);
+  EXPECT_EQ(s().StartLoad("r1", Source("x-r1"), {2}, kT0 + 601s).code(), ErrorCode::kAlreadyExists);
   EXPECT_EQ(s().StartLoad(std::string(300, 'r'), Source("x2"), {3}, kT0).code(),
             ErrorCode::kInvalidArgument);
   EXPECT_EQ(s().StartLoad("r3", Source(std::string(300, 'x')), {3}, kT0).code(),
