@@ -3,7 +3,8 @@
 // For one decoder it checks, beyond "no crash, no sanitizer report":
 //  - a failure has a non-empty reason and code kProtocol or kOutOfRange;
 //  - a success passes Validate(), re-encodes to bytes that decode to the same message, and
-//    PeekType() of the input agrees with the decoder's type (the listener's dispatch is sound).
+//    PeekType() of the input agrees with the decoder's type (the listener's dispatch is sound)
+//    and PeekId() with the decoded id (what P echoes when it cannot decode a message).
 #pragma once
 
 #include <cstdint>
@@ -43,6 +44,10 @@ bool CheckDecoder(const std::uint8_t* data, std::size_t size, MessageType type, 
   KVF_FUZZ_CHECK(*again == *msg);
   auto peeked = PeekType(data, size);
   KVF_FUZZ_CHECK(peeked.has_value() && *peeked == type);
+  if constexpr (requires { msg->id; }) {  // AbortNotice has no id
+    KVF_FUZZ_CHECK(PeekId(data, size) == msg->id);
+    KVF_FUZZ_CHECK(PeekId(bytes.data(), bytes.size()) == msg->id);
+  }
   return true;
 }
 

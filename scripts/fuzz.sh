@@ -3,7 +3,7 @@
 # starting from the committed seeds in fuzz/corpus/<target>/. Exits non-zero if any fuzzer
 # finds a crash, leak, timeout, OOM or oracle failure (see fuzz/fuzz_common.h).
 #
-#   scripts/fuzz.sh [seconds-per-target]      default 12 s each, 5 targets (~60 s + build)
+#   scripts/fuzz.sh [seconds-per-target]      default 12 s each, 8 targets (~100 s + build)
 #
 # Env: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_JOBS (build parallelism, default 2).
 # New interesting inputs go to fuzz/corpus-work/<target>/ (git-ignored); crash reproducers to
@@ -15,7 +15,7 @@ secs="${1:-${FUZZ_SECONDS:-12}}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
 jobs="${FUZZ_JOBS:-2}"
-targets=(pull renewal renewal_reply pull_response peek)
+targets=(pull renewal renewal_reply pull_response release release_reply abort_notice peek)
 
 if ! command -v clang++ >/dev/null 2>&1; then
   echo "fuzz.sh: clang++ not found; install clang and libclang-rt-14-dev" >&2

@@ -8,19 +8,21 @@
 //  3. a walk over the top-level map that checks every field and builds the struct.
 // Only step 3 allocates for the result, after the sizes it allocates for were checked.
 
+// The shared helpers (packing, field readers, the unpack step) are in codec.h; Release,
+// ReleaseReply and AbortNotice are in notices.cc.
+
 #include "wire/messages.h"
 
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cstring>
-#include <exception>
-#include <limits>
 #include <msgpack.hpp>
 #include <string>
 #include <utility>
 
 #include "kvferry/core/tp_plan.h"
+#include "wire/codec.h"
 #include "wire/scan.h"
 
 namespace kvferry::wire {
@@ -35,6 +37,12 @@ std::string_view ToString(MessageType type) {
       return "renewal_reply";
     case MessageType::kPullResponse:
       return "pull_response";
+    case MessageType::kRelease:
+      return "release";
+    case MessageType::kReleaseReply:
+      return "release_reply";
+    case MessageType::kAbortNotice:
+      return "abort_notice";
   }
   return "unknown";
 }
@@ -48,10 +56,28 @@ std::vector<core::Fingerprint> FingerprintsOf(std::span<const core::TransferId> 
 
 namespace {
 
+using internal::FieldErr;
+using internal::Fields;
+using internal::GetArray;
+using internal::GetBin;
+using internal::GetBool;
+using internal::GetFingerprintBin;
+using internal::GetStr;
+using internal::GetUint;
+using internal::IsErrorCode;
+using internal::Label;
+using internal::LoadFingerprints;
+using internal::LoadLe32;
+using internal::Packer;
+using internal::PackFingerprints;
+using internal::PackHeader;
+using internal::PackKey;
+using internal::PackStr;
+using internal::Parse;
 using internal::ScanLimits;
+using internal::VecBuffer;
 
 constexpr std::size_t kBlockIdBytes = 4;  // block ids travel as little-endian u32 in a bin
-constexpr std::uint8_t kMaxErrorCode = static_cast<std::uint8_t>(ErrorCode::kInternal);
 
 // Per-message limits for the raw scan and for msgpack::unpack_limit, derived from messages.h.
 // `objects` bounds what msgpack-cxx allocates (24 bytes per object): a pull of 4096 requests
@@ -93,262 +119,6 @@ constexpr ScanLimits kRenewalReplyLimits{
     .depth = kMaxDepth,
     .objects = 1024,
 };
-
-// ---------------------------------------------------------------------------------------------
-// Encoding
-
-// msgpack::packer's buffer: appends to a byte vector.
-struct VecBuffer {
-  std::vector<std::uint8_t>* out;
-  void write(const char* p, std::size_t n) { out->insert(out->end(), p, p + n); }
-};
-using Packer = msgpack::packer<VecBuffer>;
-
-void PackKey(Packer& pk, std::string_view key) {
-  pk.pack_str(static_cast<std::uint32_t>(key.size()));
-  pk.pack_str_body(key.data(), static_cast<std::uint32_t>(key.size()));
-}
-void PackStr(Packer& pk, std::string_view s) {
-  pk.pack_str(static_cast<std::uint32_t>(s.size()));
-  pk.pack_str_body(s.data(), static_cast<std::uint32_t>(s.size()));
-}
-// "t" and "v" come first so PeekType's fast path finds them in the first bytes; "id" (omitted
-// when 0) follows. `num_keys` counts the message's other keys.
-void PackHeader(Packer& pk, std::uint32_t num_keys, MessageType type, std::uint64_t id) {
-  pk.pack_map(num_keys + 2 + (id != 0 ? 1 : 0));
-  PackKey(pk, "t");
-  pk.pack_uint8(static_cast<std::uint8_t>(type));
-  PackKey(pk, "v");
-  pk.pack_uint32(kProtocolVersion);
-  if (id != 0) {
-    PackKey(pk, "id");
-    pk.pack_uint64(id);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Decoding helpers
-
-const char* TypeName(msgpack::type::object_type t) {
-  switch (t) {
-    case msgpack::type::NIL:
-      return "nil";
-    case msgpack::type::BOOLEAN:
-      return "bool";
-    case msgpack::type::POSITIVE_INTEGER:
-      return "uint";
-    case msgpack::type::NEGATIVE_INTEGER:
-      return "negative int";
-    case msgpack::type::FLOAT32:
-    case msgpack::type::FLOAT64:
-      return "float";
-    case msgpack::type::STR:
-      return "str";
-    case msgpack::type::BIN:
-      return "bin";
-    case msgpack::type::ARRAY:
-      return "array";
-    case msgpack::type::MAP:
-      return "map";
-    case msgpack::type::EXT:
-      return "ext";
-  }
-  return "unknown";
-}
-
-// Names a field in error reasons: "'e' (d_engine_id)" or "'rq'[3].transfer_id". Built only when
-// an error is reported, so the success path never formats strings.
-struct Label {
-  std::string_view key;
-  const char* name;
-  std::size_t index = std::numeric_limits<std::size_t>::max();
-  std::string str() const {
-    if (index == std::numeric_limits<std::size_t>::max()) {
-      return "field '" + std::string(key) + "' (" + name + ")";
-    }
-    return "field '" + std::string(key) + "'[" + std::to_string(index) + "]." + name;
-  }
-};
-
-tl::unexpected<Status> FieldErr(ErrorCode code, const Label& label, const std::string& what) {
-  return Err(code, label.str() + ": " + what);
-}
-tl::unexpected<Status> WrongType(const Label& label, const char* want, const msgpack::object& o) {
-  return FieldErr(ErrorCode::kProtocol, label,
-                  std::string("expected ") + want + ", got " + TypeName(o.type));
-}
-
-Result<std::uint64_t> GetUint(const msgpack::object& o, const Label& label,
-                              std::uint64_t max = std::numeric_limits<std::uint64_t>::max()) {
-  if (o.type != msgpack::type::POSITIVE_INTEGER) return WrongType(label, "uint", o);
-  if (o.via.u64 > max) {
-    return FieldErr(ErrorCode::kOutOfRange, label,
-                    std::to_string(o.via.u64) + " exceeds " + std::to_string(max));
-  }
-  return o.via.u64;
-}
-
-// Ids must be non-empty: an empty id can only be a sender bug and would alias across requests.
-Result<std::string_view> GetStr(const msgpack::object& o, const Label& label, std::size_t max_len,
-                                bool non_empty) {
-  if (o.type != msgpack::type::STR) return WrongType(label, "str", o);
-  if (o.via.str.size > max_len) {
-    return FieldErr(
-        ErrorCode::kOutOfRange, label,
-        "length " + std::to_string(o.via.str.size) + " exceeds " + std::to_string(max_len));
-  }
-  if (non_empty && o.via.str.size == 0) return FieldErr(ErrorCode::kProtocol, label, "empty");
-  return std::string_view(o.via.str.ptr, o.via.str.size);
-}
-
-Result<std::span<const std::uint8_t>> GetBin(const msgpack::object& o, const Label& label,
-                                             std::size_t max_len) {
-  if (o.type != msgpack::type::BIN) return WrongType(label, "bin", o);
-  if (o.via.bin.size > max_len) {
-    return FieldErr(
-        ErrorCode::kOutOfRange, label,
-        "length " + std::to_string(o.via.bin.size) + " exceeds " + std::to_string(max_len));
-  }
-  return std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(o.via.bin.ptr),
-                                       o.via.bin.size);
-}
-
-Result<std::span<const msgpack::object>> GetArray(const msgpack::object& o, const Label& label,
-                                                  std::size_t max_len, std::size_t min_len = 0) {
-  if (o.type != msgpack::type::ARRAY) return WrongType(label, "array", o);
-  if (o.via.array.size > max_len) {
-    return FieldErr(ErrorCode::kOutOfRange, label,
-                    std::to_string(o.via.array.size) + " items exceed " + std::to_string(max_len));
-  }
-  if (o.via.array.size < min_len) {
-    return FieldErr(
-        ErrorCode::kProtocol, label,
-        std::to_string(o.via.array.size) + " items, need at least " + std::to_string(min_len));
-  }
-  return std::span<const msgpack::object>(o.via.array.ptr, o.via.array.size);
-}
-
-[[maybe_unused]] std::uint32_t LoadLe32(const std::uint8_t* p) {  // big-endian hosts only
-  return static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 |
-         static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24;
-}
-std::uint64_t LoadLe56(const std::uint8_t* p) {
-  std::uint64_t v = 0;
-  for (int i = core::kFingerprintBytes - 1; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-
-// Keys are 1-3 bytes: an inline loop beats memcmp calls (this runs ~N*keys times per decode).
-inline bool KeyEquals(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (a[i] != b[i]) return false;
-  }
-  return true;
-}
-
-// The known keys of one message, found in one pass over the top-level map. Indices 0, 1 and 2
-// are "t", "v" and "id" in every message. Unknown keys (and non-str keys) are skipped.
-template <std::size_t N>
-struct Fields {
-  const std::array<Label, N>& labels;
-  std::array<const msgpack::object*, N> value{};
-  const Label* duplicate = nullptr;
-
-  void Collect(const msgpack::object_map& map) {
-    for (std::uint32_t i = 0; i < map.size; ++i) {
-      const msgpack::object& k = map.ptr[i].key;
-      if (k.type != msgpack::type::STR) continue;
-      const std::string_view key(k.via.str.ptr, k.via.str.size);
-      for (std::size_t f = 0; f < N; ++f) {
-        if (KeyEquals(key, labels[f].key)) {
-          if (value[f] != nullptr && duplicate == nullptr) duplicate = &labels[f];
-          value[f] = &map.ptr[i].val;
-          break;
-        }
-      }
-    }
-  }
-  const msgpack::object* operator[](std::size_t f) const { return value[f]; }
-  tl::unexpected<Status> Missing(std::size_t f) const {
-    return FieldErr(ErrorCode::kProtocol, labels[f], "missing");
-  }
-};
-
-// Steps 1 and 2 of decoding, then the version and type checks shared by all messages. On
-// success `handle` owns the objects; they point into `data`, which must outlive them.
-template <std::size_t N>
-Status Parse(const std::uint8_t* data, std::size_t size, MessageType want, const ScanLimits& limits,
-             msgpack::object_handle& handle, Fields<N>& fields, std::uint64_t& id) {
-  if (size > kMaxFrameBytes) {
-    return Status(ErrorCode::kOutOfRange, "frame of " + std::to_string(size) +
-                                              " bytes exceeds limit " +
-                                              std::to_string(kMaxFrameBytes));
-  }
-  if (size == 0 || data == nullptr) return Status(ErrorCode::kProtocol, "empty frame");
-  if (Status s = internal::ScanFrame(data, size, limits); !s.ok()) return s;
-  try {
-    std::size_t offset = 0;
-    const msgpack::unpack_limit limit(limits.array, limits.map, limits.str, limits.bin, limits.ext,
-                                      limits.depth);
-    // Reference str/bin/ext in place instead of copying them into the zone.
-    auto reference_all = [](msgpack::type::object_type, std::size_t, void*) { return true; };
-    handle = msgpack::unpack(reinterpret_cast<const char*>(data), size, offset, reference_all,
-                             nullptr, limit);
-    if (offset != size) {
-      return Status(ErrorCode::kProtocol, std::to_string(size - offset) + " trailing bytes");
-    }
-  } catch (const std::exception& e) {
-    // Unreachable after ScanFrame unless the two disagree; still a clean error, never a throw.
-    return Status(ErrorCode::kProtocol, std::string("msgpack: ") + e.what());
-  }
-  const msgpack::object& top = handle.get();
-  if (top.type != msgpack::type::MAP) {
-    return Status(ErrorCode::kProtocol,
-                  std::string("message is not a msgpack map (got ") + TypeName(top.type) + ")");
-  }
-  fields.Collect(top.via.map);
-  // Version first: a newer peer may have changed anything else.
-  if (fields[1] == nullptr) return fields.Missing(1).value();
-  if (fields[1]->type != msgpack::type::POSITIVE_INTEGER) {
-    return WrongType(fields.labels[1], "uint", *fields[1]).value();
-  }
-  const std::uint64_t version = fields[1]->via.u64;
-  if (version == 0 || version > kProtocolVersion) {
-    return Status(ErrorCode::kProtocol, "unsupported version " + std::to_string(version));
-  }
-  if (fields[0] == nullptr) return fields.Missing(0).value();
-  if (fields[0]->type != msgpack::type::POSITIVE_INTEGER) {
-    return WrongType(fields.labels[0], "uint", *fields[0]).value();
-  }
-  const std::uint64_t type = fields[0]->via.u64;
-  if (type != static_cast<std::uint64_t>(want)) {
-    std::string got = type >= 1 && type <= 4 ? std::string(ToString(static_cast<MessageType>(type)))
-                                             : std::string("unknown");
-    return Status(ErrorCode::kProtocol, "message type " + std::to_string(type) + " (" + got +
-                                            ") is not a " + std::string(ToString(want)));
-  }
-  if (fields.duplicate != nullptr) {
-    return FieldErr(ErrorCode::kProtocol, *fields.duplicate, "duplicate key").value();
-  }
-  id = 0;
-  if (fields[2] != nullptr) {
-    auto value = GetUint(*fields[2], fields.labels[2]);
-    if (!value) return value.error();
-    id = *value;
-  }
-  return Status::Ok();
-}
-
-// Assigns a Result<T> expression's value to `lhs`, or returns its error from the enclosing
-// function (which returns a Result). One use per line.
-#define KVF_CONCAT_INNER(a, b) a##b
-#define KVF_CONCAT(a, b) KVF_CONCAT_INNER(a, b)
-#define KVF_ASSIGN_IMPL(tmp, lhs, expr)                    \
-  auto tmp = (expr);                                       \
-  if (!tmp) return tl::unexpected(std::move(tmp).error()); \
-  lhs = *std::move(tmp)
-#define KVF_ASSIGN(lhs, expr) KVF_ASSIGN_IMPL(KVF_CONCAT(kvf_result_, __LINE__), lhs, expr)
 
 // ---------------------------------------------------------------------------------------------
 // Pull
@@ -590,7 +360,16 @@ Status CheckBlockIds(const PullRequest& request, std::uint32_t num_blocks) {
 // Renewal
 
 namespace {
-enum RenewalField { kRT, kRV, kRId, kREngine, kRLease, kRFingerprints, kRenewalFieldCount };
+enum RenewalField {
+  kRT,
+  kRV,
+  kRId,
+  kREngine,
+  kRLease,
+  kRFingerprints,
+  kRNotices,
+  kRenewalFieldCount
+};
 const std::array<Label, kRenewalFieldCount> kRenewalLabels{{
     {"t", "type"},
     {"v", "version"},
@@ -598,6 +377,7 @@ const std::array<Label, kRenewalFieldCount> kRenewalLabels{{
     {"e", "d_engine_id"},
     {"l", "d_lease_ms"},
     {"fp", "fingerprints"},
+    {"n", "accepts_notices"},
 }};
 }  // namespace
 
@@ -606,20 +386,18 @@ std::vector<std::uint8_t> Encode(const Renewal& msg) {
   out.reserve(32 + msg.d_engine_id.size() + core::kFingerprintBytes * msg.fingerprints.size());
   VecBuffer buf{&out};
   Packer pk(buf);
-  PackHeader(pk, 3, MessageType::kRenewal, msg.id);
+  // "n" is written only when true, and last: a renewal without it is byte for byte what a build
+  // that predates notices sends.
+  PackHeader(pk, 3 + (msg.accepts_notices ? 1 : 0), MessageType::kRenewal, msg.id);
   PackKey(pk, "e");
   PackStr(pk, msg.d_engine_id);
   PackKey(pk, "l");
   pk.pack_uint64(msg.d_lease_ms);
   PackKey(pk, "fp");
-  const std::size_t n = msg.fingerprints.size();
-  pk.pack_bin(static_cast<std::uint32_t>(n * core::kFingerprintBytes));
-  const std::size_t at = out.size();
-  out.resize(at + n * core::kFingerprintBytes);
-  std::uint8_t* p = out.data() + at;
-  for (core::Fingerprint fp : msg.fingerprints) {
-    for (int i = 0; i < core::kFingerprintBytes; ++i)
-      *p++ = static_cast<std::uint8_t>(fp >> (8 * i));
+  PackFingerprints(pk, out, msg.fingerprints);
+  if (msg.accepts_notices) {
+    PackKey(pk, "n");
+    pk.pack_true();
   }
   return out;
 }
@@ -656,19 +434,13 @@ Result<Renewal> DecodeRenewal(const std::uint8_t* data, std::size_t size) {
   KVF_ASSIGN(engine, GetStr(*f[kREngine], kRenewalLabels[kREngine], kMaxIdBytes, true));
   KVF_ASSIGN(msg.d_lease_ms, GetUint(*f[kRLease], kRenewalLabels[kRLease], kMaxLeaseMs));
   std::span<const std::uint8_t> fps;
-  KVF_ASSIGN(fps, GetBin(*f[kRFingerprints], kRenewalLabels[kRFingerprints],
-                         kMaxFingerprintsPerRenewal * core::kFingerprintBytes));
-  if (fps.size() % core::kFingerprintBytes != 0) {
-    return FieldErr(ErrorCode::kProtocol, kRenewalLabels[kRFingerprints],
-                    "bin length " + std::to_string(fps.size()) +
-                        " is not a multiple of 7 (little-endian 56-bit fingerprints)");
+  KVF_ASSIGN(fps, GetFingerprintBin(*f[kRFingerprints], kRenewalLabels[kRFingerprints],
+                                    kMaxFingerprintsPerRenewal));
+  if (f[kRNotices] != nullptr) {
+    KVF_ASSIGN(msg.accepts_notices, GetBool(*f[kRNotices], kRenewalLabels[kRNotices]));
   }
   msg.d_engine_id.assign(engine);
-  const std::size_t n = fps.size() / core::kFingerprintBytes;
-  msg.fingerprints.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    msg.fingerprints[i] = LoadLe56(fps.data() + i * core::kFingerprintBytes);
-  }
+  LoadFingerprints(fps, msg.fingerprints);
   return msg;
 }
 
@@ -786,8 +558,6 @@ const std::array<Label, kResponseFieldCount> kResponseLabels{{
 }};
 // Elements of one err entry: [d_req_id, code, reason, ...ignored].
 constexpr std::size_t kErrFields = 3;
-
-bool IsErrorCode(std::uint64_t v) { return v >= 1 && v <= kMaxErrorCode; }
 }  // namespace
 
 std::vector<std::uint8_t> Encode(const PullResponse& msg) {
@@ -976,7 +746,9 @@ constexpr ScanLimits kPeekLimits{
 Result<std::uint64_t> PeekUint(const std::uint8_t* data, std::size_t size, std::size_t& pos,
                                const Label& label) {
   internal::Header h;
-  if (Status s = internal::ReadHeader(data, size, pos, h); !s.ok()) return tl::unexpected(s);
+  if (internal::Fault f = internal::ReadHeader(data, size, pos, h); !f.ok()) {
+    return tl::unexpected(internal::ToStatus(f));
+  }
   if (h.kind != internal::Kind::kUint) {
     return FieldErr(ErrorCode::kProtocol, label, "expected uint");
   }
@@ -993,7 +765,9 @@ Result<MessageType> PeekType(const std::uint8_t* data, std::size_t size) {
   if (size == 0 || data == nullptr) return Err(ErrorCode::kProtocol, "empty frame");
   std::size_t pos = 0;
   internal::Header h;
-  if (Status s = internal::ReadHeader(data, size, pos, h); !s.ok()) return tl::unexpected(s);
+  if (internal::Fault f = internal::ReadHeader(data, size, pos, h); !f.ok()) {
+    return tl::unexpected(internal::ToStatus(f));
+  }
   if (h.kind != internal::Kind::kMap)
     return Err(ErrorCode::kProtocol, "message is not a msgpack map");
   const std::uint64_t keys = h.value;
@@ -1018,12 +792,14 @@ Result<MessageType> PeekType(const std::uint8_t* data, std::size_t size) {
     for (std::uint64_t i = 0; i < keys && !(have_type && have_version); ++i) {
       const std::size_t key_at = pos;
       internal::Header k;
-      if (Status s = internal::ReadHeader(data, size, pos, k); !s.ok()) return tl::unexpected(s);
+      if (internal::Fault f = internal::ReadHeader(data, size, pos, k); !f.ok()) {
+        return tl::unexpected(internal::ToStatus(f));
+      }
       const bool one_char = k.kind == internal::Kind::kStr && k.value == 1 && pos < size;
       const char c = one_char ? static_cast<char>(data[pos]) : '\0';
       if (one_char && (c == 't' || c == 'v')) {
         ++pos;
-        const Label& label = c == 't' ? kPullLabels[kPT] : kPullLabels[kPV];
+        const Label& label = c == 't' ? internal::kTypeLabel : internal::kVersionLabel;
         std::uint64_t value = 0;
         KVF_ASSIGN(value, PeekUint(data, size, pos, label));
         (c == 't' ? type : version) = value;
@@ -1031,23 +807,57 @@ Result<MessageType> PeekType(const std::uint8_t* data, std::size_t size) {
         continue;
       }
       pos = key_at;
-      if (Status s = internal::SkipObject(data, size, pos, kPeekLimits, 1, objects); !s.ok()) {
-        return tl::unexpected(s);
-      }
-      if (Status s = internal::SkipObject(data, size, pos, kPeekLimits, 1, objects); !s.ok()) {
-        return tl::unexpected(s);
+      for (int item = 0; item < 2; ++item) {  // the key, then its value
+        if (internal::Fault f = internal::SkipObject(data, size, pos, kPeekLimits, 1, objects);
+            !f.ok()) {
+          return tl::unexpected(internal::ToStatus(f));
+        }
       }
     }
   }
-  if (!have_version) return FieldErr(ErrorCode::kProtocol, kPullLabels[kPV], "missing");
+  if (!have_version) return FieldErr(ErrorCode::kProtocol, internal::kVersionLabel, "missing");
   if (version == 0 || version > kProtocolVersion) {
     return Err(ErrorCode::kProtocol, "unsupported version " + std::to_string(version));
   }
-  if (!have_type) return FieldErr(ErrorCode::kProtocol, kPullLabels[kPT], "missing");
-  if (type < 1 || type > 4) {
+  if (!have_type) return FieldErr(ErrorCode::kProtocol, internal::kTypeLabel, "missing");
+  if (type < 1 || type > kMaxMessageType) {
     return Err(ErrorCode::kProtocol, "unknown message type " + std::to_string(type));
   }
   return static_cast<MessageType>(type);
+}
+
+// ---------------------------------------------------------------------------------------------
+// PeekId
+
+std::uint64_t PeekId(const std::uint8_t* data, std::size_t size) {
+  if (size > kMaxFrameBytes || size == 0 || data == nullptr) return 0;
+  std::size_t pos = 0;
+  internal::Header h;
+  if (!internal::ReadHeader(data, size, pos, h).ok() || h.kind != internal::Kind::kMap) {
+    return 0;
+  }
+  const std::uint64_t keys = h.value;
+  if (keys > kMaxMapKeys) return 0;
+  // Like PeekType's slow path: look at every key, skip every other value, stop at the first
+  // "id". Every kvferry encoder writes it third, after "t" and "v", so this usually reads a
+  // dozen bytes. The walker reports faults without formatting them: nothing allocates.
+  std::size_t objects = 0;
+  for (std::uint64_t i = 0; i < keys; ++i) {
+    const std::size_t key_at = pos;
+    internal::Header k;
+    if (!internal::ReadHeader(data, size, pos, k).ok()) return 0;
+    if (k.kind == internal::Kind::kStr && k.value == 2 && size - pos >= 2 && data[pos] == 'i' &&
+        data[pos + 1] == 'd') {
+      pos += 2;
+      internal::Header v;
+      if (!internal::ReadHeader(data, size, pos, v).ok()) return 0;
+      return v.kind == internal::Kind::kUint ? v.value : 0;
+    }
+    pos = key_at;
+    if (!internal::SkipObject(data, size, pos, kPeekLimits, 1, objects).ok()) return 0;
+    if (!internal::SkipObject(data, size, pos, kPeekLimits, 1, objects).ok()) return 0;
+  }
+  return 0;
 }
 
 }  // namespace kvferry::wire

@@ -1,5 +1,5 @@
 // Writes the wire fuzzers' seed corpus: fuzz/corpus/<target>/<name>. Run by hand after a
-// protocol change and commit the result:  build/tests/wire/wire_gen_corpus fuzz/corpus
+// protocol change and commit the result:  build-wire/tests/wire/wire_gen_corpus fuzz/corpus
 // Seeds are small on purpose (libFuzzer mutates them); together they reach every field, every
 // error path we know of, and the historical msgpack OOM input.
 #include <cstdint>
@@ -186,6 +186,11 @@ int main(int argc, char** argv) {
       Raw().Head(5, 2).Str("e").Str("d").Str("l").Uint(1).Str("fp").Bytes(
           {0xc6, 0xff, 0xff, 0xff, 0xf0}));
   Put("renewal", "pull_not_renewal", steady);
+  wire::Renewal notices = renewal;
+  notices.accepts_notices = true;
+  Put("renewal", "valid_accepts_notices", wire::Encode(notices));
+  Put("renewal", "notices_as_uint",
+      Raw().Head(6, 2).Str("e").Str("d").Str("l").Uint(1).Str("fp").Bin({}).Str("n").Uint(1));
 
   // ---- renewal_reply ----
   Put("renewal_reply", "valid_accepted",
@@ -241,11 +246,153 @@ int main(int argc, char** argv) {
   Put("pull_response", "err_entry_short",
       Raw().Head(4, 4).Str("s").Uint(0).Str("err").Array(1).Array(2).Str("r").Uint(4));
 
+  // ---- release ----
+  wire::Release release{"decode-0", 2, 1, {kvferry::core::FingerprintOf("xfer-1")}, 11};
+  wire::Release release16{"decode-0", 8, 7, renewal.fingerprints, 12};
+  const Bytes release_bytes = wire::Encode(release16);
+  auto release_with = [](std::uint64_t ts, std::uint64_t tr, const Bytes& fp) {
+    return Raw()
+        .Head(6, 5)
+        .Str("e")
+        .Str("d")
+        .Str("ts")
+        .Uint(ts)
+        .Str("tr")
+        .Uint(tr)
+        .Str("fp")
+        .Append(fp)
+        .bytes();
+  };
+  Put("release", "valid_one", wire::Encode(release));
+  Put("release", "valid_16", release_bytes);
+  Put("release", "valid_unknown_keys_t_last",
+      Raw()
+          .Map(7)
+          .Str("future")
+          .Array(2)
+          .Nil()
+          .Str("x")
+          .Str("e")
+          .Str("d")
+          .Str("ts")
+          .Uint(1)
+          .Str("tr")
+          .Uint(0)
+          .Str("fp")
+          .Bin(Fingerprints(1))
+          .Str("v")
+          .Uint(1)
+          .Str("t")
+          .Bytes({0xcc, 0x05}));
+  Put("release", "fp_empty", release_with(1, 0, Raw().Bin({})));
+  Put("release", "fp_len_8", release_with(1, 0, Raw().Bin(Bytes(8, 1))));
+  Put("release", "fp_as_array", release_with(1, 0, Raw().Array(1).Uint(7)));
+  Put("release", "tr_not_below_ts", release_with(2, 2, Raw().Bin(Fingerprints(1))));
+  Put("release", "ts_0", release_with(0, 0, Raw().Bin(Fingerprints(1))));
+  Put("release", "ts_65", release_with(65, 0, Raw().Bin(Fingerprints(1))));
+  Put("release", "missing_tr",
+      Raw().Head(5, 5).Str("e").Str("d").Str("ts").Uint(1).Str("fp").Bin(Fingerprints(1)));
+  Put("release", "empty_engine",
+      Raw().Head(6, 5).Str("e").Str("").Str("ts").Uint(1).Str("tr").Uint(0).Str("fp").Bin(
+          Fingerprints(1)));
+  Put("release", "id_as_str",
+      Raw()
+          .Head(7, 5)
+          .Str("id")
+          .Str("11")
+          .Str("e")
+          .Str("d")
+          .Str("ts")
+          .Uint(1)
+          .Str("tr")
+          .Uint(0)
+          .Str("fp")
+          .Bin(Fingerprints(1)));
+  Put("release", "truncated", Cut(release_bytes, release_bytes.size() / 2));
+  Put("release", "renewal_not_release", wire::Encode(renewal));
+
+  // ---- release_reply ----
+  const Bytes release_reply =
+      wire::Encode(wire::ReleaseReply{wire::ReleaseStatus::kAccepted, 3, 1, 12, "", 11});
+  Put("release_reply", "valid_accepted", release_reply);
+  Put("release_reply", "valid_error",
+      wire::Encode(wire::ReleaseReply{wire::ReleaseStatus::kError, 0, 0, 0,
+                                      "d_tp_size 3 does not pair with p_tp_size 2", 12}));
+  Put("release_reply", "valid_no_id", wire::Encode(wire::ReleaseReply{}));
+  Put("release_reply", "status_2",
+      Raw().Head(6, 6).Str("s").Uint(2).Str("r").Uint(0).Str("k").Uint(0).Str("u").Uint(0));
+  Put("release_reply", "missing_k",
+      Raw().Head(5, 6).Str("s").Uint(0).Str("r").Uint(0).Str("u").Uint(0));
+  Put("release_reply", "negative_r",
+      Raw().Head(6, 6).Str("s").Uint(0).Str("r").Byte(0xff).Str("k").Uint(0).Str("u").Uint(0));
+  Put("release_reply", "message_not_str",
+      Raw()
+          .Head(7, 6)
+          .Str("s")
+          .Uint(1)
+          .Str("r")
+          .Uint(0)
+          .Str("k")
+          .Uint(0)
+          .Str("u")
+          .Uint(0)
+          .Str("m")
+          .Bin({1}));
+  Put("release_reply", "truncated", Cut(release_reply, release_reply.size() - 1));
+  Put("release_reply", "renewal_reply_not_release_reply", wire::Encode(wire::RenewalReply{}));
+
+  // ---- abort_notice ----
+  wire::AbortNotice abort_notice{
+      "prefill-0",
+      1,
+      {{"xfer-1", ErrorCode::kCancelled, "aborted by the engine"},
+       {"xfer-2", ErrorCode::kTimeout, "prefill not done within abort_request_timeout"},
+       {"xfer-3", ErrorCode::kLeaseMismatch, "lease: P 30000 ms, D 20000 ms"}}};
+  const Bytes notice_bytes = wire::Encode(abort_notice);
+  auto notice_with = [](const Bytes& aborted) {
+    return Raw().Head(5, 7).Str("e").Str("p").Str("pr").Uint(0).Str("a").Append(aborted).bytes();
+  };
+  Put("abort_notice", "valid_three", notice_bytes);
+  Put("abort_notice", "valid_one",
+      wire::Encode(wire::AbortNotice{"p", 63, {{"x", ErrorCode::kTombstoned, ""}}}));
+  Put("abort_notice", "valid_extra_elements",
+      notice_with(Raw().Array(1).Array(4).Str("x").Uint(12).Str("why").Str("future")));
+  Put("abort_notice", "aborted_empty", notice_with(Raw().Array(0)));
+  Put("abort_notice", "aborted_as_map", notice_with(Raw().Map(0)));
+  Put("abort_notice", "code_0", notice_with(Raw().Array(1).Array(3).Str("x").Uint(0).Str("why")));
+  Put("abort_notice", "code_14", notice_with(Raw().Array(1).Array(3).Str("x").Uint(14).Str("why")));
+  Put("abort_notice", "entry_short", notice_with(Raw().Array(1).Array(2).Str("x").Uint(12)));
+  Put("abort_notice", "empty_transfer_id",
+      notice_with(Raw().Array(1).Array(3).Str("").Uint(12).Str("why")));
+  Put("abort_notice", "pr_64",
+      Raw()
+          .Head(5, 7)
+          .Str("e")
+          .Str("p")
+          .Str("pr")
+          .Uint(64)
+          .Str("a")
+          .Array(1)
+          .Array(3)
+          .Str("x")
+          .Uint(12)
+          .Str(""));
+  Put("abort_notice", "missing_e",
+      Raw().Head(4, 7).Str("pr").Uint(0).Str("a").Array(1).Array(3).Str("x").Uint(12).Str(""));
+  Put("abort_notice", "truncated", Cut(notice_bytes, notice_bytes.size() / 2));
+  Put("abort_notice", "huge_declared_aborted",
+      Raw().Head(5, 7).Str("e").Str("p").Str("pr").Uint(0).Str("a").Bytes(
+          {0xdd, 0x7f, 0xff, 0xff, 0xff}));
+
   // ---- peek (dispatch) ----
   Put("peek", "pull", steady);
   Put("peek", "renewal", wire::Encode(renewal));
   Put("peek", "renewal_reply", wire::Encode(wire::RenewalReply{}));
   Put("peek", "pull_response", wire::Encode(cont));
+  Put("peek", "release", wire::Encode(release));
+  Put("peek", "release_reply", release_reply);
+  Put("peek", "abort_notice", notice_bytes);
+  Put("peek", "unknown_type_8", Raw().Head(3, 8).Str("id").Uint(21));
   Put("peek", "t_not_first",
       Raw().Map(3).Str("x").Array(2).Nil().Nil().Str("v").Uint(1).Str("t").Uint(2));
   Put("peek", "t_uint8", Raw().Map(2).Str("t").Bytes({0xcc, 0x04}).Str("v").Uint(1));

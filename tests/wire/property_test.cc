@@ -1,5 +1,5 @@
 // Property tests of the wire codec (rapidcheck):
-//  - every valid message of every type round-trips and PeekType names its type;
+//  - every valid message of every type round-trips, PeekType names its type and PeekId its id;
 //  - arbitrary bytes, and valid frames with random damage, never crash a decoder, and every
 //    failure carries a reason (kProtocol or kOutOfRange).
 #include <gtest/gtest.h>
@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kvferry/core/tp_plan.h"
 #include "wire/messages.h"
 
 namespace kvferry::wire {
@@ -55,11 +56,36 @@ Pull GenPull() {
   return p;
 }
 
+std::vector<core::Fingerprint> GenFingerprints() {
+  return *rc::gen::resize(300, rc::gen::container<std::vector<core::Fingerprint>>(rc::gen::map(
+                                   rc::gen::arbitrary<std::uint64_t>(),
+                                   [](auto v) { return v & core::kFingerprintMask; })));
+}
+
 Renewal GenRenewal() {
-  return {GenId(), GenLeaseMs(),
-          *rc::gen::resize(300, rc::gen::container<std::vector<core::Fingerprint>>(rc::gen::map(
-                                    rc::gen::arbitrary<std::uint64_t>(),
-                                    [](auto v) { return v & core::kFingerprintMask; }))),
+  Renewal r{GenId(), GenLeaseMs(), GenFingerprints(), GenU64()};
+  r.accepts_notices = *rc::gen::arbitrary<bool>();
+  return r;
+}
+
+Release GenRelease() {
+  Release r;
+  r.d_engine_id = GenId();
+  r.d_tp_size = *rc::gen::inRange<std::uint32_t>(1, core::kMaxTpSize + 1);
+  r.d_tp_rank = *rc::gen::inRange<std::uint32_t>(0, r.d_tp_size);
+  r.fingerprints = GenFingerprints();
+  if (r.fingerprints.empty())
+    r.fingerprints.push_back(*rc::gen::arbitrary<std::uint64_t>() & core::kFingerprintMask);
+  r.id = GenU64();
+  return r;
+}
+
+ReleaseReply GenReleaseReply() {
+  return {static_cast<ReleaseStatus>(*rc::gen::inRange(0, 2)),
+          GenU64(),
+          GenU64(),
+          GenU64(),
+          GenText(),
           GenU64()};
 }
 
@@ -94,6 +120,15 @@ PullResponse GenPullResponse() {
   return r;
 }
 
+AbortNotice GenAbortNotice() {
+  AbortNotice n;
+  n.p_engine_id = GenId();
+  n.p_tp_rank = *rc::gen::inRange<std::uint32_t>(0, core::kMaxTpSize);
+  const auto count = *rc::gen::inRange<std::size_t>(1, 10);
+  for (std::size_t i = 0; i < count; ++i) n.aborted.push_back({GenId(), GenErrorCode(), GenText()});
+  return n;
+}
+
 bool PeeksAs(const Bytes& bytes, MessageType type) {
   auto peeked = PeekType(bytes.data(), bytes.size());
   return peeked.has_value() && *peeked == type;
@@ -107,6 +142,11 @@ void CheckRoundTrip(const T& msg, MessageType type, Decode decode) {
   RC_ASSERT(back.has_value());
   RC_ASSERT(*back == msg);
   RC_ASSERT(PeeksAs(bytes, type));
+  if constexpr (requires { msg.id; }) {
+    RC_ASSERT(PeekId(bytes) == msg.id);
+  } else {
+    RC_ASSERT(PeekId(bytes) == 0u);  // AbortNotice: never an id on the wire
+  }
 }
 
 RC_GTEST_PROP(WireProperty, PullRoundTrips, ()) {
@@ -125,6 +165,35 @@ RC_GTEST_PROP(WireProperty, PullResponseRoundTrips, ()) {
                  [](auto d, auto n) { return DecodePullResponse(d, n); });
 }
 
+RC_GTEST_PROP(WireProperty, ReleaseRoundTrips, ()) {
+  CheckRoundTrip(GenRelease(), MessageType::kRelease,
+                 [](auto d, auto n) { return DecodeRelease(d, n); });
+}
+RC_GTEST_PROP(WireProperty, ReleaseReplyRoundTrips, ()) {
+  CheckRoundTrip(GenReleaseReply(), MessageType::kReleaseReply,
+                 [](auto d, auto n) { return DecodeReleaseReply(d, n); });
+}
+RC_GTEST_PROP(WireProperty, AbortNoticeRoundTrips, ()) {
+  CheckRoundTrip(GenAbortNotice(), MessageType::kAbortNotice,
+                 [](auto d, auto n) { return DecodeAbortNotice(d, n); });
+}
+
+// A renewal that does not accept notices encodes exactly as a build that predates "n" did: the
+// same bytes as the same renewal with "n" (true) removed and the map one key shorter.
+RC_GTEST_PROP(WireProperty, RenewalWithoutNoticesIsTheOldEncoding, ()) {
+  Renewal r = GenRenewal();
+  r.accepts_notices = false;
+  const Bytes old_bytes = Encode(r);
+  r.accepts_notices = true;
+  Bytes with_n = Encode(r);
+  RC_ASSERT(with_n.size() == old_bytes.size() + 3);
+  RC_ASSERT((Bytes(with_n.end() - 3, with_n.end()) == Bytes{0xa1, 'n', 0xc3}));
+  with_n.resize(with_n.size() - 3);
+  RC_ASSERT(with_n[0] == old_bytes[0] + 1);  // fixmap of 6 or 7 keys, now one more
+  with_n[0] = old_bytes[0];
+  RC_ASSERT(with_n == old_bytes);
+}
+
 // Runs every decoder and PeekType on `bytes`; asserts that failures are explained and that at
 // most one decoder accepts, agreeing with PeekType.
 void CheckAnyBytes(const Bytes& bytes) {
@@ -134,6 +203,7 @@ void CheckAnyBytes(const Bytes& bytes) {
       ++accepted;
       RC_ASSERT(PeeksAs(bytes, type));
       RC_ASSERT(Validate(*result).ok());
+      if constexpr (requires { result->id; }) RC_ASSERT(PeekId(bytes) == result->id);
     } else {
       RC_ASSERT(!result.error().message().empty());
       RC_ASSERT(result.error().code() == ErrorCode::kProtocol ||
@@ -144,7 +214,11 @@ void CheckAnyBytes(const Bytes& bytes) {
   check(DecodeRenewal(bytes.data(), bytes.size()), MessageType::kRenewal);
   check(DecodeRenewalReply(bytes.data(), bytes.size()), MessageType::kRenewalReply);
   check(DecodePullResponse(bytes.data(), bytes.size()), MessageType::kPullResponse);
+  check(DecodeRelease(bytes.data(), bytes.size()), MessageType::kRelease);
+  check(DecodeReleaseReply(bytes.data(), bytes.size()), MessageType::kReleaseReply);
+  check(DecodeAbortNotice(bytes.data(), bytes.size()), MessageType::kAbortNotice);
   RC_ASSERT(accepted <= 1);
+  (void)PeekId(bytes.data(), bytes.size());  // total: any bytes, never fails
   auto peeked = PeekType(bytes.data(), bytes.size());
   RC_ASSERT(peeked.has_value() || !peeked.error().message().empty());
 }
@@ -158,7 +232,10 @@ RC_GTEST_PROP(WireProperty, DamagedFramesNeverCrash, ()) {
   Bytes bytes = *rc::gen::oneOf(rc::gen::exec([] { return Encode(GenPull()); }),
                                 rc::gen::exec([] { return Encode(GenRenewal()); }),
                                 rc::gen::exec([] { return Encode(GenRenewalReply()); }),
-                                rc::gen::exec([] { return Encode(GenPullResponse()); }));
+                                rc::gen::exec([] { return Encode(GenPullResponse()); }),
+                                rc::gen::exec([] { return Encode(GenRelease()); }),
+                                rc::gen::exec([] { return Encode(GenReleaseReply()); }),
+                                rc::gen::exec([] { return Encode(GenAbortNotice()); }));
   const auto edits = *rc::gen::inRange(1, 6);
   for (int i = 0; i < edits && !bytes.empty(); ++i) {
     const auto at = *rc::gen::inRange<std::size_t>(0, bytes.size());
