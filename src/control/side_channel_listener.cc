@@ -27,6 +27,7 @@ using core::TimePoint;
 
 protocol::PrefillSessionOptions SessionOptions(const ListenerOptions& o) {
   protocol::PrefillSessionOptions s;
+  s.engine_id = o.engine_id;
   s.hold = o.hold;
   s.p_tp_size = o.p_tp_size;
   s.p_tp_rank = o.p_tp_rank;

@@ -65,6 +65,7 @@ using HoldEventCallback = std::function<void(const core::HoldEvent&)>;
 struct ListenerOptions {
   // Where the ROUTER binds. Port 0 picks a free port; endpoint() says which.
   std::string endpoint = "tcp://127.0.0.1:0";
+  core::EngineId engine_id = "prefill-0";  // named in the AbortNotices this listener sends
   core::HoldConfig hold;
   std::uint32_t p_tp_size = 1;
   std::uint32_t p_tp_rank = 0;
@@ -82,7 +83,7 @@ struct ListenerOptions {
 
 // A snapshot of the listener's counters: the session's, and what the socket did with its replies.
 struct ListenerStats : protocol::PrefillStats {
-  std::uint64_t responses_sent = 0;   // PullResponse + RenewalReply messages sent
+  std::uint64_t responses_sent = 0;   // replies and notices sent
   std::uint64_t replies_dropped = 0;  // peer gone or its queue full (ROUTER_MANDATORY)
 };
 

@@ -34,8 +34,14 @@ const char* ToString(ReleaseReason reason) {
       return "lease_mismatch";
     case ReleaseReason::kAbortedByEngine:
       return "aborted_by_engine";
+    case ReleaseReason::kReleasedByDecoder:
+      return "released_by_decoder";
   }
   return "unknown";
+}
+
+bool LeftDecoderWaiting(ReleaseReason reason) {
+  return reason != ReleaseReason::kSent && reason != ReleaseReason::kReleasedByDecoder;
 }
 
 namespace {
@@ -89,7 +95,9 @@ TimePoint HoldTable::RealDeadline(const Entry& e) const {
     }
     return e.expire;
   }
-  TimePoint deadline = e.waiting_mask != 0 ? e.wait_deadline : kNever;
+  // Armed by the first pull that waited, and kept even if that rank released it since: a
+  // placeholder would otherwise never go, and a prefill a decoder once waited for stays bounded.
+  TimePoint deadline = e.wait_deadline;
   if (config_.lease_enabled() && e.last_renewal != kNever) {
     deadline = std::min(deadline, e.last_renewal + config_.lease);
   }
@@ -167,6 +175,7 @@ void HoldTable::ReleaseOrDoom(Entry& e, ReleaseReason reason, Status pull_error,
   // A write is reading the blocks: release when it ends (EndSend), whatever it reports.
   e.doomed = true;
   e.doom_reason = reason;
+  e.doom_status = std::move(pull_error);
 }
 
 Result<HoldTable::RenewResult> HoldTable::Renew(std::span<const Fingerprint> ids, TimePoint now) {
@@ -275,6 +284,12 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
                    fmt::format("transfer {} already sent to decoder rank {}", id, d_rank)),
             {}};
   }
+  if ((e.released_mask >> d_rank) & 1) {
+    return {V::kFail,
+            Status(ErrorCode::kCancelled,
+                   fmt::format("decoder rank {} released transfer {}", d_rank, id)),
+            {}};
+  }
   if (e.phase == HoldPhase::kReady) return {V::kReady, {}, {}};
   if ((e.waiting_mask >> d_rank) & 1) {
     return {V::kFail,
@@ -282,7 +297,7 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
                    fmt::format("decoder rank {} already waits for transfer {}", d_rank, id)),
             {}};
   }
-  if (e.waiting_mask == 0) e.wait_deadline = now + config_.abort_request_timeout;
+  if (e.wait_deadline == kNever) e.wait_deadline = now + config_.abort_request_timeout;
   e.waiting_mask |= std::uint64_t{1} << d_rank;
   Rearm(e);
   return {V::kWait, {}, e.wait_deadline};
@@ -298,10 +313,10 @@ Status HoldTable::BeginSend(const TransferId& id, std::uint32_t d_rank, TimePoin
   if (e->phase != HoldPhase::kReady) {
     return Status(ErrorCode::kInvalidArgument, fmt::format("transfer {} is not ready", id));
   }
-  if (d_rank >= 64 || (((e->sent_mask | e->sending_mask) >> d_rank) & 1)) {
-    return Status(
-        ErrorCode::kAlreadyExists,
-        fmt::format("transfer {} already sent or sending to decoder rank {}", id, d_rank));
+  if (d_rank >= 64 || (((e->sent_mask | e->sending_mask | e->released_mask) >> d_rank) & 1)) {
+    return Status(ErrorCode::kAlreadyExists,
+                  fmt::format("transfer {} already sent, sending or released to decoder rank {}",
+                              id, d_rank));
   }
   if (e->doomed) {
     return Status(ErrorCode::kCancelled, fmt::format("transfer {} is being released", id));
@@ -322,18 +337,78 @@ Status HoldTable::EndSend(const TransferId& id, std::uint32_t d_rank, bool ok, T
   e->sending_mask &= ~bit;
   --stats_.sending;
   if (ok) e->sent_mask |= bit;
-  if (e->need_send > 0 && std::popcount(e->sent_mask) >= e->need_send) {
-    // Every paired rank has its KV; still, never free under a write that is reading.
-    ReleaseOrDoom(*e, ReleaseReason::kSent, {}, now);  // may erase *e
-    return Status::Ok();
-  }
+  // Every paired rank has its KV (or released it); still, never free under a write that reads.
+  if (MaybeDone(*e, now)) return Status::Ok();  // *e may be gone
   if (e->sending_mask != 0) return Status::Ok();
   if (e->doomed) {
-    Release(*e, e->doom_reason, Status(ErrorCode::kCancelled, "transfer released"), now);
+    Release(*e, e->doom_reason, e->doom_status, now);
     return Status::Ok();
   }
   Rearm(*e);  // expiry was deferred while sending
   return Status::Ok();
+}
+
+bool HoldTable::MaybeDone(Entry& e, TimePoint now) {
+  if (e.need_send == 0 || std::popcount(e.sent_mask | e.released_mask) < e.need_send) return false;
+  if (e.released_mask == 0) {
+    ReleaseOrDoom(e, ReleaseReason::kSent, {}, now);
+  } else {
+    ReleaseOrDoom(
+        e, ReleaseReason::kReleasedByDecoder,
+        Status(ErrorCode::kCancelled, fmt::format("transfer {} was released by its decoder", e.id)),
+        now);
+  }
+  return true;
+}
+
+HoldTable::ReleaseOutcome HoldTable::ReleaseByDecoder(Fingerprint fp, std::uint32_t d_rank,
+                                                      std::uint32_t need_send, TimePoint now) {
+  using V = ReleaseOutcome::Verdict;
+  auto ignored = [&](Status why) {
+    ++stats_.decoder_releases_ignored;
+    return ReleaseOutcome{V::kIgnored, std::move(why)};
+  };
+  if (d_rank >= 64 || need_send == 0 || need_send > 64) {
+    return ignored(Status(
+        ErrorCode::kOutOfRange,
+        fmt::format("release: d_rank {} / need_send {} outside 0..63 / 1..64", d_rank, need_send)));
+  }
+  if (tombstones_.count(fp) != 0) {
+    ++stats_.tombstone_hits;
+    return ignored({});  // already freed: the release is late or repeated
+  }
+  auto it = entries_.find(fp);
+  if (it == entries_.end()) {
+    if (need_send != 1) return ignored({});  // see the header: the lease bounds it
+    // Usually D gave up before P even admitted the request: P must not prefill it.
+    AddTombstone(fp, now);
+    ++stats_.decoder_releases;
+    return {V::kTombstoned, {}};
+  }
+  Entry& e = it->second;
+  const std::uint64_t bit = std::uint64_t{1} << d_rank;
+  if (e.need_send == 0) {
+    e.need_send = static_cast<std::uint16_t>(need_send);
+  } else if (e.need_send != need_send) {
+    return ignored(Status(ErrorCode::kInvalidArgument,
+                          fmt::format("release of {} says {} decoder ranks pull it, the first "
+                                      "pull said {}",
+                                      e.id, need_send, e.need_send)));
+  }
+  if (((e.sent_mask | e.released_mask) & bit) != 0) return ignored({});
+  e.released_mask |= bit;
+  ++stats_.decoder_releases;
+  if ((e.waiting_mask & bit) != 0) {
+    // Only this rank's waiting pull fails; the other ranks' go on waiting.
+    e.waiting_mask &= ~bit;
+    events_.push_back({HoldEvent::Kind::kPullsFailed, e.id, e.handle,
+                       ReleaseReason::kReleasedByDecoder,
+                       Status(ErrorCode::kCancelled,
+                              fmt::format("decoder rank {} released transfer {}", d_rank, e.id)),
+                       bit});
+  }
+  if (MaybeDone(e, now)) return {V::kReleased, {}};
+  return {V::kKept, {}};
 }
 
 void HoldTable::Expire(TimePoint now) {
@@ -393,14 +468,26 @@ void HoldTable::Rearm(Entry& e) {
 }
 
 void HoldTable::Release(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now) {
+  if (pull_error.ok() && LeftDecoderWaiting(reason)) {
+    // What a decoder still waiting for it hears (wire::AbortNotice): an expired entry is what a
+    // late pull would find, TOMBSTONED.
+    pull_error =
+        reason == ReleaseReason::kExpired
+            ? Status(ErrorCode::kTombstoned,
+                     fmt::format("transfer {} expired on P before it was pulled", e.id))
+            : Status(ErrorCode::kCancelled,
+                     fmt::format("transfer {} was released on P ({})", e.id, ToString(reason)));
+  }
   if (e.waiting_mask != 0) {
-    events_.push_back({HoldEvent::Kind::kPullsFailed, e.id, e.handle, reason, pull_error});
+    events_.push_back(
+        {HoldEvent::Kind::kPullsFailed, e.id, e.handle, reason, pull_error, e.waiting_mask});
   }
   if (e.phase == HoldPhase::kReady) {
     events_.push_back({HoldEvent::Kind::kFreeBlocks, e.id, e.handle, reason, {}});
   } else if (e.phase == HoldPhase::kPrefilling && reason != ReleaseReason::kAbortedByEngine) {
     events_.push_back({HoldEvent::Kind::kAbortPrefill, e.id, e.handle, reason, {}});
   }
+  events_.push_back({HoldEvent::Kind::kReleased, e.id, e.handle, reason, pull_error});
   ++stats_.released[reason];
   --stats_.entries[e.phase];
   if (e.phase == HoldPhase::kReady) stats_.blocks_ready -= e.num_blocks;

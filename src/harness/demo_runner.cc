@@ -962,12 +962,11 @@ void ScenarioC(Env& env) {
     const auto it = dm.find(k);
     return it == dm.end() ? 0.0 : it->second;
   };
-  // Without a lease P keeps the KV of a request whose WRITE it reported as failed until its
-  // abort_request_timeout (a failed send does not count as sent; behaviour unchanged from
-  // today's), so P's pool ends holding exactly those requests' blocks.
-  const double failed_blocks =
-      static_cast<double>(total.failed) * BlocksFor(p.prompt, p.block_tokens);
-  (void)WaitFor([&] { return MetricOf(*P, "kvferry_kv_blocks_used") == failed_blocks; }, 10);
+  // A failed send does not count as sent, so without a lease P would keep the KV of a request
+  // whose WRITE it reported as failed until its abort_request_timeout (as the seed's P does).
+  // D releases a request whose receive failed (wire::Release), so P frees those too: its
+  // pool ends empty.
+  (void)WaitFor([&] { return MetricOf(*P, "kvferry_kv_blocks_used") == 0; }, 10);
   EndState c_p_end;
   c_p_end.checked = true;
   c_p_end.blocks_used = MetricOf(*P, "kvferry_kv_blocks_used");
@@ -1034,11 +1033,10 @@ void ScenarioC(Env& env) {
             "C: D verified every received block (0 corrupt)");
   env.Check(total.failed > 0,
             fmt::format("C: the injected errors reached D ({} requests failed)", total.failed));
-  env.Check(c_p_end.blocks_used == failed_blocks && c_d_end.drained(),
-            fmt::format("C: D's pool back to empty, nothing corrupt ({}); P holds only the {} "
-                        "requests whose WRITE failed, until their timeout ({} of {:.0f} "
-                        "expected)",
-                        c_d_end.Text(), total.failed, c_p_end.Text(), failed_blocks));
+  env.Check(c_p_end.blocks_used == 0 && c_d_end.drained(),
+            fmt::format("C: D's pool back to empty, nothing corrupt ({}); P's too, also the {} "
+                        "requests whose WRITE failed: D released them ({})",
+                        c_d_end.Text(), total.failed, c_p_end.Text()));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -351,6 +351,7 @@ Status ServingEngine::Impl::StartRanks() {
           std::chrono::ceil<std::chrono::milliseconds>(options.hold.abort_request_timeout);
       o.write_bound = options.write_bound;
       o.pull_timeout = options.pull_timeout;
+      o.send_releases = options.send_releases;
       auto warn = [this, rank](std::string_view message) {
         spdlog::warn("[{} r{}] {}", options.engine_id, rank, message);
       };
@@ -373,7 +374,7 @@ void ServingEngine::Impl::Collect(std::uint32_t rank) {
   while (!collectors_stop.load()) {
     runtime::DecodeFinished finished =
         decode[rank]->WaitFinished(Clock::now() + std::chrono::milliseconds(100));
-    if (finished.received.empty() && finished.released.empty()) continue;
+    if (finished.empty()) continue;
     {
       std::lock_guard<std::mutex> lock(mu);
       inbox.recvs.push_back({rank, std::move(finished)});
@@ -414,6 +415,17 @@ void ServingEngine::Shutdown() {
 // Submit / Abort (HTTP threads)
 
 Result<std::shared_ptr<RequestStream>> ServingEngine::Submit(const CompletionSpec& spec) {
+  Result<std::shared_ptr<RequestStream>> queued = Enqueue(spec);
+  if (!queued && options_.role == Role::kDecode && spec.kind == RequestKind::kRemotePrefill) {
+    // Refused here: P must not prefill it and hold its KV for nobody.
+    const runtime::RemoteSource source{spec.transfer_id, spec.remote_engine_id,
+                                       spec.remote_bootstrap_addr};
+    for (auto& worker : impl_->decode) worker->ReleaseTransfer(source);
+  }
+  return queued;
+}
+
+Result<std::shared_ptr<RequestStream>> ServingEngine::Enqueue(const CompletionSpec& spec) {
   Impl& impl = *impl_;
   const EngineOptions& o = options_;
   const std::uint32_t bt = o.geometry.block_tokens;
@@ -504,14 +516,18 @@ void ServingEngine::Abort(std::uint64_t handle) {
 // The engine thread
 
 void ServingEngine::Impl::Loop() {
+  bool admitted = false;  // the last Schedule() took a request: the next may take another
   while (true) {
     Inbox in;
     bool stop = false;
     {
       std::unique_lock<std::mutex> lock(mu);
-      // Idle: sleep until something arrives (bounded, so gauges stay fresh).
-      const auto deadline = Clock::now() + (running.empty() ? std::chrono::milliseconds(200)
-                                                            : std::chrono::milliseconds(0));
+      // Idle: sleep until something arrives (bounded, so gauges stay fresh). Not idle while a
+      // request runs or was just admitted: with --max-running 1 a queue of short requests
+      // would otherwise wait 200 ms each.
+      const bool idle = running.empty() && !admitted;
+      const auto deadline =
+          Clock::now() + (idle ? std::chrono::milliseconds(200) : std::chrono::milliseconds(0));
       cv.wait_until(lock, deadline, [&] { return stopping || !inbox.empty(); });
       std::swap(in, inbox);
       stop = stopping;
@@ -522,7 +538,9 @@ void ServingEngine::Impl::Loop() {
       Publish();
       return;
     }
+    const std::size_t queued_before = waiting.size() + ready.size();
     Schedule();
+    admitted = waiting.size() + ready.size() < queued_before;
     RunStep();
     Publish();
   }
@@ -620,6 +638,16 @@ void ServingEngine::Impl::ApplyRecv(RecvNote& note) {
     if (r == nullptr) continue;
     r->quarantined_ranks.erase(note.rank);
     MaybeRelease(*r);
+  }
+  for (auto& [request, why] : note.finished.aborted) {
+    // P dropped the transfer while the request queued here: fail it now with P's reason
+    // instead of pulling late (every rank hears it; the first one answers).
+    auto it = by_id.find(request);
+    Request* r = it == by_id.end() ? nullptr : Find(it->second);
+    if (r == nullptr || r->answered || r->load_started) continue;
+    CountFailure("prefill_aborted");
+    Finish(*r, Status(why.code(), "KV transfer aborted by the prefill instance: " + why.message()),
+           503);
   }
 }
 
@@ -1028,7 +1056,8 @@ std::string ServingEngine::RenderMetrics() {
     std::uint64_t renew_acc = 0, renew_rej = 0, renew_ext = 0, renew_unknown = 0, late = 0,
                   hits = 0, tombstones = 0, pulls = 0, pull_errors = 0, writes_failed = 0,
                   writes_started = 0, malformed = 0, mismatches = 0, bytes = 0, in_flight = 0,
-                  writes_unsettled = 0;
+                  writes_unsettled = 0, notices = 0;
+    std::map<std::string, std::uint64_t> releases;  // released fingerprints by outcome
     // Refusals of what a peer pushed against P's limits, by kind (hostile or broken D).
     std::map<std::string, std::uint64_t> refused;
     for (auto& worker : impl.prefill) {
@@ -1052,6 +1081,11 @@ std::string ServingEngine::RenderMetrics() {
       mismatches += ls.lease_mismatches;
       in_flight += ls.writes_in_flight;
       writes_unsettled += ls.writes_unsettled;
+      releases["released"] += ls.released_entries;
+      releases["kept"] += ls.released_kept;
+      releases["unknown"] += ls.released_unknown;
+      notices += ls.notified_transfers;
+      refused["release_refused"] += ls.releases_refused;
       refused["unpaired_pull"] += ls.pulls_unpaired;
       refused["pulls_in_progress_limit"] += ls.pulls_over_limit;
       refused["duplicate_pull"] += ls.pulls_duplicate;
@@ -1099,6 +1133,14 @@ std::string ServingEngine::RenderMetrics() {
     }
     w.Single("kvferry_late_pulls_rejected_total", "counter",
              "Pulls failed at once: KV already freed", static_cast<double>(late));
+    w.Family("kvferry_releases_received_total", "counter",
+             "Transfers D released, by what P did (freed, left to other D ranks, not held)");
+    for (const auto& [outcome, n] : releases) {
+      w.Sample("kvferry_releases_received_total", static_cast<double>(n), {{"outcome", outcome}});
+    }
+    w.Single("kvferry_abort_notices_sent_total", "counter",
+             "Transfers P dropped and told the renewing D ranks about",
+             static_cast<double>(notices));
     w.Single("kvferry_tombstone_hits_total", "counter", "Calls that found a tombstone",
              static_cast<double>(hits));
     w.Single("kvferry_tombstones", "gauge", "Remembered freed transfer ids",
@@ -1133,6 +1175,10 @@ std::string ServingEngine::RenderMetrics() {
     runtime::DecodeWorkerStats d;
     for (auto& worker : impl.decode) {
       runtime::DecodeWorkerStats x = worker->Stats();
+      d.releases_sent += x.releases_sent;
+      d.releases_dropped += x.releases_dropped;
+      d.release_failures += x.release_failures;
+      d.transfers_aborted += x.transfers_aborted;
       d.pulls_sent += x.pulls_sent;
       d.pull_timeouts += x.pull_timeouts;
       d.late_replies += x.late_replies;
@@ -1173,6 +1219,17 @@ std::string ServingEngine::RenderMetrics() {
              static_cast<double>(d.renewals_rejected));
     w.Single("kvferry_renewal_failures_total", "counter", "Renewals that got no reply",
              static_cast<double>(d.renewal_failures));
+    w.Single("kvferry_releases_sent_total", "counter",
+             "Transfers released to P (per P rank) as soon as D no longer needed them",
+             static_cast<double>(d.releases_sent));
+    w.Single("kvferry_releases_dropped_total", "counter",
+             "Releases not sent (P engine unreachable or without support): its lease frees them",
+             static_cast<double>(d.releases_dropped));
+    w.Single("kvferry_release_failures_total", "counter", "Release messages P did not accept",
+             static_cast<double>(d.release_failures));
+    w.Single("kvferry_abort_notices_applied_total", "counter",
+             "Queued requests failed at once because P dropped their transfer",
+             static_cast<double>(d.transfers_aborted));
     w.Single("kvferry_renewal_tracked", "gauge", "Requests D renews (all ranks)",
              static_cast<double>(d.tracked));
     w.Single("kvferry_quarantined_blocks", "gauge",

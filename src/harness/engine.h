@@ -78,6 +78,7 @@ struct EngineOptions {
   core::Duration lease{0};
   std::chrono::milliseconds pull_timeout{600000};
   std::chrono::milliseconds write_bound{70000};  // runtime::DecodeWorkerOptions::write_bound
+  bool send_releases = true;                     // runtime::DecodeWorkerOptions::send_releases
   // Optional JSON-lines trace (block alloc/free on both roles, WRITE start/end on P).
   std::shared_ptr<TraceFile> trace;
   // UCX: how ranks name their workers in UCX logs.
@@ -137,6 +138,8 @@ class ServingEngine {
   // Queues a request. Errors: kInvalidArgument (does not fit this instance, wrong kind for the
   // role), kAlreadyExists (the transfer is already held here), kTombstoned (P freed that transfer
   // earlier: nobody will pull it), kResourceExhausted (queue full), kUnavailable (shutting down).
+  // A remote-prefill request D refuses is released to its P at once (P neither prefills nor
+  // holds it).
   [[nodiscard]] Result<std::shared_ptr<RequestStream>> Submit(const CompletionSpec& spec);
   // The client went away: finish the request early (its blocks follow the normal rules).
   void Abort(std::uint64_t handle);
@@ -153,6 +156,7 @@ class ServingEngine {
  private:
   struct Impl;
   explicit ServingEngine(EngineOptions options);
+  Result<std::shared_ptr<RequestStream>> Enqueue(const CompletionSpec& spec);
   EngineOptions options_;
   std::unique_ptr<Impl> impl_;
 };

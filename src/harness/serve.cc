@@ -96,6 +96,7 @@ int RunServe(const ServeOptions& options) {
   eo.hold.lease = config->lease;
   eo.hold.abort_request_timeout = config->abort_request_timeout;
   eo.lease = config->lease;
+  eo.send_releases = config->release;
   eo.incarnation = RandomHex();
   eo.faults.err_after_write_fraction = options.fault_err_after_write;
   eo.faults.max_write_delay = std::chrono::milliseconds(options.fault_write_delay_ms);

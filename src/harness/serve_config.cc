@@ -88,6 +88,11 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view text,
           if (!timeout) return tl::unexpected(timeout.error());
           config.abort_request_timeout = *timeout;
           abort_from_json = true;
+        } else if (extra_key == "kv_release") {
+          if (!extra.is_boolean()) {
+            return Err(ErrorCode::kInvalidArgument, "kv_release must be true or false");
+          }
+          config.release = extra.get<bool>();
         } else if (extra_key == "bootstrap_port") {
           if (!extra.is_number_integer() || extra.get<std::int64_t>() < 0 ||
               extra.get<std::int64_t>() > 65535) {

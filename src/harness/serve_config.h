@@ -4,7 +4,7 @@
 //   {"kv_connector": "...", "kv_role": "kv_producer" | "kv_consumer", "engine_id": "...",
 //    "kv_load_failure_policy": "fail",
 //    "kv_connector_extra_config": {"kv_lease_duration": 30, "abort_request_timeout": 480,
-//                                  "bootstrap_port": 8998}}
+//                                  "bootstrap_port": 8998, "kv_release": true}}
 //
 // Unknown keys are accepted and reported as warnings (vLLM's configs carry many keys the harness
 // has no use for); malformed JSON, wrong types and out-of-range values are errors.
@@ -31,6 +31,9 @@ struct KvTransferConfig {
   core::Duration lease{0};   // kv_lease_duration; 0 = off
   core::Duration abort_request_timeout = std::chrono::seconds(480);
   int bootstrap_port = 8998;  // P: where its embedded bootstrap service listens (0: any)
+  // D: release a transfer to P as soon as its request no longer needs it (wire::Release).
+  // false only to measure what that saves; the lease (or timeout) still frees P's KV.
+  bool release = true;
   std::string kv_load_failure_policy = "fail";
   std::vector<std::string> warnings;  // one line per ignored key
 };

@@ -67,6 +67,9 @@ Status DecodeSession::ValidateOptions(const DecodeSessionOptions& o) {
   if (o.lookup_timeout.count() <= 0 || o.lookup_failure_ttl.count() < 0) {
     return bad("lookup_timeout must be > 0 and lookup_failure_ttl >= 0");
   }
+  if (o.release_delay.count() < 0 || o.release_reply_timeout.count() <= 0) {
+    return bad("release_delay must be >= 0 and release_reply_timeout > 0");
+  }
   return Status::Ok();
 }
 
@@ -93,18 +96,55 @@ void DecodeSession::OnNewRequest(const core::RequestId& request, const RemoteSou
                                  TimePoint now) {
   (void)now;
   Engine(source.engine_id, source.bootstrap_address);
-  if (options_.lease.count() == 0) return;
-  if (tracked_.try_emplace(request, source.transfer_id).second) {
-    renewals_.Track(source.transfer_id, source.engine_id);
+  auto [it, inserted] =
+      tracked_.try_emplace(request, Tracked{source.transfer_id, source.engine_id, false});
+  if (inserted) by_transfer_.emplace(source.transfer_id, request);
+  if (options_.lease.count() > 0 && !it->second.renewed) {
+    renewals_.Track(it->second.transfer, it->second.engine);
+    it->second.renewed = true;
   }
 }
 
 void DecodeSession::RequestFinished(const core::RequestId& request, TimePoint now) {
-  (void)now;
+  // After a successful receive the request is no longer tracked: nothing to release.
+  Untrack(request, /*release=*/true, now);
+}
+
+void DecodeSession::ReleaseTransfer(const RemoteSource& source, TimePoint now) {
+  if (source.transfer_id.empty() || source.engine_id.empty() ||
+      by_transfer_.count(source.transfer_id) != 0) {
+    return;
+  }
+  // Tracked under a name no engine request can have (engine ids never start with a NUL).
+  const core::RequestId name = std::string(1, '\0') + source.transfer_id;
+  OnNewRequest(name, source, now);
+  Untrack(name, /*release=*/true, now);
+}
+
+void DecodeSession::Untrack(const core::RequestId& request, bool release, TimePoint now) {
   auto it = tracked_.find(request);
   if (it == tracked_.end()) return;
-  renewals_.Untrack(it->second);
+  Tracked t = std::move(it->second);
   tracked_.erase(it);
+  for (auto [b, e] = by_transfer_.equal_range(t.transfer); b != e; ++b) {
+    if (b->second == request) {
+      by_transfer_.erase(b);
+      break;
+    }
+  }
+  if (t.renewed) renewals_.Untrack(t.transfer);
+  if (!release || !options_.send_releases) return;
+  EngineState& state = Engine(t.engine, "");
+  if (state.releases_unsupported) {
+    ++counters_.releases_dropped;
+    return;
+  }
+  state.pending_releases.push_back(core::FingerprintOf(t.transfer));
+  if (options_.release_delay.count() == 0) {
+    FlushReleases(now);
+  } else {
+    release_due_ = std::min(release_due_, now + options_.release_delay);
+  }
 }
 
 Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSource& source,
@@ -135,11 +175,14 @@ Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSour
     }
   }
   loading_.insert(request);
+  if (tracked_.try_emplace(request, Tracked{source.transfer_id, source.engine_id, false}).second) {
+    by_transfer_.emplace(source.transfer_id, request);  // to release it if the receive fails
+  }
   Load load{request, source, std::move(blocks)};
   if (state.view && !state.view_stale) {
     SendLoad(std::move(load), *state.view, now);
   } else if (!state.view && state.failed_until > now) {
-    FailLoad(std::move(load), state.failure);  // the engine is known unreachable: fail at once
+    FailLoad(std::move(load), state.failure, now);  // the engine is known unreachable: fail at once
   } else {
     state.waiting_loads.push_back(std::move(load));
     RequestLookup(source.engine_id, state, now);
@@ -167,6 +210,7 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now) {
     // A new process (or another registration of the same id). It only adds peers: the old
     // process's pulls end by their own replies or by a fence, never by this lookup.
     renewals_.ResetEngine(engine.engine_id);
+    state.releases_unsupported = false;  // the new process may be a newer build
     events_out_.push_back(Warning{
         Warning::Kind::kIncarnation,
         fmt::format(
@@ -182,6 +226,10 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now) {
   state.waiting_renewals.clear();
   for (Load& load : loads) SendLoad(std::move(load), engine, now);
   for (const auto& ids : batches) SendRenewals(engine.engine_id, engine, ids, now);
+  if (!state.waiting_releases.empty()) {
+    std::vector<core::Fingerprint> releases = std::exchange(state.waiting_releases, {});
+    SendReleases(engine.engine_id, engine, releases, now);
+  }
 }
 
 void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& why, TimePoint now) {
@@ -199,6 +247,10 @@ void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& w
     state.waiting_renewals.clear();
     for (Load& load : loads) SendLoad(std::move(load), *state.view, now);
     for (const auto& ids : batches) SendRenewals(engine, *state.view, ids, now);
+    if (!state.waiting_releases.empty()) {
+      std::vector<core::Fingerprint> releases = std::exchange(state.waiting_releases, {});
+      SendReleases(engine, *state.view, releases, now);
+    }
     return;
   }
   state.failed_until = now + options_.lookup_failure_ttl;
@@ -208,7 +260,9 @@ void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& w
   state.waiting_loads.clear();
   counters_.renewal_failures += state.waiting_renewals.size();
   state.waiting_renewals.clear();
-  for (Load& load : loads) FailLoad(std::move(load), state.failure);
+  counters_.releases_dropped += state.waiting_releases.size();  // the lease frees them
+  state.waiting_releases.clear();
+  for (Load& load : loads) FailLoad(std::move(load), state.failure, now);
 }
 
 // ---- pulls ----
@@ -256,7 +310,7 @@ void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
   Status why;
   std::optional<std::vector<std::uint32_t>> targets = Targets(view, &why);
   if (!targets) {
-    FailLoad(std::move(load), why);
+    FailLoad(std::move(load), why, now);
     return;
   }
   std::vector<EndpointId> endpoints;
@@ -292,10 +346,10 @@ void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
     ++counters_.pulls_sent;
     messages_out_.push_back({endpoints[i], ep.address, std::move(pull)});
   }
-  DrainLedger();
+  DrainLedger(now);
 }
 
-void DecodeSession::FailLoad(Load load, Status why) {
+void DecodeSession::FailLoad(Load load, Status why, TimePoint now) {
   // Nothing was sent to any peer: the receive completes at once as failed (SPEC §3 rule 4).
   Status begun = ledger_->Begin(load.request, load.blocks, {}, why);
   if (!begun.ok()) {
@@ -304,7 +358,7 @@ void DecodeSession::FailLoad(Load load, Status why) {
     events_out_.push_back(ReceiveDone{load.request, false, begun, std::move(load.blocks), false});
     return;
   }
-  DrainLedger();
+  DrainLedger(now);
 }
 
 void DecodeSession::ForgetPull(EndpointId endpoint, std::map<std::uint64_t, PullOp>::iterator op) {
@@ -321,15 +375,18 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
   }
   Endpoint& ep = endpoints_[endpoint];
   std::uint64_t id = response.id;
-  if (id == 0 && ep.pulls.size() + ep.renewals.size() == 1) {
+  if (id == 0 && ep.pulls.size() + ep.renewals.size() + ep.releases.size() == 1) {
     // P could not read the id (protocol §1): only the one message outstanding can be meant —
-    // a pull, or a renewal an old P could not dispatch. With several outstanding nothing is
-    // settled (an ERROR meant for a renewal must never settle a pull P may be writing): their
-    // own deadlines decide.
-    id = ep.pulls.empty() ? ep.renewals.begin()->first : ep.pulls.begin()->first;
+    // a pull, or a renewal or release an old P could not dispatch. With several outstanding
+    // nothing is settled (an ERROR meant for a renewal must never settle a pull P may be
+    // writing): their own deadlines decide.
+    id = !ep.pulls.empty()      ? ep.pulls.begin()->first
+         : !ep.renewals.empty() ? ep.renewals.begin()->first
+                                : ep.releases.begin()->first;
   }
   auto op = ep.pulls.find(id);
   if (op == ep.pulls.end() && response.status == wire::PullStatus::kError) {
+    if (ReleaseRefused(endpoint, id, response)) return;
     if (ep.renewals.count(id) != 0) {
       // A P that predates renewals cannot dispatch one and answers ERROR (protocol §6): the
       // same as a rejection — warn once, stop renewing, keep pulling.
@@ -355,7 +412,7 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
                           Status(ErrorCode::kNotFound, "late FINISH without the request"));
   }
   if (Answers(response, request)) ForgetPull(endpoint, op);
-  DrainLedger();
+  DrainLedger(now);
 }
 
 void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
@@ -370,13 +427,18 @@ void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, con
         Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
                fmt::format("pull to {} not sent: {}", ep.address, why.message())));
     ForgetPull(endpoint, op);
-    DrainLedger();
+    DrainLedger(now);
     return;
   }
   if (auto op = ep.renewals.find(wire_id); op != ep.renewals.end()) {
     ++counters_.renewal_failures;
     renewal_deadlines_.erase({op->second.deadline, endpoint, wire_id});
     ep.renewals.erase(op);
+  }
+  if (auto op = ep.releases.find(wire_id); op != ep.releases.end()) {
+    ++counters_.release_failures;
+    release_deadlines_.erase({op->second.deadline, endpoint, wire_id});
+    ep.releases.erase(op);
   }
 }
 
@@ -408,7 +470,7 @@ void DecodeSession::ExpirePulls(TimePoint now) {
     if (engine != engines_.end()) engine->second.view_stale = true;  // ask again next time
     AskFence(endpoint);
   }
-  DrainLedger();
+  DrainLedger(now);
 }
 
 // ---- fences ----
@@ -466,7 +528,7 @@ void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, Ti
       ++op;
     }
   }
-  DrainLedger();
+  DrainLedger(now);
 }
 
 void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why, TimePoint now) {
@@ -483,7 +545,11 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
                          fmt::format("prefill engine {} is down: {}", engine, why.message()));
   std::vector<Load> loads = std::move(state.waiting_loads);
   state.waiting_loads.clear();
-  for (Load& load : loads) FailLoad(std::move(load), state.failure);
+  // Its KV went with it: nothing to release.
+  counters_.releases_dropped += state.waiting_releases.size() + state.pending_releases.size();
+  state.waiting_releases.clear();
+  state.pending_releases.clear();
+  for (Load& load : loads) FailLoad(std::move(load), state.failure, now);
   if (!view) return;
   for (const std::string& address : view->side_channels) {
     auto ep = endpoint_of_.find(address);
@@ -509,6 +575,7 @@ void DecodeSession::SendRenewals(const core::EngineId& engine, const PeerEngine&
     renewal.d_engine_id = options_.engine_id;
     renewal.d_lease_ms = Millis(options_.lease);
     renewal.fingerprints.assign(ids.begin(), ids.end());
+    renewal.accepts_notices = true;  // OnAbortNotice reads them
     const TimePoint deadline = now + renewal_reply_timeout_;
     ep.renewals.emplace(renewal.id, RenewalOp{engine, deadline});
     renewal_deadlines_.insert({deadline, endpoint, renewal.id});
@@ -583,6 +650,171 @@ void DecodeSession::OnRenewalReply(EndpointId endpoint, const wire::RenewalReply
   }
 }
 
+// ---- releases and notices ----
+
+void DecodeSession::FlushReleases(TimePoint now) {
+  release_due_ = core::kNever;
+  for (auto& [engine, state] : engines_) {
+    if (state.pending_releases.empty()) continue;
+    std::vector<core::Fingerprint> ids = std::exchange(state.pending_releases, {});
+    if (state.view) {
+      // A stale view still names the process that holds the KV.
+      SendReleases(engine, *state.view, ids, now);
+    } else if (state.failed_until > now) {
+      counters_.releases_dropped += ids.size();  // known unreachable: the lease frees them
+    } else {
+      state.waiting_releases.insert(state.waiting_releases.end(), ids.begin(), ids.end());
+      RequestLookup(engine, state, now);
+    }
+  }
+}
+
+void DecodeSession::SendReleases(const core::EngineId& engine, const PeerEngine& view,
+                                 std::span<const core::Fingerprint> ids, TimePoint now) {
+  Status why;
+  std::optional<std::vector<std::uint32_t>> targets = Targets(view, &why);
+  if (!targets) {
+    counters_.releases_dropped += ids.size();
+    return;
+  }
+  for (std::size_t at = 0; at < ids.size(); at += wire::kMaxFingerprintsPerRelease) {
+    const std::size_t n = std::min(ids.size() - at, wire::kMaxFingerprintsPerRelease);
+    for (std::uint32_t rank : *targets) {
+      const EndpointId endpoint = EndpointFor(view.side_channels[rank]);
+      Endpoint& ep = endpoints_[endpoint];
+      wire::Release release;
+      release.id = ++ep.next_id;
+      release.d_engine_id = options_.engine_id;
+      release.d_tp_size = options_.tp_size;
+      release.d_tp_rank = options_.tp_rank;
+      release.fingerprints.assign(ids.begin() + static_cast<long>(at),
+                                  ids.begin() + static_cast<long>(at + n));
+      const TimePoint deadline = now + options_.release_reply_timeout;
+      ep.releases.emplace(release.id, ReleaseOp{engine, deadline});
+      release_deadlines_.insert({deadline, endpoint, release.id});
+      ++counters_.release_messages;
+      counters_.releases_sent += n;
+      messages_out_.push_back({endpoint, ep.address, std::move(release)});
+    }
+  }
+}
+
+void DecodeSession::OnReleaseReply(EndpointId endpoint, const wire::ReleaseReply& reply,
+                                   TimePoint now) {
+  (void)now;
+  if (endpoint >= endpoints_.size()) {
+    ++counters_.replies_unmatched;
+    return;
+  }
+  Endpoint& ep = endpoints_[endpoint];
+  auto op = ep.releases.find(reply.id);
+  if (op == ep.releases.end()) {
+    ++counters_.replies_unmatched;
+    return;
+  }
+  release_deadlines_.erase({op->second.deadline, endpoint, reply.id});
+  ep.releases.erase(op);
+  if (reply.status != wire::ReleaseStatus::kAccepted) {
+    ++counters_.release_failures;
+    return;
+  }
+  counters_.p_released += reply.released;
+  counters_.p_kept += reply.kept;
+  counters_.p_unknown += reply.unknown;
+}
+
+bool DecodeSession::ReleaseRefused(EndpointId endpoint, std::uint64_t id,
+                                   const wire::PullResponse& error) {
+  Endpoint& ep = endpoints_[endpoint];
+  auto op = ep.releases.find(id);
+  if (op == ep.releases.end()) return false;
+  const core::EngineId engine = op->second.engine;
+  release_deadlines_.erase({op->second.deadline, endpoint, id});
+  ep.releases.erase(op);
+  ++counters_.release_failures;
+  // Only "cannot read this message" (PROTOCOL: an unknown type) means an old P; any other
+  // ERROR failed this one release.
+  if (error.code != ErrorCode::kProtocol) return true;
+  const std::string& message = error.message;
+  // A P that predates releases cannot dispatch one (protocol §6): stop sending them to it.
+  EngineState& state = engines_[engine];
+  if (!state.releases_unsupported) {
+    state.releases_unsupported = true;
+    events_out_.push_back(Warning{
+        Warning::Kind::kNoRelease,
+        fmt::format("prefill engine {} cannot read releases ({}): its KV of aborted requests "
+                    "is freed by its lease or timeout only",
+                    engine, message)});
+  }
+  counters_.releases_dropped += state.pending_releases.size() + state.waiting_releases.size();
+  state.pending_releases.clear();
+  state.waiting_releases.clear();
+  return true;
+}
+
+void DecodeSession::OnAbortNotice(EndpointId endpoint, const wire::AbortNotice& notice,
+                                  TimePoint now) {
+  ++counters_.notices_received;
+  const std::string* address =
+      endpoint < endpoints_.size() ? &endpoints_[endpoint].address : nullptr;
+  for (const wire::AbortedTransfer& aborted : notice.aborted) {
+    std::vector<core::RequestId> requests;
+    for (auto [b, e] = by_transfer_.equal_range(aborted.transfer_id); b != e; ++b) {
+      requests.push_back(b->second);
+    }
+    if (requests.empty()) ++counters_.notices_ignored;
+    for (const core::RequestId& request : requests) {
+      const Tracked& t = tracked_.at(request);
+      // Only the engine the request pulls from can abort it, through one of its own side
+      // channels: nobody else can fail D's requests by naming their transfers.
+      auto state = engines_.find(t.engine);
+      const bool from_its_engine = address != nullptr && t.engine == notice.p_engine_id &&
+                                   state != engines_.end() && state->second.view &&
+                                   std::find(state->second.view->side_channels.begin(),
+                                             state->second.view->side_channels.end(),
+                                             *address) != state->second.view->side_channels.end();
+      if (!from_its_engine) {
+        ++counters_.notices_ignored;
+        continue;
+      }
+      if (loading_.count(request) != 0) continue;  // its pull's answer settles it
+      ++counters_.transfers_aborted;
+      events_out_.push_back(TransferAborted{
+          request, Status(aborted.code == ErrorCode::kOk ? ErrorCode::kCancelled : aborted.code,
+                          fmt::format("prefill engine {} rank {} dropped transfer {}: {}",
+                                      notice.p_engine_id, notice.p_tp_rank, aborted.transfer_id,
+                                      aborted.reason))});
+      Untrack(request, /*release=*/false, now);  // P freed it already
+    }
+  }
+}
+
+void DecodeSession::OnMessage(EndpointId endpoint, std::span<const std::uint8_t> payload,
+                              TimePoint now) {
+  Result<wire::MessageType> type = wire::PeekType(payload);
+  if (type) {
+    switch (*type) {
+      case wire::MessageType::kPullResponse:
+        if (auto m = wire::DecodePullResponse(payload)) return OnPullResponse(endpoint, *m, now);
+        break;
+      case wire::MessageType::kRenewalReply:
+        if (auto m = wire::DecodeRenewalReply(payload)) return OnRenewalReply(endpoint, *m, now);
+        break;
+      case wire::MessageType::kReleaseReply:
+        if (auto m = wire::DecodeReleaseReply(payload)) return OnReleaseReply(endpoint, *m, now);
+        break;
+      case wire::MessageType::kAbortNotice:
+        if (auto m = wire::DecodeAbortNotice(payload)) return OnAbortNotice(endpoint, *m, now);
+        break;
+      case wire::MessageType::kPull:
+      case wire::MessageType::kRenewal:
+      case wire::MessageType::kRelease:
+        break;
+    }
+  }
+  ++counters_.undecodable;  // nothing to settle with it: the deadlines decide
+}
+
 // ---- time ----
 
 void DecodeSession::OnTimeout(TimePoint now) {
@@ -599,6 +831,12 @@ void DecodeSession::OnTimeout(TimePoint now) {
     renewal_deadlines_.erase(renewal_deadlines_.begin());
     if (endpoints_[endpoint].renewals.erase(id) != 0) ++counters_.renewal_failures;
   }
+  while (!release_deadlines_.empty() && std::get<0>(*release_deadlines_.begin()) <= now) {
+    const auto [deadline, endpoint, id] = *release_deadlines_.begin();
+    release_deadlines_.erase(release_deadlines_.begin());
+    if (endpoints_[endpoint].releases.erase(id) != 0) ++counters_.release_failures;
+  }
+  if (release_due_ <= now) FlushReleases(now);
   ExpirePulls(now);
   if (renewals_.tracked() > 0 && renewals_.NextDue() <= now) RenewalPass(now);
 }
@@ -610,6 +848,10 @@ TimePoint DecodeSession::NextDeadline() const {
     next = std::min(next, std::get<0>(*renewal_deadlines_.begin()));
   }
   if (renewals_.tracked() > 0) next = std::min(next, renewals_.NextDue());
+  if (!release_deadlines_.empty()) {
+    next = std::min(next, std::get<0>(*release_deadlines_.begin()));
+  }
+  next = std::min(next, release_due_);
   for (const auto& [engine, state] : engines_) {
     if (state.lookup_in_flight) next = std::min(next, state.lookup_deadline);
   }
@@ -618,7 +860,7 @@ TimePoint DecodeSession::NextDeadline() const {
 
 // ---- output ----
 
-void DecodeSession::DrainLedger() {
+void DecodeSession::DrainLedger(TimePoint now) {
   for (core::LedgerEvent& e : ledger_->TakeEvents()) {
     if (e.kind == core::LedgerEvent::Kind::kBlocksReleased) {
       quarantined_.erase(e.request);
@@ -628,8 +870,9 @@ void DecodeSession::DrainLedger() {
     loading_.erase(e.request);
     if (e.quarantined) quarantined_.insert(e.request);
     ++(e.ok ? counters_.receives_ok : counters_.receives_failed);
-    // The receive settled: stop renewing it (SPEC §2.1).
-    RequestFinished(e.request, TimePoint{});
+    // The receive settled: stop renewing it (SPEC §2.1); a failed one will not be pulled
+    // again, so P may free it now.
+    Untrack(e.request, /*release=*/!e.ok, now);
     events_out_.push_back(
         ReceiveDone{e.request, e.ok, std::move(e.error), std::move(e.blocks), e.quarantined});
   }

@@ -31,6 +31,15 @@
 //  - Only the requests a pull asked for are settled by its replies (ApplyPullResponse).
 //  - `pull_timeout` must exceed `abort_request_timeout` + `write_bound` (P answers every pull
 //    within that, even one that waits for a prefill), or the options are refused.
+//  - Release at once: a request that ends without a successful receive — finished or aborted
+//    before or during its load, or its receive failed — is released to every P rank it pulls
+//    from (wire::Release, batched per engine over `release_delay`), so P frees its KV now
+//    instead of at the end of a lease. A P engine that cannot read releases (it answers ERROR
+//    PROTOCOL) gets none again until a lookup finds a new incarnation. Releases never touch
+//    D's own blocks: those follow the ledger.
+//  - P's AbortNotice fails a request that has not started loading at once (TransferAborted);
+//    a loading one is left to its pull's answer. A notice counts only from a side channel of
+//    the engine the request names.
 //
 // Not thread-safe: one owner calls everything.
 #pragma once
@@ -97,6 +106,12 @@ struct DecodeSessionOptions {
   // How long one renewal reply is awaited (0: lease/12). Longer than lease/12 is refused: a
   // pass must never run into the next one.
   core::Duration renewal_reply_timeout{0};
+  // Releases (wire::Release): off only to measure what they save. They wait up to
+  // `release_delay` to be batched (0: each goes out at once); a reply not received within
+  // `release_reply_timeout` is counted failed (the lease still frees P's KV).
+  bool send_releases = true;
+  core::Duration release_delay = std::chrono::milliseconds(2);
+  core::Duration release_reply_timeout = std::chrono::seconds(2);
 };
 
 // A bootstrap lookup to make; answer with OnLookup (or OnLookupFailed).
@@ -108,7 +123,7 @@ struct LookupRequest {
 struct Transmit {
   EndpointId endpoint = 0;
   std::string address;  // the side channel's address (e.g. "tcp://10.0.0.1:5600")
-  std::variant<wire::Pull, wire::Renewal> message;
+  std::variant<wire::Pull, wire::Renewal, wire::Release> message;
 };
 
 // Make it impossible for `endpoint`'s P worker to land any write that a pull of epoch
@@ -135,17 +150,24 @@ struct BlocksReleased {
   core::RequestId request;
   std::vector<core::BlockId> blocks;
 };
+// P dropped the transfer of a request that has not started loading (wire::AbortNotice): fail
+// it now with `error` (P's reason). No pull was sent for it, so no block of D is involved.
+struct TransferAborted {
+  core::RequestId request;
+  Status error;
+};
 struct Warning {
   enum class Kind : std::uint8_t {
     kNoLease,        // a P engine rejects renewals (runs without a lease): once per engine
     kLeaseMismatch,  // a P engine accepted renewals but declared another lease: once per engine
     kIncarnation,    // a lookup named another process for a known engine
     kFence,          // the data plane cannot fence a peer: once per session
+    kNoRelease,      // a P engine cannot read releases: once per engine
   };
   Kind kind;
   std::string text;
 };
-using DecodeEvent = std::variant<ReceiveDone, BlocksReleased, Warning>;
+using DecodeEvent = std::variant<ReceiveDone, BlocksReleased, TransferAborted, Warning>;
 
 struct DecodeStats {
   std::uint64_t pulls_sent = 0;
@@ -162,6 +184,17 @@ struct DecodeStats {
   std::uint64_t lookup_failures = 0;
   std::uint64_t fences_requested = 0;
   std::uint64_t fences_failed = 0;
+  std::uint64_t release_messages = 0;   // Release messages sent
+  std::uint64_t releases_sent = 0;      // transfers released (per P rank)
+  std::uint64_t releases_dropped = 0;   // not sent: P engine unreachable or without support
+  std::uint64_t release_failures = 0;   // no reply in time, or an error reply
+  std::uint64_t p_released = 0;         // P's replies: entries freed ...
+  std::uint64_t p_kept = 0;             // ... left to other D ranks ...
+  std::uint64_t p_unknown = 0;          // ... and not held any more
+  std::uint64_t notices_received = 0;   // AbortNotice messages
+  std::uint64_t notices_ignored = 0;    // transfers in them not tracked from that engine
+  std::uint64_t transfers_aborted = 0;  // TransferAborted events
+  std::uint64_t undecodable = 0;        // messages OnMessage could not use
   // Gauges.
   std::uint64_t pulls_in_flight = 0;  // pulls not fully answered (late ones included)
   std::uint64_t quarantined_blocks = 0;
@@ -188,14 +221,25 @@ class DecodeSession {
   // nothing is started then.
   [[nodiscard]] Status StartLoad(const core::RequestId& request, const RemoteSource& source,
                                  std::vector<core::BlockId> blocks, core::TimePoint now);
-  // It finished or was aborted: stop renewing it.
+  // It finished or was aborted: stop renewing it, and unless its receive succeeded release its
+  // transfer to P (wire::Release).
   void RequestFinished(const core::RequestId& request, core::TimePoint now);
+  // The engine refused a request before announcing it (queue full, too large): release its
+  // transfer so P neither prefills nor holds it for nobody. Ignored while a tracked request
+  // names the same transfer.
+  void ReleaseTransfer(const RemoteSource& source, core::TimePoint now);
 
   // ---- Results of what the session asked for ----
   void OnLookup(const PeerEngine& engine, core::TimePoint now);
   void OnLookupFailed(const core::EngineId& engine, const Status& why, core::TimePoint now);
   void OnPullResponse(EndpointId endpoint, const wire::PullResponse& response, core::TimePoint now);
   void OnRenewalReply(EndpointId endpoint, const wire::RenewalReply& reply, core::TimePoint now);
+  void OnReleaseReply(EndpointId endpoint, const wire::ReleaseReply& reply, core::TimePoint now);
+  void OnAbortNotice(EndpointId endpoint, const wire::AbortNotice& notice, core::TimePoint now);
+  // One message as it arrived from `endpoint`: decoded and dispatched to the calls above.
+  // Undecodable or unknown messages are counted and change nothing (their requests' deadlines
+  // decide).
+  void OnMessage(EndpointId endpoint, std::span<const std::uint8_t> payload, core::TimePoint now);
   // A message could not be sent (it never left): its requests settle as failed, not
   // quarantined — P cannot be writing for a pull it never got.
   void OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
@@ -234,11 +278,13 @@ class DecodeSession {
     core::EngineId engine;
     core::TimePoint deadline;
   };
+  using ReleaseOp = RenewalOp;
   struct Endpoint {
     std::string address;
     std::uint64_t next_id = 0;
     std::map<std::uint64_t, PullOp> pulls;        // by wire id
     std::map<std::uint64_t, RenewalOp> renewals;  // by wire id
+    std::map<std::uint64_t, ReleaseOp> releases;  // by wire id
     std::uint32_t epoch = 0;  // bumped when a fence is asked for: later pulls are a new peer
   };
   struct Load {
@@ -260,6 +306,15 @@ class DecodeSession {
     // restarted elsewhere; if the lookup fails, the known view is used).
     bool view_stale = false;
     bool warned_lease = false;
+    std::vector<core::Fingerprint> pending_releases;  // batched until release_due_
+    std::vector<core::Fingerprint> waiting_releases;  // waiting for a lookup
+    bool releases_unsupported = false;                // it answered a Release with ERROR
+  };
+  // A request D has heard of and not yet finished (or settled): what to renew and release.
+  struct Tracked {
+    core::TransferId transfer;
+    core::EngineId engine;
+    bool renewed = false;  // registered with the RenewalScheduler
   };
   // A ledger peer: one epoch of one P rank of one incarnation, reached through one endpoint.
   struct PeerKey {
@@ -278,14 +333,23 @@ class DecodeSession {
   EndpointId EndpointFor(const std::string& address);
   core::PeerId PeerFor(EndpointId endpoint, const std::string& incarnation);
   void SendLoad(Load load, const PeerEngine& view, core::TimePoint now);
-  void FailLoad(Load load, Status why);
+  void FailLoad(Load load, Status why, core::TimePoint now);
   void ForgetPull(EndpointId endpoint, std::map<std::uint64_t, PullOp>::iterator op);
   void SendRenewals(const core::EngineId& engine, const PeerEngine& view,
                     std::span<const core::Fingerprint> ids, core::TimePoint now);
+  // Stops tracking `request`; queues a release unless its receive succeeded.
+  void Untrack(const core::RequestId& request, bool release, core::TimePoint now);
+  void FlushReleases(core::TimePoint now);
+  void SendReleases(const core::EngineId& engine, const PeerEngine& view,
+                    std::span<const core::Fingerprint> ids, core::TimePoint now);
+  // An ERROR answered message `id` of `endpoint`. If it is a release, that release failed, and
+  // a PROTOCOL error means its engine cannot read releases (an old P). Returns false if `id`
+  // is not a release.
+  bool ReleaseRefused(EndpointId endpoint, std::uint64_t id, const wire::PullResponse& error);
   void RenewalPass(core::TimePoint now);
   void ExpirePulls(core::TimePoint now);
   void AskFence(EndpointId endpoint);
-  void DrainLedger();
+  void DrainLedger(core::TimePoint now);
   std::optional<std::vector<std::uint32_t>> Targets(const PeerEngine& view, Status* why) const;
 
   const DecodeSessionOptions options_;
@@ -303,7 +367,10 @@ class DecodeSession {
   using Deadline = std::tuple<core::TimePoint, EndpointId, std::uint64_t>;
   std::set<Deadline> pull_deadlines_;
   std::set<Deadline> renewal_deadlines_;
-  std::unordered_map<core::RequestId, core::TransferId> tracked_;  // renewed: request -> transfer
+  std::set<Deadline> release_deadlines_;
+  core::TimePoint release_due_ = core::kNever;  // when pending releases go out
+  std::unordered_map<core::RequestId, Tracked> tracked_;
+  std::unordered_multimap<core::TransferId, core::RequestId> by_transfer_;
   std::unordered_set<core::RequestId> loading_;      // StartLoad until its ReceiveDone
   std::unordered_set<core::RequestId> quarantined_;  // ReceiveDone quarantined, not released
   std::map<std::uint64_t, Fence> fences_;

@@ -29,6 +29,10 @@ class Hold {
                                         std::uint32_t need_send,
                                         std::optional<core::Duration> d_lease,
                                         core::TimePoint now) = 0;
+  virtual core::HoldTable::ReleaseOutcome ReleaseByDecoder(core::Fingerprint fp,
+                                                           std::uint32_t d_rank,
+                                                           std::uint32_t need_send,
+                                                           core::TimePoint now) = 0;
   virtual Status BeginSend(const core::TransferId& id, std::uint32_t d_rank,
                            core::TimePoint now) = 0;
   virtual Status EndSend(const core::TransferId& id, std::uint32_t d_rank, bool ok,
@@ -37,6 +41,7 @@ class Hold {
   virtual core::TimePoint NextDeadline() const = 0;
   virtual std::vector<core::HoldEvent> TakeEvents() = 0;
   virtual bool Contains(const core::TransferId& id) const = 0;
+  virtual bool ContainsFingerprint(core::Fingerprint fp) const = 0;
   virtual std::optional<core::HoldPhase> PhaseOf(const core::TransferId& id) const = 0;
   virtual std::optional<core::TimePoint> DeadlineOf(const core::TransferId& id) const = 0;
   virtual bool IsTombstoned(const core::TransferId& id) const = 0;
@@ -67,6 +72,11 @@ class CoreHold : public Hold {
                                 core::TimePoint now) override {
     return table_.AdmitPull(id, d_rank, need_send, d_lease, now);
   }
+  core::HoldTable::ReleaseOutcome ReleaseByDecoder(core::Fingerprint fp, std::uint32_t d_rank,
+                                                   std::uint32_t need_send,
+                                                   core::TimePoint now) override {
+    return table_.ReleaseByDecoder(fp, d_rank, need_send, now);
+  }
   Status BeginSend(const core::TransferId& id, std::uint32_t d_rank, core::TimePoint now) override {
     return table_.BeginSend(id, d_rank, now);
   }
@@ -78,6 +88,9 @@ class CoreHold : public Hold {
   core::TimePoint NextDeadline() const override { return table_.NextDeadline(); }
   std::vector<core::HoldEvent> TakeEvents() override { return table_.TakeEvents(); }
   bool Contains(const core::TransferId& id) const override { return table_.Contains(id); }
+  bool ContainsFingerprint(core::Fingerprint fp) const override {
+    return table_.ContainsFingerprint(fp);
+  }
   std::optional<core::HoldPhase> PhaseOf(const core::TransferId& id) const override {
     return table_.PhaseOf(id);
   }

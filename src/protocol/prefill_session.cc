@@ -30,6 +30,10 @@ Status PrefillSession::ValidateOptions(const PrefillSessionOptions& options) {
                   fmt::format("p_tp_rank {} of tp {}: tp must be 1..{} and the rank below it",
                               options.p_tp_rank, options.p_tp_size, core::kMaxTpSize));
   }
+  if (options.engine_id.empty() || options.engine_id.size() > wire::kMaxIdBytes) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("engine_id must be 1..{} bytes", wire::kMaxIdBytes));
+  }
   return Status::Ok();
 }
 
@@ -52,7 +56,8 @@ void PrefillSession::OnMessage(const PeerAddress& peer, std::span<const std::uin
   }
   Result<wire::MessageType> type = wire::PeekType(payload);
   if (!type) {
-    RejectMessage(peer, type.error().code(), type.error().message());
+    // E.g. a type from a newer protocol: the id, when readable, lets D match the answer.
+    RejectMessage(peer, type.error().code(), type.error().message(), wire::PeekId(payload));
     return;
   }
   switch (*type) {
@@ -80,8 +85,25 @@ void PrefillSession::OnMessage(const PeerAddress& peer, std::span<const std::uin
       OnPull(peer, std::move(*pull), now);
       return;
     }
+    case wire::MessageType::kRelease: {
+      Result<wire::Release> release = wire::DecodeRelease(payload);
+      if (!release) {
+        ++counters_.messages_malformed;
+        ++counters_.releases_refused;
+        wire::ReleaseReply reply;
+        reply.status = wire::ReleaseStatus::kError;
+        reply.message = Truncated(release.error().ToString());
+        reply.id = wire::PeekId(payload);
+        Emit(peer, std::move(reply));
+        return;
+      }
+      OnRelease(peer, *release, now);
+      return;
+    }
     case wire::MessageType::kRenewalReply:
     case wire::MessageType::kPullResponse:
+    case wire::MessageType::kReleaseReply:
+    case wire::MessageType::kAbortNotice:
       break;
   }
   RejectMessage(
@@ -89,9 +111,10 @@ void PrefillSession::OnMessage(const PeerAddress& peer, std::span<const std::uin
       fmt::format("unexpected {} message on a prefill side channel", wire::ToString(*type)));
 }
 
-void PrefillSession::RejectMessage(const PeerAddress& peer, ErrorCode code, std::string reason) {
+void PrefillSession::RejectMessage(const PeerAddress& peer, ErrorCode code, std::string reason,
+                                   std::uint64_t id) {
   ++counters_.messages_malformed;
-  ReplyPullError(peer, code, std::move(reason), 0);
+  ReplyPullError(peer, code, std::move(reason), id);
 }
 
 void PrefillSession::OnRenewal(const PeerAddress& peer, const wire::Renewal& renewal,
@@ -115,11 +138,77 @@ void PrefillSession::OnRenewal(const PeerAddress& peer, const wire::Renewal& ren
     reply.status = wire::RenewalStatus::kAccepted;
     reply.extended = result->extended;
     reply.unknown = result->unknown;
+    if (renewal.accepts_notices) NoteRenewers(peer, renewal.fingerprints);
     if (renewal.d_lease_ms != p_lease_ms_) {
       reply.message = fmt::format("kv_lease_duration mismatch: decoder has {}, prefiller has {}",
                                   LeaseMsText(renewal.d_lease_ms), LeaseMsText(p_lease_ms_));
     }
   }
+  Emit(peer, std::move(reply));
+  DrainHoldEvents(now);
+  Flush();
+}
+
+void PrefillSession::NoteRenewers(const PeerAddress& peer,
+                                  std::span<const core::Fingerprint> fingerprints) {
+  for (core::Fingerprint fp : fingerprints) {
+    // Only held transfers: a renewal of random fingerprints must not grow anything.
+    if (!table_->ContainsFingerprint(fp)) continue;
+    std::vector<PeerAddress>& peers = renewers_[fp];
+    if (peers.size() >= kMaxNoticePeersPerTransfer ||
+        std::find(peers.begin(), peers.end(), peer) != peers.end()) {
+      continue;
+    }
+    peers.push_back(peer);
+  }
+}
+
+void PrefillSession::OnRelease(const PeerAddress& peer, const wire::Release& release,
+                               TimePoint now) {
+  wire::ReleaseReply reply;
+  reply.id = release.id;
+  auto refuse = [&](std::string why) {
+    ++counters_.releases_refused;
+    reply.status = wire::ReleaseStatus::kError;
+    reply.message = Truncated(std::move(why));
+    Emit(peer, std::move(reply));
+  };
+  if (shut_down_) return refuse("prefill worker is shutting down");
+  // The same pairing rule as a pull: it says how many D ranks pull each transfer from this
+  // worker, so one rank's release never frees what another paired rank still needs.
+  Result<std::vector<std::uint32_t>> paired =
+      core::PairedDecoderRanks(options_.p_tp_rank, options_.p_tp_size, release.d_tp_size);
+  if (!paired || std::find(paired->begin(), paired->end(), release.d_tp_rank) == paired->end()) {
+    return refuse(
+        fmt::format("decoder rank {} of tp {} is not paired with prefill rank {} of tp {}",
+                    release.d_tp_rank, release.d_tp_size, options_.p_tp_rank, options_.p_tp_size));
+  }
+  ++counters_.releases_received;
+  const auto need_send = static_cast<std::uint32_t>(paired->size());
+  for (core::Fingerprint fp : release.fingerprints) {
+    const core::HoldTable::ReleaseOutcome outcome =
+        table_->ReleaseByDecoder(fp, release.d_tp_rank, need_send, now);
+    switch (outcome.verdict) {
+      case core::HoldTable::ReleaseOutcome::Verdict::kReleased:
+        ++reply.released;
+        break;
+      case core::HoldTable::ReleaseOutcome::Verdict::kKept:
+        ++reply.kept;
+        break;
+      case core::HoldTable::ReleaseOutcome::Verdict::kTombstoned:  // nothing was held
+      case core::HoldTable::ReleaseOutcome::Verdict::kIgnored:
+        ++reply.unknown;
+        break;
+    }
+    // This socket gave the transfer up: it needs no notice about it.
+    if (auto it = renewers_.find(fp); it != renewers_.end()) {
+      std::erase(it->second, peer);
+      if (it->second.empty()) renewers_.erase(it);
+    }
+  }
+  counters_.released_entries += reply.released;
+  counters_.released_kept += reply.kept;
+  counters_.released_unknown += reply.unknown;
   Emit(peer, std::move(reply));
   DrainHoldEvents(now);
   Flush();
@@ -370,18 +459,44 @@ void PrefillSession::DrainHoldEvents(TimePoint now) {
       case core::HoldEvent::Kind::kPullsFailed: {
         auto it = parked_.find(event.id);
         if (it == parked_.end()) break;
+        // kPullsFailed may name only some D ranks (one rank released): the others wait on.
         std::vector<RequestRef> refs = std::move(it->second);
-        parked_.erase(it);
+        std::vector<RequestRef> still_parked;
         for (const RequestRef& ref : refs) {
-          --parked_count_;
           auto pull = pulls_.find(ref.pull_key);
-          if (pull == pulls_.end()) continue;
+          if (pull == pulls_.end()) {
+            --parked_count_;
+            continue;
+          }
+          const std::uint32_t d_rank = pull->second.context->d_tp_rank;
+          if (event.kind == core::HoldEvent::Kind::kPullsFailed &&
+              (d_rank >= 64 || ((event.ranks >> d_rank) & 1) == 0)) {
+            still_parked.push_back(ref);
+            continue;
+          }
+          --parked_count_;
           if (event.kind == core::HoldEvent::Kind::kPullsReady) {
             Dispatch(ref.pull_key, ref.request, now);
           } else {
             AddErr(ref.pull_key, OpenWave(pull->second, ref.pull_key), ref.request, event.status);
           }
         }
+        if (still_parked.empty()) {
+          parked_.erase(event.id);
+        } else {
+          parked_[event.id] = std::move(still_parked);
+        }
+        break;
+      }
+      case core::HoldEvent::Kind::kReleased: {
+        auto node = renewers_.extract(core::FingerprintOf(event.id));
+        if (node.empty() || !core::LeftDecoderWaiting(event.reason)) break;
+        // The D ranks that renewed it may still be queueing the request: tell them now.
+        wire::AbortedTransfer aborted;
+        aborted.transfer_id = event.id;
+        aborted.code = event.status.ok() ? ErrorCode::kCancelled : event.status.code();
+        aborted.reason = Truncated(event.status.message());
+        for (PeerAddress& peer : node.mapped()) notices_[std::move(peer)].push_back(aborted);
         break;
       }
     }
@@ -502,6 +617,11 @@ void PrefillSession::Emit(const PeerAddress& peer, wire::RenewalReply reply) {
   outgoing_.push_back({peer, std::move(reply)});
 }
 
+void PrefillSession::Emit(const PeerAddress& peer, wire::ReleaseReply reply) {
+  ++counters_.replies;
+  outgoing_.push_back({peer, std::move(reply)});
+}
+
 void PrefillSession::Remember(PullName name) {
   pull_ids_.insert(name);
   finished_ids_.push_back(std::move(name));
@@ -546,6 +666,20 @@ void PrefillSession::Flush() {
     }
   }
   touched_.clear();
+  for (auto& [peer, aborted] : notices_) {
+    for (std::size_t at = 0; at < aborted.size(); at += wire::kMaxAbortsPerNotice) {
+      wire::AbortNotice notice;
+      notice.p_engine_id = options_.engine_id;
+      notice.p_tp_rank = options_.p_tp_rank;
+      const std::size_t end = std::min(aborted.size(), at + wire::kMaxAbortsPerNotice);
+      notice.aborted.assign(std::make_move_iterator(aborted.begin() + static_cast<long>(at)),
+                            std::make_move_iterator(aborted.begin() + static_cast<long>(end)));
+      ++counters_.notices_sent;
+      counters_.notified_transfers += notice.aborted.size();
+      outgoing_.push_back({peer, std::move(notice)});
+    }
+  }
+  notices_.clear();
   ++step_;
 }
 

@@ -12,6 +12,13 @@
 // (control/side_channel_listener.h) is a thin pump around it, and the simulator (src/sim) drives
 // this same class, so what exploration checks is what P runs.
 //
+// Releases and notices (docs/protocol.md §3.5–3.7): a Release gets one ReleaseReply; the hold
+// table frees what every paired D rank pulled or released (core::HoldTable::ReleaseByDecoder).
+// When an entry leaves the table for any other reason than "every rank has it or gave it up",
+// each socket that renewed it with accepts_notices gets an AbortNotice (batched per call), so
+// a D still queueing the request fails it at once instead of pulling late. Both are best
+// effort: losing one changes only timing.
+//
 // Replies (docs/protocol.md): a Renewal gets one RenewalReply. A Pull gets one PullResponse per
 // readiness wave — the requests whose outcome became known in one call — CONTINUE, with FINISH on
 // the last; every request is listed exactly once in some `ok` or `err`, or the whole pull gets
@@ -98,10 +105,12 @@ struct WriteOutcome {
 
 struct Outgoing {
   PeerAddress peer;
-  std::variant<wire::PullResponse, wire::RenewalReply> message;
+  std::variant<wire::PullResponse, wire::RenewalReply, wire::ReleaseReply, wire::AbortNotice>
+      message;
 };
 
 struct PrefillSessionOptions {
+  core::EngineId engine_id = "prefill-0";  // named in AbortNotices
   core::HoldConfig hold;
   std::uint32_t p_tp_size = 1;
   std::uint32_t p_tp_rank = 0;
@@ -121,6 +130,10 @@ struct PrefillSessionOptions {
   // D numbers pulls with a 64-bit counter per socket, so a real id never comes back.
   std::size_t remembered_pull_ids = 65536;
 };
+
+// Sockets remembered per held transfer for AbortNotices: one per paired D rank is what a real
+// D needs (its rank's worker); more sockets renewing one transfer are ignored.
+inline constexpr std::size_t kMaxNoticePeersPerTransfer = 64;
 
 // Monotonic totals, then gauges (Prometheus style).
 struct PrefillStats {
@@ -147,6 +160,13 @@ struct PrefillStats {
   std::uint64_t descriptors_evicted = 0;
   std::uint64_t replies = 0;                // PullResponse + RenewalReply messages produced
   std::uint64_t hold_events_delivered = 0;  // kFreeBlocks + kAbortPrefill
+  std::uint64_t releases_received = 0;      // Release messages processed
+  std::uint64_t releases_refused = 0;       // ... answered kError (unpaired, shutting down)
+  std::uint64_t released_entries = 0;       // fingerprints that freed (or doomed) an entry
+  std::uint64_t released_kept = 0;          // ... that left it to other paired ranks
+  std::uint64_t released_unknown = 0;       // ... that changed nothing
+  std::uint64_t notices_sent = 0;           // AbortNotice messages
+  std::uint64_t notified_transfers = 0;     // transfers listed in them
   // Gauges.
   std::uint64_t pulls_in_progress = 0;
   std::uint64_t requests_parked = 0;   // waiting for a prefill
@@ -175,9 +195,12 @@ class PrefillSession {
   // Already-decoded messages (what OnMessage calls after decoding).
   void OnPull(const PeerAddress& peer, wire::Pull pull, core::TimePoint now);
   void OnRenewal(const PeerAddress& peer, const wire::Renewal& renewal, core::TimePoint now);
+  void OnRelease(const PeerAddress& peer, const wire::Release& release, core::TimePoint now);
   // The pump found the message unusable before the session could read it (e.g. a wrong frame
-  // count): answers ERROR with `reason`, changes nothing.
-  void RejectMessage(const PeerAddress& peer, ErrorCode code, std::string reason);
+  // count): answers ERROR with `reason` (and `id`, when the message's id could be read),
+  // changes nothing.
+  void RejectMessage(const PeerAddress& peer, ErrorCode code, std::string reason,
+                     std::uint64_t id = 0);
 
   // ---- Input from P's engine: core::HoldTable's contracts ----
   [[nodiscard]] Status Admit(const core::TransferId& id, std::uint64_t handle, core::TimePoint now);
@@ -246,6 +269,9 @@ class PrefillSession {
                       std::uint64_t id);
   void Emit(const PeerAddress& peer, wire::PullResponse response);
   void Emit(const PeerAddress& peer, wire::RenewalReply reply);
+  void Emit(const PeerAddress& peer, wire::ReleaseReply reply);
+  // Remembers `peer` as a socket to notify about every held transfer among `fingerprints`.
+  void NoteRenewers(const PeerAddress& peer, std::span<const core::Fingerprint> fingerprints);
   // Whole-message checks of a pull; on failure the ERROR is sent and nullopt returned.
   std::optional<std::uint32_t> CheckPull(const PeerAddress& peer, const wire::Pull& pull);
   std::shared_ptr<const std::vector<std::uint8_t>> Descriptor(const PeerAddress& peer,
@@ -282,6 +308,12 @@ class PrefillSession {
   std::unordered_map<std::uint64_t, Ticket> writes_;
   std::uint64_t next_ticket_ = 1;
   std::vector<std::uint64_t> touched_;  // pulls that may have a wave to send
+  // Held transfers -> the sockets that renewed them asking for notices. An entry goes with its
+  // transfer (kReleased), so this is bounded by the table × kMaxNoticePeersPerTransfer.
+  std::unordered_map<core::Fingerprint, std::vector<PeerAddress>> renewers_;
+  // Notices decided in this call, sent by Flush (one message per socket and
+  // kMaxAbortsPerNotice transfers).
+  std::map<PeerAddress, std::vector<wire::AbortedTransfer>> notices_;
   std::uint64_t step_ = 0;
 
   std::vector<Outgoing> outgoing_;

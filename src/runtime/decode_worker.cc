@@ -51,6 +51,7 @@ protocol::DecodeSessionOptions SessionOptions(const DecodeWorkerOptions& o,
   s.write_bound = o.write_bound;
   s.pull_timeout = o.pull_timeout;
   s.lookup_timeout = o.bootstrap_timeout + kLookupSlack;
+  s.send_releases = o.send_releases;
   return s;
 }
 
@@ -121,6 +122,9 @@ class DecodeWorker::Impl {
   void RequestFinished(const core::RequestId& request) {
     Run([&](protocol::DecodeSession& s, TimePoint now) { s.RequestFinished(request, now); });
   }
+  void ReleaseTransfer(const RemoteSource& source) {
+    Run([&](protocol::DecodeSession& s, TimePoint now) { s.ReleaseTransfer(source, now); });
+  }
 
   DecodeFinished TakeFinished() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -131,9 +135,7 @@ class DecodeWorker::Impl {
 
   DecodeFinished WaitFinished(TimePoint deadline) {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_until(lock, deadline, [&] {
-      return stopping_ || !finished_.received.empty() || !finished_.released.empty();
-    });
+    cv_.wait_until(lock, deadline, [&] { return stopping_ || !finished_.empty(); });
     DecodeFinished out;
     std::swap(out, finished_);
     return out;
@@ -141,22 +143,7 @@ class DecodeWorker::Impl {
 
   DecodeWorkerStats Stats() const {
     std::lock_guard<std::mutex> lock(mu_);
-    const protocol::DecodeStats s = session_->stats();
-    DecodeWorkerStats out;
-    out.pulls_sent = s.pulls_sent;
-    out.pull_timeouts = s.pull_timeouts;
-    out.late_replies = s.late_replies;
-    out.receives_ok = s.receives_ok;
-    out.receives_failed = s.receives_failed;
-    out.renewal_messages = s.renewal_messages;
-    out.renewals_accepted = s.renewals_accepted;
-    out.renewals_rejected = s.renewals_rejected;
-    out.renewal_failures = s.renewal_failures;
-    out.lookups = s.lookups;
-    out.lookup_failures = s.lookup_failures;
-    out.quarantined_blocks = s.quarantined_blocks;
-    out.tracked = s.tracked;
-    return out;
+    return session_->stats();
   }
 
  private:
@@ -184,6 +171,9 @@ class DecodeWorker::Impl {
         any = true;
       } else if (auto* released = std::get_if<protocol::BlocksReleased>(&event)) {
         finished_.released.emplace_back(std::move(released->request), std::move(released->blocks));
+        any = true;
+      } else if (auto* aborted = std::get_if<protocol::TransferAborted>(&event)) {
+        finished_.aborted.emplace_back(std::move(aborted->request), std::move(aborted->error));
         any = true;
       } else {
         warnings->push_back(std::move(std::get<protocol::Warning>(event).text));
@@ -311,20 +301,7 @@ class DecodeWorker::Impl {
         return;
       }
       if (!got) return;
-      const std::span<const std::uint8_t> bytes(frame.data<std::uint8_t>(), frame.size());
-      Result<wire::MessageType> type = wire::PeekType(bytes);
-      if (type && *type == wire::MessageType::kRenewalReply) {
-        if (auto reply = wire::DecodeRenewalReply(bytes)) {
-          session_->OnRenewalReply(endpoint, *reply, now);
-          continue;
-        }
-      } else if (type && *type == wire::MessageType::kPullResponse) {
-        if (auto response = wire::DecodePullResponse(bytes)) {
-          session_->OnPullResponse(endpoint, *response, now);
-          continue;
-        }
-      }
-      ++undecodable_replies_;  // nothing to settle with it: the pulls' deadlines decide
+      session_->OnMessage(endpoint, {frame.data<std::uint8_t>(), frame.size()}, now);
     }
   }
 
@@ -421,7 +398,6 @@ class DecodeWorker::Impl {
   zmq::context_t context_{1};
   std::map<protocol::EndpointId, zmq::socket_t> sockets_;
   std::mt19937_64 routing_random_{std::random_device{}()};
-  std::uint64_t undecodable_replies_ = 0;
 
   std::thread io_;
   std::vector<std::thread> lookups_;
@@ -457,6 +433,7 @@ Status DecodeWorker::StartLoad(const core::RequestId& request, const RemoteSourc
 void DecodeWorker::RequestFinished(const core::RequestId& request) {
   impl_->RequestFinished(request);
 }
+void DecodeWorker::ReleaseTransfer(const RemoteSource& source) { impl_->ReleaseTransfer(source); }
 DecodeFinished DecodeWorker::TakeFinished() { return impl_->TakeFinished(); }
 DecodeFinished DecodeWorker::WaitFinished(TimePoint deadline) {
   return impl_->WaitFinished(deadline);

@@ -17,9 +17,10 @@
 // Engine-facing calls (thread-safe), after vLLM's KV connector contract:
 //   OnNewRequest     a request with remote prefill arrived (it may wait for blocks): renew it
 //   StartLoad        its blocks are allocated: pull its KV from every paired P rank
-//   RequestFinished  it finished or was aborted: stop renewing
-//   TakeFinished     receives that completed (ok, or failed with invalid blocks) and blocks
-//                    that left quarantine
+//   RequestFinished  it finished or was aborted: stop renewing; unless its receive succeeded,
+//                    release it to P (P frees its KV now instead of at the lease's end)
+//   TakeFinished     receives that completed (ok, or failed with invalid blocks), blocks that
+//                    left quarantine, and requests P aborted before their load
 //
 // The engine must not reuse a request's blocks before TakeFinished reports its receive, and for
 // a quarantined receive not before the matching release: a P peer may still be writing.
@@ -63,6 +64,8 @@ struct DecodeWorkerOptions {
   // never answers holds one thread for bootstrap_timeout, so more silent bootstraps than this
   // delay other engines' lookups.
   std::size_t lookup_threads = 16;
+  // Release transfers to P as soon as they are not needed (protocol::DecodeSessionOptions).
+  bool send_releases = true;
 };
 
 // One remote-prefill request as the router describes it (vLLM's kv_transfer_params).
@@ -80,23 +83,14 @@ struct DecodeFinished {
   std::vector<ReceiveResult> received;
   // Requests whose quarantined blocks may be reused now (blocks listed).
   std::vector<std::pair<core::RequestId, std::vector<core::BlockId>>> released;
+  // Requests not yet loading whose transfer P dropped (protocol::TransferAborted): fail them.
+  std::vector<std::pair<core::RequestId, Status>> aborted;
+
+  bool empty() const { return received.empty() && released.empty() && aborted.empty(); }
 };
 
-struct DecodeWorkerStats {
-  std::uint64_t pulls_sent = 0;
-  std::uint64_t pull_timeouts = 0;
-  std::uint64_t late_replies = 0;
-  std::uint64_t receives_ok = 0;
-  std::uint64_t receives_failed = 0;
-  std::uint64_t renewal_messages = 0;
-  std::uint64_t renewals_accepted = 0;
-  std::uint64_t renewals_rejected = 0;
-  std::uint64_t renewal_failures = 0;
-  std::uint64_t lookups = 0;
-  std::uint64_t lookup_failures = 0;
-  std::uint64_t quarantined_blocks = 0;
-  std::uint64_t tracked = 0;
-};
+// The session's counters (protocol/decode_session.h).
+using DecodeWorkerStats = protocol::DecodeStats;
 
 class DecodeWorker {
  public:
@@ -124,6 +118,8 @@ class DecodeWorker {
   [[nodiscard]] Status StartLoad(const core::RequestId& request, const RemoteSource& source,
                                  std::vector<core::BlockId> blocks);
   void RequestFinished(const core::RequestId& request);
+  // The engine refused a remote-prefill request it never announced: release it to P now.
+  void ReleaseTransfer(const RemoteSource& source);
   DecodeFinished TakeFinished();
   // Waits until TakeFinished has something or `deadline` passes.
   DecodeFinished WaitFinished(core::TimePoint deadline);

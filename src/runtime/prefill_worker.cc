@@ -197,6 +197,7 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
 
   control::ListenerOptions listener_options;
   listener_options.endpoint = options.side_channel_endpoint;
+  listener_options.engine_id = options.engine_id;
   listener_options.hold = options.hold;
   listener_options.p_tp_size = options.tp_size;
   listener_options.p_tp_rank = options.tp_rank;

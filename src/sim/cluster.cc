@@ -85,7 +85,8 @@ std::uint32_t BlocksFor(std::uint64_t tokens, std::uint32_t block_tokens) {
 // (the default), P's session gets the encoded bytes (OnMessage) and D decodes what P sent, so
 // the codec runs on every message of every run.
 struct Msg {
-  using Body = std::variant<wire::Pull, wire::Renewal, wire::PullResponse, wire::RenewalReply>;
+  using Body = std::variant<wire::Pull, wire::Renewal, wire::PullResponse, wire::RenewalReply,
+                            wire::Release, wire::ReleaseReply, wire::AbortNotice>;
   std::uint32_t d_rank = 0;
   std::uint32_t p_rank = 0;
   Body body;
@@ -105,6 +106,16 @@ struct Msg {
         return 32 + 16 * (m.ok.size() + m.err.size());
       }
       std::uint64_t operator()(const wire::RenewalReply&) const { return 48; }
+      std::uint64_t operator()(const wire::Release& m) const {
+        return 48 + 7 * m.fingerprints.size();
+      }
+      std::uint64_t operator()(const wire::ReleaseReply&) const { return 48; }
+      std::uint64_t operator()(const wire::AbortNotice& m) const {
+        std::uint64_t n = 32;
+        for (const wire::AbortedTransfer& a : m.aborted)
+          n += 8 + a.transfer_id.size() + a.reason.size();
+        return n;
+      }
     };
     return std::visit(Size{}, body);
   }
@@ -196,6 +207,7 @@ class Sim {
     res_.writes_after_realloc.assign(c.p.tp, 0);
     for (std::uint32_t r = 0; r < c.p.tp; ++r) {
       protocol::PrefillSessionOptions options;
+      options.engine_id = "P";  // what D's requests name (SourceOf)
       options.hold = c.p.hold;
       options.p_tp_size = c.p.tp;
       options.p_tp_rank = r;
@@ -218,6 +230,7 @@ class Sim {
       options.abort_request_timeout = c.p.hold.abort_request_timeout;
       options.write_bound = c.d.write_bound;
       options.pull_timeout = c.d.pull_timeout;
+      options.send_releases = c.d.send_releases;
       if (Status valid = protocol::DecodeSession::ValidateOptions(options); !valid.ok()) {
         Violation("D's options: " + valid.ToString());
         options.pull_timeout = options.abort_request_timeout + options.write_bound + 1s;
@@ -248,6 +261,12 @@ class Sim {
       if (spec.abort_at != kNever) {
         loop_.Schedule(spec.abort_at + c_.proxy_latency, kAbortP, i, [this, idx] { AbortP(idx); });
         loop_.Schedule(spec.abort_at + c_.proxy_latency, kAbortD, i, [this, idx] { AbortD(idx); });
+      }
+      if (spec.d_cancel_at != kNever) {
+        loop_.Schedule(spec.d_cancel_at, kAbortD, i, [this, idx] { AbortD(idx); });
+      }
+      if (spec.p_abort_at != kNever) {
+        loop_.Schedule(spec.p_abort_at, kAbortP, i, [this, idx] { AbortP(idx); });
       }
     }
     if (c_.load.probe_every.count() > 0) {
@@ -319,7 +338,9 @@ class Sim {
     m->p_rank = p_rank;
     m->body = std::move(body);
     const NetConfig& n = c_.net;
-    if (rng_.Chance(n.loss)) {
+    const bool best_effort = std::holds_alternative<wire::Release>(m->body) ||
+                             std::holds_alternative<wire::AbortNotice>(m->body);
+    if (rng_.Chance(n.loss) || (best_effort && rng_.Chance(n.release_loss))) {
       loop_.Note(0x1055, static_cast<std::uint64_t>(m->body.index()));
       return;
     }
@@ -590,7 +611,8 @@ class Sim {
         break;
       case core::HoldEvent::Kind::kPullsReady:
       case core::HoldEvent::Kind::kPullsFailed:
-        break;  // the session answers its parked pulls itself
+      case core::HoldEvent::Kind::kReleased:
+        break;  // the session answers its parked pulls and tells D itself
     }
   }
 
@@ -702,8 +724,9 @@ class Sim {
         auto late = std::make_shared<Msg>(m);
         loop_.After(c_.d.pull_timeout + rng_.Span(Duration{0}, 5s), kDeliver, r, [this, late] {
           if (p_dead_) return;
-          Hand(*p_ranks_[late->p_rank].session, PeerOf(late->d_rank),
-               std::get<wire::Pull>(late->body));
+          const auto& late_pull = std::get<wire::Pull>(late->body);
+          Hand(*p_ranks_[late->p_rank].session, PeerOf(late->d_rank), late_pull);
+          NoteWaits(late->p_rank, late_pull);
           DrainP(late->p_rank);
           ArmPass(late->p_rank);
         });
@@ -721,17 +744,10 @@ class Sim {
         return;
       }
       Hand(session, peer, *pull);
-      // The oracle: a pull that now waits for an unfinished prefill starts the wait deadline.
-      for (const wire::PullRequest& request : pull->requests) {
-        auto it = fp_to_req_.find(core::FingerprintOf(request.transfer_id));
-        if (it == fp_to_req_.end()) continue;
-        const std::optional<core::HoldPhase> phase = session.hold().PhaseOf(request.transfer_id);
-        if (!phase || *phase == core::HoldPhase::kReady) continue;
-        Mirror& mir = rank.mirror[it->second];
-        if (mir.wait_deadline == kNever) {
-          mir.wait_deadline = now() + session.hold().config().abort_request_timeout;
-        }
-      }
+      NoteWaits(r, *pull);
+    } else if (const auto* release = std::get_if<wire::Release>(&m.body)) {
+      ++res_.releases_delivered;
+      Hand(session, peer, *release);
     } else if (const auto* renewal = std::get_if<wire::Renewal>(&m.body)) {
       Hand(session, peer, *renewal);
       if (session.hold().config().lease_enabled()) {
@@ -746,6 +762,22 @@ class Sim {
     }
     DrainP(r);
     ArmPass(r);
+  }
+
+  // The oracle: a pull that now waits for an unfinished prefill starts the wait deadline.
+  void NoteWaits(std::uint32_t r, const wire::Pull& pull) {
+    PRank& rank = p_ranks_[r];
+    for (const wire::PullRequest& request : pull.requests) {
+      auto it = fp_to_req_.find(core::FingerprintOf(request.transfer_id));
+      if (it == fp_to_req_.end()) continue;
+      const std::optional<core::HoldPhase> phase =
+          rank.session->hold().PhaseOf(request.transfer_id);
+      if (!phase || *phase == core::HoldPhase::kReady) continue;
+      Mirror& mir = rank.mirror[it->second];
+      if (mir.wait_deadline == kNever) {
+        mir.wait_deadline = now() + rank.session->hold().config().abort_request_timeout;
+      }
+    }
   }
 
   // A hostile D peer's pull (Faults::hostile_pulls), straight into a P rank's session.
@@ -786,6 +818,8 @@ class Sim {
       session.OnMessage(peer, wire::Encode(message), now());
     } else if constexpr (std::is_same_v<Message, wire::Pull>) {
       session.OnPull(peer, message, now());
+    } else if constexpr (std::is_same_v<Message, wire::Release>) {
+      session.OnRelease(peer, message, now());
     } else {
       session.OnRenewal(peer, message, now());
     }
@@ -985,7 +1019,7 @@ class Sim {
         for (std::uint32_t g = 0; g < c_.faults.silent_engines; ++g) {
           d_sessions_[rank]->RequestFinished(GhostName(idx, g), now());
         }
-        ArmD(rank);
+        DrainD(rank);
       }
     }
     loop_.Note(0xe4d, (static_cast<std::uint64_t>(idx) << 8) | static_cast<std::uint64_t>(outcome));
@@ -1162,6 +1196,8 @@ class Sim {
     if (auto* pull = std::get_if<wire::Pull>(&t.message)) {
       const int idx = RequestIndex(pull->requests.at(0).d_req_id);
       pulls_[{r, p, pull->id}] = {idx, r, p, dreqs_[idx].gens, d_epoch_[r][p]};
+    } else if (std::holds_alternative<wire::Release>(t.message)) {
+      ++res_.releases_sent;
     } else {
       ++res_.renewals_sent;
       if (now() >= c_.net.drop_renewals_from && now() < c_.net.drop_renewals_until) return;
@@ -1178,6 +1214,20 @@ class Sim {
       const int idx = RequestIndex(released->request);
       ++dreqs_[idx].ranks_released;
       MaybeFreeD(idx);
+      return;
+    }
+    if (auto* aborted = std::get_if<protocol::TransferAborted>(&event)) {
+      // P dropped the transfer while the request queued here: the engine fails it at once.
+      const int idx = RequestIndex(aborted->request);
+      DReq& d = dreqs_[idx];
+      if (d.st != DReq::St::kQueued || Ended(idx)) return;
+      ++res_.failed_by_notice;
+      d.st = DReq::St::kDone;
+      for (std::uint32_t rank = 0; rank < c_.d.tp; ++rank) {  // request_finished
+        d_sessions_[rank]->RequestFinished(RequestName(idx), now());
+        if (rank != r) DrainD(rank);
+      }
+      End(idx, Outcome::kFailed, aborted->error);
       return;
     }
     auto& done = std::get<protocol::ReceiveDone>(event);
@@ -1250,19 +1300,25 @@ class Sim {
       return;
     }
     protocol::DecodeSession& session = *d_sessions_[m.d_rank];
-    if (const auto* reply = std::get_if<wire::RenewalReply>(&m.body)) {
-      session.OnRenewalReply(endpoint->second, *reply, now());
-    } else {
-      wire::PullResponse response = std::get<wire::PullResponse>(m.body);
-      if (c_.net.codec) {
-        Result<wire::PullResponse> decoded = wire::DecodePullResponse(wire::Encode(response));
-        if (!decoded) {
-          Violation("P sent an undecodable PullResponse: " + decoded.error().ToString());
-          return;
-        }
-        response = std::move(*decoded);
+    if (std::holds_alternative<wire::AbortNotice>(m.body)) ++res_.notices_delivered;
+    if (c_.net.codec) {
+      // Through the real codec and D's own dispatch.
+      const std::vector<std::uint8_t> bytes =
+          std::visit([](const auto& body) { return wire::Encode(body); }, m.body);
+      const std::uint64_t before = session.stats().undecodable;
+      session.OnMessage(endpoint->second, bytes, now());
+      if (session.stats().undecodable != before) {
+        Violation(
+            fmt::format("P rank {} sent D rank {} an undecodable message", m.p_rank, m.d_rank));
       }
-      session.OnPullResponse(endpoint->second, response, now());
+    } else if (const auto* reply = std::get_if<wire::RenewalReply>(&m.body)) {
+      session.OnRenewalReply(endpoint->second, *reply, now());
+    } else if (const auto* rreply = std::get_if<wire::ReleaseReply>(&m.body)) {
+      session.OnReleaseReply(endpoint->second, *rreply, now());
+    } else if (const auto* notice = std::get_if<wire::AbortNotice>(&m.body)) {
+      session.OnAbortNotice(endpoint->second, *notice, now());
+    } else {
+      session.OnPullResponse(endpoint->second, std::get<wire::PullResponse>(m.body), now());
     }
     DrainD(m.d_rank);
   }
@@ -1280,8 +1336,9 @@ class Sim {
   void AbortD(int idx) {
     if (d_dead_ || Ended(idx)) return;
     DReq& d = dreqs_[idx];
-    for (std::uint32_t r = 0; r < c_.d.tp; ++r) {  // request_finished
+    for (std::uint32_t r = 0; r < c_.d.tp; ++r) {  // request_finished: releases go to P
       d_sessions_[r]->RequestFinished(RequestName(idx), now());
+      DrainD(r);
     }
     const DReq::St st = d.st;
     End(idx, Outcome::kAborted, Status(ErrorCode::kCancelled, "aborted by the client"));

@@ -43,6 +43,9 @@ struct NetConfig {
   // Renewals sent by D in [drop_renewals_from, drop_renewals_until) are lost (scenario D).
   TimePoint drop_renewals_from = core::kNever;
   TimePoint drop_renewals_until = core::kNever;
+  // A Release (D -> P) or AbortNotice (P -> D) is lost with this probability, on top of `loss`:
+  // both are best effort, so losing them must change only timing.
+  double release_loss = 0;
 };
 
 // The data plane: a WRITE lasts latency + bytes / bandwidth; concurrent WRITEs do not share it.
@@ -77,6 +80,7 @@ struct DecodeConfig {
   Duration per_seq = 300us;
   Duration lease{0};             // the lease D believes in; renews every lease/6 when > 0
   bool send_lease = true;        // declare the lease with every pull (SPEC §4); false: an old D
+  bool send_releases = true;     // release what it gives up (wire::Release); false: an old D
   Duration pull_timeout = 600s;  // D's deadline for each peer's answer to a pull
   // How long a P write may take until it is fenced (D requires pull_timeout to exceed P's
   // abort_request_timeout plus this).
@@ -123,6 +127,10 @@ struct RequestSpec {
   std::uint32_t prompt = 3000;
   std::uint32_t output = 1000;
   TimePoint abort_at = core::kNever;  // the client aborts (proxy tells P and D)
+  // One side only: the client leaves D and nobody tells P (vLLM #50425: only a Release can),
+  // or P's engine aborts it alone (a prefill failure: only an AbortNotice tells a queued D).
+  TimePoint d_cancel_at = core::kNever;
+  TimePoint p_abort_at = core::kNever;
 };
 
 struct Workload {
@@ -188,6 +196,10 @@ struct SimResult {
   std::uint64_t requests_written_by_all_peers = 0;
   std::uint64_t renewals_sent = 0;
   std::uint64_t renewal_warnings = 0;
+  std::uint64_t releases_sent = 0;       // D sessions' Release messages
+  std::uint64_t releases_delivered = 0;  // ... that reached a P session
+  std::uint64_t notices_delivered = 0;   // P sessions' AbortNotices that reached a D session
+  std::uint64_t failed_by_notice = 0;    // requests D failed on an AbortNotice
   std::uint64_t quarantined_completions = 0;
   // D's sessions, summed over ranks: the paths exploration must reach, not only the happy one.
   std::uint64_t pull_timeouts = 0;

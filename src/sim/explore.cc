@@ -37,6 +37,8 @@ SimConfig RandomConfig(std::uint64_t seed) {
     q.prompt = static_cast<std::uint32_t>(r.Between(4, 64));
     q.output = static_cast<std::uint32_t>(r.Between(1, 30));
     if (r.Chance(0.15)) q.abort_at = q.arrival + r.Span(Duration{0}, 5s);
+    if (r.Chance(0.1)) q.d_cancel_at = q.arrival + r.Span(Duration{0}, 5s);
+    if (r.Chance(0.1)) q.p_abort_at = q.arrival + r.Span(Duration{0}, 5s);
     max_prompt_blocks = std::max(max_prompt_blocks, (q.prompt + 3) / 4);
     max_total_blocks = std::max(max_total_blocks, (q.prompt + q.output + 3) / 4);
     c.load.requests.push_back(q);
@@ -64,6 +66,7 @@ SimConfig RandomConfig(std::uint64_t seed) {
     c.d.lease = Ms(r.Between(1000, 6000));
   }
   c.d.send_lease = r.Chance(0.85);
+  c.d.send_releases = r.Chance(0.8);
   c.p.expiry_pass = Ms(r.Between(50, 1000));
   // D's deadline is as short as its options allow (P's wait bound plus the write bound) or a
   // little longer. Lost messages, slow writes and delayed replies still make pulls time out
@@ -83,6 +86,7 @@ SimConfig RandomConfig(std::uint64_t seed) {
     c.net.delay_max = Ms(r.Chance(0.2) ? r.Between(3000, 30000) : r.Between(0, 3000));
   }
   if (r.Chance(0.3)) c.net.reorder = r.Real() * 0.3;
+  if (r.Chance(0.3)) c.net.release_loss = r.Real();
   if (r.Chance(0.1)) {
     c.net.drop_renewals_from = kT0 + r.Span(Duration{0}, 5s);
     c.net.drop_renewals_until = c.net.drop_renewals_from + r.Span(Duration{0}, 10s);
@@ -127,6 +131,8 @@ std::string Describe(const SimConfig& c) {
   add(c.net.delay_prob > 0,
       fmt::format("delay {:.2f}x{:.2g}s", c.net.delay_prob, secs(c.net.delay_max)));
   add(c.net.reorder > 0, fmt::format("reorder {:.2f}", c.net.reorder));
+  add(!c.d.send_releases, "D sends no releases");
+  add(c.net.release_loss > 0, fmt::format("releases/notices lost {:.2f}", c.net.release_loss));
   add(c.net.drop_renewals_from != core::kNever,
       fmt::format("renewals lost {:.2f}-{:.2f}s", At(c.net.drop_renewals_from),
                   At(c.net.drop_renewals_until)));
@@ -170,6 +176,9 @@ ExploreReport Explore(const ExploreOptions& options) {
     report.duplicate_pulls_dropped += run.duplicate_pulls_dropped;
     report.hostile_pulls += run.hostile_pulls_sent;
     report.messages_to_silent_engines += run.messages_to_silent_engines;
+    report.releases_delivered += run.releases_delivered;
+    report.notices_delivered += run.notices_delivered;
+    report.failed_by_notice += run.failed_by_notice;
     report.requests += run.requests.size();
     report.ok += run.Count(Outcome::kOk);
     report.failed += run.Count(Outcome::kFailed);

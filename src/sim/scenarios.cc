@@ -381,4 +381,104 @@ std::string ReportD(const ScenarioD& d) {
   return out;
 }
 
+// ------------------------------------------------------------------------------------------ E
+
+SimConfig ScenarioEConfig(CancelPolicy policy, std::uint64_t seed) {
+  SimConfig c = SeedDeployment(seed);
+  SetPolicy(c, policy != CancelPolicy::kTimeout, policy == CancelPolicy::kTimeout ? 480 : 30);
+  c.d.send_releases = policy == CancelPolicy::kLeaseAndRelease;
+  Rng rng(seed ^ 0xe5e5e5e5ULL);  // the same cancellations under every policy
+  for (std::size_t i = 0; i < c.load.requests.size(); ++i) {
+    if (i % 10 < 3) c.load.requests[i].d_cancel_at = T(2) + rng.Span(Duration{0}, 38s);
+  }
+  c.load.probe_every = Duration{0};
+  c.horizon = T(600);
+  c.sample_every = 1s;
+  return c;
+}
+
+ScenarioE RunScenarioE(std::uint64_t seed) {
+  return {RunCluster(ScenarioEConfig(CancelPolicy::kTimeout, seed)),
+          RunCluster(ScenarioEConfig(CancelPolicy::kLease, seed)),
+          RunCluster(ScenarioEConfig(CancelPolicy::kLeaseAndRelease, seed))};
+}
+
+namespace {
+
+// Integral of P's KV % over the run, in %·s: the KV held, whoever it was for.
+double KvPercentSeconds(const SimResult& run) {
+  double total = 0;
+  for (std::size_t i = 1; i < run.samples.size(); ++i) {
+    total += run.samples[i - 1].p_pct * (run.samples[i].t - run.samples[i - 1].t);
+  }
+  return total;
+}
+
+double LastEnd(const SimResult& run, Outcome outcome) {
+  double t = -1;
+  for (const RequestResult& r : run.requests) {
+    if (r.outcome == outcome && r.end != core::kNever) t = std::max(t, At(r.end));
+  }
+  return t;
+}
+
+double FirstBelow(const SimResult& run, double pct, double after) {
+  for (const KvSample& s : run.samples) {
+    if (s.t > after && s.p_pct < pct) return s.t;
+  }
+  return -1;
+}
+
+}  // namespace
+
+std::string ReportE(const ScenarioE& e) {
+  const SimResult* runs[] = {&e.timeout, &e.lease, &e.release};
+  std::string out;
+  out += "E. 30% of clients leave D while their requests queue there; P is not told\n";
+  out += "   (vLLM #50425). Same load as A without the crash; run ends at t=600 s\n\n";
+  out += fmt::format("   {:<38} {:>16} {:>16} {:>16}\n", "figure", "480 s timeout", "30 s lease",
+                     "lease + release");
+  auto row = [&](const std::string& name, auto value) {
+    out += fmt::format("   {:<38}", name);
+    for (const SimResult* r : runs) out += fmt::format(" {:>16}", value(*r));
+    out += "\n";
+  };
+  for (double t : {20.0, 45.0, 60.0, 120.0, 300.0}) {
+    row(fmt::format("P's KV at t={:.0f} s", t),
+        [t](const SimResult& r) { return fmt::format("{:.1f}%", PctAt(r, t)); });
+  }
+  row("P's KV below 5% (after t=5 s) at t=",
+      [](const SimResult& r) { return Fmt(FirstBelow(r, 5, 5)); });
+  row("P's KV held, %·s (whole run)",
+      [](const SimResult& r) { return fmt::format("{:.0f}", KvPercentSeconds(r)); });
+  row("requests ok / cancelled", [](const SimResult& r) {
+    return fmt::format("{}/{}", r.Count(Outcome::kOk), r.Count(Outcome::kAborted));
+  });
+  row("last successful request ends at t=",
+      [](const SimResult& r) { return Fmt(LastEnd(r, Outcome::kOk)); });
+  out += "\n   Without a release, P keeps a cancelled request's KV until D's renewals have been\n";
+  out += "   missing for a lease (or for the 480 s timeout without one); with it, P frees the KV\n";
+  out += "   (or aborts the prefill) as soon as the Release arrives.\n";
+  return out;
+}
+
+std::string TimelineE(const ScenarioE& e, double every_s, bool csv) {
+  std::string out = csv ? "t_s,p_kv_pct_timeout,p_kv_pct_lease,p_kv_pct_lease_release\n"
+                        : fmt::format("   {:>6}  {:>14}  {:>14}  {:>16}\n", "t (s)", "timeout",
+                                      "lease", "lease + release");
+  const std::size_t n =
+      std::min({e.timeout.samples.size(), e.lease.samples.size(), e.release.samples.size()});
+  double next = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double t = e.timeout.samples[i].t;
+    if (t + 1e-9 < next) continue;
+    next += every_s;
+    const double a = e.timeout.samples[i].p_pct, b = e.lease.samples[i].p_pct,
+                 c = e.release.samples[i].p_pct;
+    out += csv ? fmt::format("{:.0f},{:.2f},{:.2f},{:.2f}\n", t, a, b, c)
+               : fmt::format("   {:>6.0f}  {:>13.1f}%  {:>13.1f}%  {:>15.1f}%\n", t, a, b, c);
+  }
+  return out;
+}
+
 }  // namespace kvferry::sim

@@ -96,4 +96,21 @@ struct ScenarioD {
 ScenarioD RunScenarioD(std::uint64_t seed);
 std::string ReportD(const ScenarioD& d);
 
+// ---- E. 30% of clients cancel on D only (vLLM #50425): what P keeps for nobody. ----
+// The seed deployment's load (128 requests, 2.4x D's KV, so most queue on D); requests i with
+// i % 10 < 3 leave D at a random time in [2 s, 40 s] and nobody tells P. Three policies: the
+// 480 s timeout without lease or release (today's default), a 30 s lease without release, and
+// the 30 s lease with release.
+enum class CancelPolicy : std::uint8_t { kTimeout, kLease, kLeaseAndRelease };
+SimConfig ScenarioEConfig(CancelPolicy policy, std::uint64_t seed);
+struct ScenarioE {
+  SimResult timeout;
+  SimResult lease;
+  SimResult release;
+};
+ScenarioE RunScenarioE(std::uint64_t seed);
+std::string ReportE(const ScenarioE& e);
+// t, P KV % under each policy, every `every_s` seconds.
+std::string TimelineE(const ScenarioE& e, double every_s, bool csv);
+
 }  // namespace kvferry::sim

@@ -1,7 +1,8 @@
 // `kvferry sim`: the deterministic simulator (src/sim, docs/simulation.md).
 //
 //   kvferry sim                          one run of scenario A's deployment with the lease
-//   kvferry sim --scenario A|B|C|D|all   the seed experiments beside the seed's figures
+//   kvferry sim --scenario A|B|C|D|E|all the seed experiments beside the seed's figures, and E:
+//                                        30% of clients cancel on D, with and without release
 //   kvferry sim --explore N --seed S     N random faulty runs (seeds S..S+N-1), invariants on
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -30,8 +31,8 @@ struct SimOptions {
 int RunScenarios(const SimOptions& o) {
   const std::string s = o.scenario;
   const bool all = s == "all";
-  if (!all && s != "A" && s != "B" && s != "C" && s != "D") {
-    std::fprintf(stderr, "unknown scenario '%s' (A, B, C, D or all)\n", s.c_str());
+  if (!all && s != "A" && s != "B" && s != "C" && s != "D" && s != "E") {
+    std::fprintf(stderr, "unknown scenario '%s' (A, B, C, D, E or all)\n", s.c_str());
     return 2;
   }
   const auto start = std::chrono::steady_clock::now();
@@ -59,6 +60,26 @@ int RunScenarios(const SimOptions& o) {
   if (all || s == "B") std::printf("%s\n", sim::ReportB(sim::RunScenarioB(o.seed)).c_str());
   if (all || s == "C") std::printf("%s\n", sim::ReportC(sim::RunScenarioC(o.seed)).c_str());
   if (all || s == "D") std::printf("%s\n", sim::ReportD(sim::RunScenarioD(o.seed)).c_str());
+  if (all || s == "E") {
+    const sim::ScenarioE e = sim::RunScenarioE(o.seed);
+    std::printf("%s\n", sim::ReportE(e).c_str());
+    if (o.timeline) {
+      std::fputs("   P's KV usage over time (every 20 s):\n", stdout);
+      std::fputs(sim::TimelineE(e, 20, false).c_str(), stdout);
+    }
+    if (!o.csv_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(o.csv_dir, ec);
+      const std::string path = o.csv_dir + "/scenario_e_timeline.csv";
+      std::ofstream out(path);
+      out << sim::TimelineE(e, 1, true);
+      if (!out) {
+        std::fprintf(stderr, "cannot write %s\n", path.c_str());
+        return 1;
+      }
+      std::printf("\n   wrote %s (1 s resolution)\n", path.c_str());
+    }
+  }
   const double wall =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("(simulated with seed %llu in %.2f s of wall time)\n",
@@ -95,13 +116,17 @@ int RunExplore(const SimOptions& o) {
       static_cast<unsigned long long>(report.events), report.failures.size(), wall);
   std::printf(
       "  reached: %llu pull timeouts, %llu late replies, %llu fences, %llu duplicate pulls "
-      "dropped by P, %llu hostile pulls answered, %llu messages to silent P engines\n",
+      "dropped by P, %llu hostile pulls answered, %llu messages to silent P engines, %llu "
+      "releases and %llu abort notices delivered (%llu requests failed by a notice)\n",
       static_cast<unsigned long long>(report.pull_timeouts),
       static_cast<unsigned long long>(report.late_replies),
       static_cast<unsigned long long>(report.fences),
       static_cast<unsigned long long>(report.duplicate_pulls_dropped),
       static_cast<unsigned long long>(report.hostile_pulls),
-      static_cast<unsigned long long>(report.messages_to_silent_engines));
+      static_cast<unsigned long long>(report.messages_to_silent_engines),
+      static_cast<unsigned long long>(report.releases_delivered),
+      static_cast<unsigned long long>(report.notices_delivered),
+      static_cast<unsigned long long>(report.failed_by_notice));
   return report.failures.empty() ? 0 : 1;
 }
 
@@ -125,7 +150,8 @@ void AddSimCommand(CLI::App& app, int& exit_code) {
   auto options = std::make_shared<SimOptions>();
   CLI::App* sub = app.add_subcommand(
       "sim", "Deterministic simulation: the seed experiments and randomized fault exploration");
-  sub->add_option("--scenario", options->scenario, "Seed experiment: A, B, C, D or all");
+  sub->add_option("--scenario", options->scenario,
+                  "Seed experiment A, B, C, D, or E (cancellations and releases), or all");
   sub->add_option("--explore", options->explore, "Run N random faulty runs, checking invariants");
   sub->add_option("--seed", options->seed, "Seed (explore: the first run's seed)");
   sub->add_option("--csv", options->csv_dir, "Write scenario A's KV timeline as CSV into DIR");

@@ -368,8 +368,10 @@ TEST(HoldTableRules, EngineAbortBeforePrefillLeavesCleanupToEngine) {
   t.EngineFinished("x", t0 + seconds(1));
   EXPECT_FALSE(t.Contains("x"));
   auto events = t.TakeEvents();
-  ASSERT_EQ(events.size(), 1u) << "only the waiting pull is answered; the engine owns the blocks";
+  ASSERT_EQ(events.size(), 2u) << "only the waiting pull is answered; the engine owns the blocks";
   EXPECT_EQ(events[0].kind, Kind::kPullsFailed);
+  EXPECT_EQ(events[1].kind, Kind::kReleased);
+  EXPECT_EQ(events[1].reason, ReleaseReason::kAbortedByEngine);
   t.Expire(t0 + seconds(100));
   EXPECT_TRUE(t.TakeEvents().empty()) << "terminal exactly once";
   EXPECT_TRUE(t.IsTombstoned("x"));
@@ -493,6 +495,466 @@ TEST(HoldTableRules, NextDeadlineIsALowerBound) {
   EXPECT_LE(t.NextDeadline(), *t.DeadlineOf("x"));
   t.Expire(t0 + seconds(30));  // pops the stale key and re-arms at the real deadline
   EXPECT_EQ(t.NextDeadline(), t0 + seconds(40));
+}
+
+// --- Releases by the decoder (wire::Release, HoldTable::ReleaseByDecoder). ---
+
+using RV = HoldTable::ReleaseOutcome::Verdict;
+
+// The events of `id`, in order.
+std::vector<HoldEvent> EventsOf(const std::vector<HoldEvent>& events, const TransferId& id) {
+  std::vector<HoldEvent> out;
+  for (const HoldEvent& e : events) {
+    if (e.id == id) out.push_back(e);
+  }
+  return out;
+}
+
+std::size_t CountKind(const std::vector<HoldEvent>& events, Kind kind) {
+  return static_cast<std::size_t>(std::count_if(
+      events.begin(), events.end(), [&](const HoldEvent& e) { return e.kind == kind; }));
+}
+
+TEST(HoldTableReleases, ReleaseByTheOnlyPairedRankFreesAReadyEntryAtOnce) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0, 4);
+  const auto out = t.ReleaseByDecoder(Fp("x"), 0, 1, t0 + seconds(1));
+  EXPECT_EQ(out.verdict, RV::kReleased);
+  EXPECT_TRUE(out.error.ok());
+  EXPECT_FALSE(t.Contains("x"));
+  EXPECT_FALSE(t.ContainsFingerprint(Fp("x")));
+  EXPECT_TRUE(t.IsTombstoned("x"));
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Kind::kFreeBlocks);
+  EXPECT_EQ(events[0].reason, ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(events[0].handle, 7u);
+  EXPECT_EQ(events[1].kind, Kind::kReleased);
+  EXPECT_EQ(events[1].reason, ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(events[1].id, "x");
+  EXPECT_EQ(t.stats().released[ReleaseReason::kReleasedByDecoder], 1u);
+  EXPECT_EQ(t.stats().decoder_releases, 1u);
+  EXPECT_EQ(t.stats().decoder_releases_ignored, 0u);
+  EXPECT_EQ(t.stats().blocks_ready, 0u);
+  EXPECT_EQ(t.stats().entries[HoldPhase::kReady], 0u);
+  // A later pull of any rank fails at once.
+  PullAdmission late = t.AdmitPull("x", 0, 1, std::nullopt, t0 + seconds(2));
+  EXPECT_EQ(late.verdict, Verdict::kFail);
+  EXPECT_EQ(late.error.code(), ErrorCode::kTombstoned);
+}
+
+TEST(HoldTableReleases, ReleaseWhileASendReadsTheBlocksDefersTheFreeUntilEndSend) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 0, t0).ok());
+  // D gave up on the request while P writes it (e.g. aborted mid-load).
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 1, t0 + seconds(1)).verdict, RV::kReleased);
+  EXPECT_TRUE(t.TakeEvents().empty()) << "a write is reading the blocks";
+  EXPECT_TRUE(t.Contains("x"));
+  t.Expire(t0 + seconds(1000));
+  EXPECT_TRUE(t.Contains("x")) << "not even expiry frees under a write";
+  EXPECT_TRUE(t.TakeEvents().empty());
+  EXPECT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, t0 + seconds(2)).verdict, Verdict::kFail);
+  ASSERT_TRUE(t.EndSend("x", 0, false, t0 + seconds(1001)).ok());
+  EXPECT_FALSE(t.Contains("x"));
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Kind::kFreeBlocks);
+  EXPECT_EQ(events[0].reason, ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(events[1].kind, Kind::kReleased);
+  EXPECT_EQ(events[1].reason, ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(t.stats().sending, 0u);
+  EXPECT_EQ(t.stats().blocks_ready, 0u);
+}
+
+TEST(HoldTableReleases, ReleaseOfTheOtherRankDuringASendFreesWhenTheSendEnds) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 0, t0).ok());
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 1, 2, t0).verdict, RV::kKept);
+  EXPECT_TRUE(t.TakeEvents().empty());
+  ASSERT_TRUE(t.EndSend("x", 0, true, t0 + seconds(1)).ok());
+  EXPECT_FALSE(t.Contains("x"));
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Kind::kFreeBlocks);
+  EXPECT_EQ(events[0].reason, ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(events[1].kind, Kind::kReleased);
+  EXPECT_EQ(t.stats().released[ReleaseReason::kSent], 0u);
+}
+
+TEST(HoldTableReleases, WithTwoPairedRanksOneReleaseKeepsTheEntryUntilTheOtherRankPulls) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0, 4);
+  const auto out = t.ReleaseByDecoder(Fp("x"), 0, 2, t0 + seconds(1));
+  EXPECT_EQ(out.verdict, RV::kKept);
+  EXPECT_TRUE(out.error.ok());
+  EXPECT_TRUE(t.Contains("x")) << "rank 1 may still pull it";
+  EXPECT_TRUE(t.TakeEvents().empty());
+  EXPECT_EQ(t.stats().decoder_releases, 1u);
+  EXPECT_EQ(t.DeadlineOf("x"), t0 + seconds(30)) << "a release does not shorten the hold";
+  // Rank 1's first try fails: still not freed.
+  ASSERT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0 + seconds(2)).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 1, t0 + seconds(2)).ok());
+  ASSERT_TRUE(t.EndSend("x", 1, false, t0 + seconds(3)).ok());
+  EXPECT_TRUE(t.Contains("x"));
+  EXPECT_TRUE(t.TakeEvents().empty());
+  // Its retry lands: every paired rank pulled or released it.
+  ASSERT_TRUE(t.BeginSend("x", 1, t0 + seconds(4)).ok());
+  ASSERT_TRUE(t.EndSend("x", 1, true, t0 + seconds(5)).ok());
+  EXPECT_FALSE(t.Contains("x"));
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Kind::kFreeBlocks);
+  EXPECT_EQ(events[0].reason, ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(events[1].kind, Kind::kReleased);
+  EXPECT_EQ(events[1].reason, ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(t.stats().released[ReleaseReason::kReleasedByDecoder], 1u);
+  EXPECT_EQ(t.stats().released[ReleaseReason::kSent], 0u);
+}
+
+TEST(HoldTableReleases, ReleaseByTheRankThatDidNotPullFreesAnEntryTheOtherPulled) {
+  HoldTable t(NoLeaseConfig());
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 1, t0).ok());
+  ASSERT_TRUE(t.EndSend("x", 1, true, t0).ok());
+  ASSERT_TRUE(t.Contains("x"));
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 2, t0).verdict, RV::kReleased);
+  EXPECT_FALSE(t.Contains("x"));
+  EXPECT_TRUE(HasEvent(t.TakeEvents(), Kind::kFreeBlocks, "x", ReleaseReason::kReleasedByDecoder));
+}
+
+TEST(HoldTableReleases, ReleasesNeverFreeWhileAnotherPairedRankMayStillPull) {
+  // Four paired ranks: three release, the fourth has neither pulled nor released.
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  for (std::uint32_t rank : {0u, 2u, 3u}) {
+    EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), rank, 4, t0).verdict, RV::kKept) << "rank " << rank;
+    EXPECT_TRUE(t.Contains("x"));
+  }
+  EXPECT_TRUE(t.TakeEvents().empty());
+  ASSERT_EQ(t.AdmitPull("x", 1, 4, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 1, t0).ok());
+  ASSERT_TRUE(t.EndSend("x", 1, true, t0).ok());
+  EXPECT_FALSE(t.Contains("x"));
+}
+
+TEST(HoldTableReleases, ReleaseOfAPrefillingEntryAbortsThePrefill) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_TRUE(t.Admit("x", 3, t0).ok());
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 1, t0 + seconds(1)).verdict, RV::kReleased);
+  EXPECT_FALSE(t.Contains("x"));
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Kind::kAbortPrefill);
+  EXPECT_EQ(events[0].reason, ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(events[0].handle, 3u);
+  EXPECT_EQ(events[1].kind, Kind::kReleased);
+  EXPECT_EQ(events[1].reason, ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(t.stats().entries[HoldPhase::kPrefilling], 0u);
+  // The engine finishes the (aborted) prefill: nobody will pull it, the caller frees at once.
+  EXPECT_EQ(t.PrefillDone("x", 4, t0 + seconds(2)).code(), ErrorCode::kTombstoned);
+  EXPECT_TRUE(t.TakeEvents().empty());
+}
+
+TEST(HoldTableReleases, ReleaseFailsOnlyTheReleasingRanksWaitingPull) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_TRUE(t.Admit("x", 5, t0).ok());
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, std::nullopt, t0).verdict, Verdict::kWait);
+  ASSERT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0).verdict, Verdict::kWait);
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 2, t0 + seconds(1)).verdict, RV::kKept);
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, Kind::kPullsFailed);
+  EXPECT_EQ(events[0].ranks, std::uint64_t{1}) << "only rank 0's pull fails";
+  EXPECT_EQ(events[0].status.code(), ErrorCode::kCancelled);
+  EXPECT_EQ(events[0].handle, 5u);
+  EXPECT_EQ(t.PhaseOf("x"), HoldPhase::kPrefilling) << "rank 1 still waits for it";
+  // Rank 1's pull goes on waiting and is served once the prefill ends.
+  ASSERT_TRUE(t.PrefillDone("x", 2, t0 + seconds(2)).ok());
+  events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, Kind::kPullsReady);
+  ASSERT_TRUE(t.BeginSend("x", 1, t0 + seconds(2)).ok());
+  ASSERT_TRUE(t.EndSend("x", 1, true, t0 + seconds(2)).ok());
+  EXPECT_TRUE(HasEvent(t.TakeEvents(), Kind::kFreeBlocks, "x", ReleaseReason::kReleasedByDecoder));
+}
+
+TEST(HoldTableReleases, ReleaseOfTheLastWaitingRankFailsItsPullAndFreesThePlaceholder) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, t0).verdict, Verdict::kWait);
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 1, t0).verdict, RV::kReleased);
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Kind::kPullsFailed);
+  EXPECT_EQ(events[0].ranks, std::uint64_t{1});
+  EXPECT_EQ(events[1].kind, Kind::kReleased);
+  EXPECT_EQ(CountKind(events, Kind::kAbortPrefill), 0u) << "a placeholder has no prefill";
+  EXPECT_EQ(t.stats().entries[HoldPhase::kPlaceholder], 0u);
+  EXPECT_EQ(t.Admit("x", 1, t0 + seconds(1)).code(), ErrorCode::kTombstoned);
+}
+
+TEST(HoldTableReleases, UnknownIdWithOnePairedRankIsTombstonedSoItIsNeverPrefilled) {
+  HoldTable t(LeaseConfig(30));
+  const auto out = t.ReleaseByDecoder(Fp("x"), 0, 1, t0);
+  EXPECT_EQ(out.verdict, RV::kTombstoned);
+  EXPECT_FALSE(t.Contains("x"));
+  EXPECT_TRUE(t.IsTombstoned("x"));
+  EXPECT_EQ(t.size(), 0u);
+  EXPECT_TRUE(t.TakeEvents().empty()) << "no entry left the table";
+  EXPECT_EQ(t.stats().decoder_releases, 1u);
+  EXPECT_EQ(t.Admit("x", 1, t0 + seconds(1)).code(), ErrorCode::kTombstoned);
+  EXPECT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, t0 + seconds(1)).error.code(),
+            ErrorCode::kTombstoned);
+  // The tombstone lives abort_request_timeout like any other.
+  t.Expire(t0 + seconds(480));
+  EXPECT_FALSE(t.IsTombstoned("x"));
+}
+
+TEST(HoldTableReleases, UnknownIdWithSeveralPairedRanksIsIgnored) {
+  HoldTable t(LeaseConfig(30));
+  const auto out = t.ReleaseByDecoder(Fp("x"), 0, 2, t0);
+  EXPECT_EQ(out.verdict, RV::kIgnored);
+  EXPECT_TRUE(out.error.ok()) << "plainly unknown, not an error";
+  EXPECT_FALSE(t.IsTombstoned("x"));
+  EXPECT_FALSE(t.Contains("x"));
+  EXPECT_EQ(t.size(), 0u) << "a release must not create an entry";
+  EXPECT_EQ(t.stats().decoder_releases, 0u);
+  EXPECT_EQ(t.stats().decoder_releases_ignored, 1u);
+  EXPECT_TRUE(t.Admit("x", 1, t0 + seconds(1)).ok()) << "the other rank may still pull it";
+}
+
+TEST(HoldTableReleases, RepeatedAndLateReleasesAreIgnoredAndChangeNothing) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 2, t0).verdict, RV::kKept);
+  const TimePoint deadline = *t.DeadlineOf("x");
+  const auto again = t.ReleaseByDecoder(Fp("x"), 0, 2, t0 + seconds(1));
+  EXPECT_EQ(again.verdict, RV::kIgnored);
+  EXPECT_TRUE(again.error.ok());
+  EXPECT_TRUE(t.Contains("x")) << "a repeated release must not count as the other rank's";
+  EXPECT_EQ(t.DeadlineOf("x"), deadline);
+  EXPECT_TRUE(t.TakeEvents().empty());
+  EXPECT_EQ(t.stats().decoder_releases, 1u);
+  EXPECT_EQ(t.stats().decoder_releases_ignored, 1u);
+  // Rank 1 pulled it: the entry goes. A release after that is late.
+  ASSERT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 1, t0).ok());
+  ASSERT_TRUE(t.EndSend("x", 1, true, t0).ok());
+  ASSERT_FALSE(t.Contains("x"));
+  ASSERT_EQ(CountKind(t.TakeEvents(), Kind::kReleased), 1u);
+  for (std::uint32_t rank : {0u, 1u}) {
+    const auto late = t.ReleaseByDecoder(Fp("x"), rank, 2, t0 + seconds(2));
+    EXPECT_EQ(late.verdict, RV::kIgnored);
+    EXPECT_TRUE(late.error.ok());
+  }
+  // Also with need_send 1: a tombstoned id is never "released" twice.
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 1, t0 + seconds(2)).verdict, RV::kIgnored);
+  EXPECT_TRUE(t.TakeEvents().empty());
+  EXPECT_EQ(t.stats().released[ReleaseReason::kReleasedByDecoder], 1u);
+  EXPECT_EQ(t.stats().decoder_releases_ignored, 4u);
+}
+
+TEST(HoldTableReleases, ReleaseByARankThatAlreadyPulledIsIgnored) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, std::nullopt, t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 0, t0).ok());
+  ASSERT_TRUE(t.EndSend("x", 0, true, t0).ok());
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 2, t0).verdict, RV::kIgnored);
+  EXPECT_TRUE(t.Contains("x")) << "rank 1 has neither pulled nor released it";
+  EXPECT_TRUE(t.TakeEvents().empty());
+}
+
+TEST(HoldTableReleases, NeedSendMismatchIsIgnoredWithAnError) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, std::nullopt, t0).verdict, Verdict::kReady);
+  const auto out = t.ReleaseByDecoder(Fp("x"), 1, 1, t0);
+  EXPECT_EQ(out.verdict, RV::kIgnored);
+  EXPECT_EQ(out.error.code(), ErrorCode::kInvalidArgument);
+  EXPECT_FALSE(out.error.message().empty());
+  EXPECT_TRUE(t.Contains("x")) << "with need_send 1 it would have been freed under rank 0";
+  EXPECT_TRUE(t.TakeEvents().empty());
+  EXPECT_EQ(t.stats().decoder_releases_ignored, 1u);
+  // Rank 1 was not marked done: it may still pull.
+  EXPECT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0).verdict, Verdict::kReady);
+}
+
+TEST(HoldTableReleases, FirstReleaseFixesNeedSendForLaterPulls) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_TRUE(t.Admit("x", 1, t0).ok());
+  ASSERT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 2, t0).verdict, RV::kKept);
+  EXPECT_EQ(t.AdmitPull("x", 1, 1, std::nullopt, t0).error.code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0).verdict, Verdict::kWait);
+}
+
+TEST(HoldTableReleases, OutOfRangeRankOrNeedSendIsIgnoredWithAnError) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 64, 1, t0).error.code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 0, t0).error.code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 65, t0).error.code(), ErrorCode::kOutOfRange);
+  EXPECT_TRUE(t.Contains("x"));
+  EXPECT_EQ(t.stats().decoder_releases_ignored, 3u);
+}
+
+TEST(HoldTableReleases, TheReleasedRanksLaterPullsAndSendsFail) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 2, t0).verdict, RV::kKept);
+  PullAdmission pull = t.AdmitPull("x", 0, 2, std::nullopt, t0 + seconds(1));
+  EXPECT_EQ(pull.verdict, Verdict::kFail);
+  EXPECT_EQ(pull.error.code(), ErrorCode::kCancelled);
+  EXPECT_FALSE(t.BeginSend("x", 0, t0 + seconds(1)).ok());
+  EXPECT_EQ(t.stats().sending, 0u);
+  EXPECT_TRUE(t.Contains("x"));
+  // The other rank is unaffected.
+  EXPECT_EQ(t.AdmitPull("x", 1, 2, std::nullopt, t0 + seconds(1)).verdict, Verdict::kReady);
+  EXPECT_TRUE(t.BeginSend("x", 1, t0 + seconds(1)).ok());
+}
+
+TEST(HoldTableReleases, AReleasedRankCannotWaitForAPrefillingEntry) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_TRUE(t.Admit("x", 1, t0).ok());
+  ASSERT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 2, t0).verdict, RV::kKept);
+  PullAdmission pull = t.AdmitPull("x", 0, 2, std::nullopt, t0);
+  EXPECT_EQ(pull.verdict, Verdict::kFail);
+  EXPECT_EQ(pull.error.code(), ErrorCode::kCancelled);
+  ASSERT_TRUE(t.PrefillDone("x", 2, t0).ok());
+  EXPECT_TRUE(t.TakeEvents().empty()) << "no pull of rank 0 waits";
+}
+
+TEST(HoldTableReleases, ReleasedIsEmittedExactlyOncePerEntryForEveryReason) {
+  EXPECT_FALSE(LeftDecoderWaiting(ReleaseReason::kSent));
+  EXPECT_FALSE(LeftDecoderWaiting(ReleaseReason::kReleasedByDecoder));
+  for (ReleaseReason r :
+       {ReleaseReason::kExpired, ReleaseReason::kDeadDecoder, ReleaseReason::kWaitTimeout,
+        ReleaseReason::kLeaseMismatch, ReleaseReason::kAbortedByEngine}) {
+    EXPECT_TRUE(LeftDecoderWaiting(r)) << ToString(r);
+  }
+  for (ReleaseReason reason : kAllReleaseReasons) {
+    SCOPED_TRACE(ToString(reason));
+    HoldTable t(LeaseConfig(30, 480));
+    TimePoint now = t0;
+    switch (reason) {
+      case ReleaseReason::kSent:
+        MakeReady(t, "x", now);
+        ASSERT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, now).verdict, Verdict::kReady);
+        ASSERT_TRUE(t.BeginSend("x", 0, now).ok());
+        ASSERT_TRUE(t.EndSend("x", 0, true, now).ok());
+        break;
+      case ReleaseReason::kExpired:
+        MakeReady(t, "x", now);
+        now += seconds(30);
+        t.Expire(now);
+        break;
+      case ReleaseReason::kDeadDecoder:
+        ASSERT_TRUE(t.Admit("x", 7, now).ok());
+        ASSERT_TRUE(t.Renew(std::vector<Fingerprint>{Fp("x")}, now).has_value());
+        now += seconds(30);
+        t.Expire(now);
+        break;
+      case ReleaseReason::kWaitTimeout:
+        ASSERT_EQ(t.AdmitPull("x", 0, 1, std::nullopt, now).verdict, Verdict::kWait);
+        now += seconds(480);
+        t.Expire(now);
+        break;
+      case ReleaseReason::kLeaseMismatch:
+        MakeReady(t, "x", now);
+        ASSERT_EQ(t.AdmitPull("x", 0, 1, seconds(5), now).verdict, Verdict::kFail);
+        break;
+      case ReleaseReason::kAbortedByEngine:
+        MakeReady(t, "x", now);
+        t.EngineFinished("x", now);
+        break;
+      case ReleaseReason::kReleasedByDecoder:
+        MakeReady(t, "x", now);
+        ASSERT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 1, now).verdict, RV::kReleased);
+        break;
+    }
+    ASSERT_FALSE(t.Contains("x"));
+    auto events = EventsOf(t.TakeEvents(), "x");
+    ASSERT_FALSE(events.empty());
+    EXPECT_EQ(CountKind(events, Kind::kReleased), 1u);
+    const HoldEvent& last = events.back();
+    EXPECT_EQ(last.kind, Kind::kReleased) << "kReleased comes after the other events";
+    EXPECT_EQ(last.reason, reason);
+    if (LeftDecoderWaiting(reason)) {
+      EXPECT_FALSE(last.status.ok()) << "a waiting decoder must hear why";
+      EXPECT_FALSE(last.status.message().empty());
+    }
+    EXPECT_EQ(t.stats().released[reason], 1u);
+    // Nothing that follows releases it again.
+    t.EngineFinished("x", now);
+    (void)t.ReleaseByDecoder(Fp("x"), 0, 1, now);
+    (void)t.AdmitPull("x", 0, 1, std::nullopt, now);
+    t.Expire(now + seconds(10000));
+    EXPECT_EQ(CountKind(t.TakeEvents(), Kind::kReleased), 0u);
+    std::uint64_t total = 0;
+    for (ReleaseReason r : kAllReleaseReasons) total += t.stats().released[r];
+    EXPECT_EQ(total, 1u);
+  }
+}
+
+// kReleased carries "what a D rank still waiting should hear" (wire::AbortNotice): an entry
+// whose release was deferred by a send must still say why it went.
+TEST(HoldTableReleases, ReleaseDeferredByASendKeepsItsReasonsStatus) {
+  HoldTable t(LeaseConfig(30));
+  MakeReady(t, "x", t0);
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, seconds(30), t0).verdict, Verdict::kReady);
+  ASSERT_TRUE(t.BeginSend("x", 0, t0).ok());
+  const PullAdmission mismatch = t.AdmitPull("x", 1, 2, seconds(5), t0);
+  ASSERT_EQ(mismatch.error.code(), ErrorCode::kLeaseMismatch);
+  ASSERT_TRUE(t.EndSend("x", 0, true, t0 + seconds(1)).ok());
+  auto events = t.TakeEvents();
+  ASSERT_FALSE(events.empty());
+  const HoldEvent& released = events.back();
+  ASSERT_EQ(released.kind, Kind::kReleased);
+  EXPECT_EQ(released.reason, ReleaseReason::kLeaseMismatch);
+  EXPECT_EQ(released.status.code(), ErrorCode::kLeaseMismatch) << released.status.ToString();
+}
+
+TEST(HoldTableReleases, APlaceholderWhoseOnlyWaitingRankReleasedStillGoesAtItsWaitDeadline) {
+  HoldTable t(LeaseConfig(30, 480));
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, std::nullopt, t0).verdict, Verdict::kWait);
+  ASSERT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 2, t0 + seconds(1)).verdict, RV::kKept);
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, Kind::kPullsFailed);
+  EXPECT_EQ(events[0].ranks, std::uint64_t{1});
+  EXPECT_EQ(t.PhaseOf("x"), HoldPhase::kPlaceholder);
+  EXPECT_EQ(t.DeadlineOf("x"), t0 + seconds(480)) << "the wait deadline stays armed";
+  EXPECT_LE(t.NextDeadline(), t0 + seconds(480));
+  t.Expire(t0 + seconds(479));
+  EXPECT_TRUE(t.Contains("x"));
+  t.Expire(t0 + seconds(480));
+  EXPECT_FALSE(t.Contains("x"));
+  EXPECT_TRUE(t.IsTombstoned("x"));
+  events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 1u) << "no pull waits and a placeholder has no prefill to abort";
+  EXPECT_EQ(events[0].kind, Kind::kReleased);
+  EXPECT_EQ(events[0].reason, ReleaseReason::kWaitTimeout);
+  EXPECT_EQ(t.stats().entries[HoldPhase::kPlaceholder], 0u);
+}
+
+TEST(HoldTableReleases, APrefillOnceWaitedForStaysBoundedAfterItsWaiterReleased) {
+  HoldTable t(NoLeaseConfig(480));
+  ASSERT_TRUE(t.Admit("x", 2, t0).ok());
+  ASSERT_EQ(t.AdmitPull("x", 0, 2, std::nullopt, t0).verdict, Verdict::kWait);
+  ASSERT_EQ(t.ReleaseByDecoder(Fp("x"), 0, 2, t0).verdict, RV::kKept);
+  (void)t.TakeEvents();
+  EXPECT_EQ(t.DeadlineOf("x"), t0 + seconds(480));
+  t.Expire(t0 + seconds(480));
+  EXPECT_FALSE(t.Contains("x"));
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Kind::kAbortPrefill);
+  EXPECT_EQ(events[0].reason, ReleaseReason::kWaitTimeout);
+  EXPECT_EQ(events[1].kind, Kind::kReleased);
 }
 
 }  // namespace

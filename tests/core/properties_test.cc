@@ -4,6 +4,7 @@
 #include <rapidcheck/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <map>
 #include <set>
 
@@ -99,9 +100,13 @@ RC_GTEST_PROP(ReceiveLedgerProperties, CompletesOnceAfterAllSettledAndNeverRelea
 }
 
 // ---------------------------------------------------------------------------------------------
-// HoldTable: for any sequence of admissions, prefill completions, renewals, pulls, sends and
-// time steps, no entry is released by expiry before its deadline, none survives its deadline
-// past one expiry pass, and a pull for a released id fails at once.
+// HoldTable: for any sequence of admissions, prefill completions, renewals, pulls, sends,
+// decoder releases and time steps, no entry is released by expiry before its deadline, none
+// survives its deadline past one expiry pass, and a pull for a released id fails at once.
+// Against a model of each live entry (the D ranks that pulled it, released it, or are being
+// sent it): every entry that leaves the table emits exactly one kReleased, last among its
+// events; no entry leaves (and no kFreeBlocks is emitted) while a send reads its blocks; and an
+// entry leaves as kSent / kReleasedByDecoder only once every paired rank pulled or released it.
 
 enum class Op {
   kAdmit,
@@ -112,6 +117,8 @@ enum class Op {
   kEndSendOk,
   kEndSendFail,
   kEngineFinished,
+  kRelease,
+  kWholePull,  // a pull that is ready at once, sent and landed in one step
   kAdvance
 };
 
@@ -120,7 +127,16 @@ struct HoldStep {
   int id;
   int rank;
   int advance_ms;
+  int release_need;  // need_send of a release of an id P does not hold (1 or 2)
 };
+
+// What the property test knows of one live entry: D rank bits.
+struct EntryModel {
+  std::uint64_t sent = 0;      // EndSend(ok) succeeded
+  std::uint64_t released = 0;  // ReleaseByDecoder answered kReleased or kKept
+  std::uint64_t sending = 0;   // BeginSend succeeded, EndSend not yet called
+};
+constexpr int kPairedRanks = 2;  // every pull of the test says need_send 2
 
 RC_GTEST_PROP(HoldTableProperties, ExpiryIsNeverEarlyNorLateAndLatePullsFailAtOnce, ()) {
   HoldConfig config;
@@ -129,20 +145,38 @@ RC_GTEST_PROP(HoldTableProperties, ExpiryIsNeverEarlyNorLateAndLatePullsFailAtOn
   HoldTable table(config);
 
   const auto steps = *rc::gen::container<std::vector<HoldStep>>(rc::gen::build<HoldStep>(
-      rc::gen::set(&HoldStep::op,
-                   rc::gen::element(Op::kAdmit, Op::kPrefillDone, Op::kRenew, Op::kPull,
-                                    Op::kBeginSend, Op::kEndSendOk, Op::kEndSendFail,
-                                    Op::kEngineFinished, Op::kAdvance, Op::kAdvance)),
-      rc::gen::set(&HoldStep::id, rc::gen::inRange(0, 6)),
+      rc::gen::set(&HoldStep::op, rc::gen::weightedElement<Op>({{2, Op::kAdmit},
+                                                                {2, Op::kPrefillDone},
+                                                                {1, Op::kRenew},
+                                                                {2, Op::kPull},
+                                                                {2, Op::kBeginSend},
+                                                                {2, Op::kEndSendOk},
+                                                                {1, Op::kEndSendFail},
+                                                                {1, Op::kEngineFinished},
+                                                                {2, Op::kRelease},
+                                                                {2, Op::kWholePull},
+                                                                {3, Op::kAdvance}})),
+      // Weighted towards one id, so that its entry often lives through both ranks' pulls,
+      // sends and releases (a uniform pick rarely completes a send to two ranks).
+      rc::gen::set(&HoldStep::id,
+                   rc::gen::weightedElement<int>({{6, 0}, {2, 1}, {1, 2}, {1, 3}, {1, 4}, {1, 5}})),
       rc::gen::set(&HoldStep::rank, rc::gen::inRange(0, 2)),
-      rc::gen::set(&HoldStep::advance_ms, rc::gen::inRange(0, 40000))));
+      rc::gen::set(&HoldStep::advance_ms, rc::gen::inRange(0, 40000)),
+      rc::gen::set(&HoldStep::release_need, rc::gen::inRange(1, 3))));
 
   TimePoint now = TimePoint{} + seconds(10);
   std::set<TransferId> released;  // released and still within the tombstone lifetime
   std::map<TransferId, TimePoint> released_at;
+  std::map<TransferId, EntryModel> model;  // live entries only
   for (const HoldStep& s : steps) {
     const TransferId id = "xfer-" + std::to_string(s.id);
     const auto rank = static_cast<std::uint32_t>(s.rank);
+    const std::uint64_t bit = std::uint64_t{1} << rank;
+    std::set<TransferId> live_before;
+    for (int i = 0; i < 6; ++i) {
+      const TransferId other = "xfer-" + std::to_string(i);
+      if (table.Contains(other)) live_before.insert(other);
+    }
     switch (s.op) {
       case Op::kAdmit:
         (void)table.Admit(id, 1, now);
@@ -168,17 +202,78 @@ RC_GTEST_PROP(HoldTableProperties, ExpiryIsNeverEarlyNorLateAndLatePullsFailAtOn
         break;
       }
       case Op::kBeginSend:
-        (void)table.BeginSend(id, rank, now);
+        if (table.BeginSend(id, rank, now).ok()) {
+          RC_ASSERT((model[id].sending & bit) == 0);
+          RC_ASSERT((model[id].released & bit) == 0);  // a released rank is never sent
+          model[id].sending |= bit;
+        }
         break;
       case Op::kEndSendOk:
-        (void)table.EndSend(id, rank, true, now);
+      case Op::kEndSendFail: {
+        const bool ok = s.op == Op::kEndSendOk;
+        if (table.EndSend(id, rank, ok, now).ok()) {
+          RC_ASSERT((model[id].sending & bit) != 0);
+          model[id].sending &= ~bit;
+          if (ok) model[id].sent |= bit;
+        }
         break;
-      case Op::kEndSendFail:
-        (void)table.EndSend(id, rank, false, now);
-        break;
+      }
       case Op::kEngineFinished:
         table.EngineFinished(id, now);
         break;
+      case Op::kWholePull: {
+        // A rank that has not pulled or released it yet, if any: completes entries often.
+        std::uint32_t r = rank;
+        if (const auto m = model.find(id); m != model.end()) {
+          const std::uint64_t done = m->second.sent | m->second.released | m->second.sending;
+          for (std::uint32_t c = 0; c < kPairedRanks; ++c) {
+            if (((done >> c) & 1) == 0) {
+              r = c;
+              break;
+            }
+          }
+        }
+        if (table.AdmitPull(id, r, kPairedRanks, std::nullopt, now).verdict !=
+                PullAdmission::Verdict::kReady ||
+            !table.BeginSend(id, r, now).ok()) {
+          break;
+        }
+        RC_ASSERT(table.EndSend(id, r, true, now).ok());
+        model[id].sent |= std::uint64_t{1} << r;
+        break;
+      }
+      case Op::kRelease: {
+        const bool was_live = table.Contains(id);
+        const bool was_tombstoned = table.IsTombstoned(id);
+        // Paired ranks agree on need_send; for ids P does not hold, try both kinds.
+        const auto need = static_cast<std::uint32_t>(was_live ? kPairedRanks : s.release_need);
+        const auto out = table.ReleaseByDecoder(FingerprintOf(id), rank, need, now);
+        using RV = HoldTable::ReleaseOutcome::Verdict;
+        if (was_live) {
+          EntryModel& m = model[id];
+          if (((m.sent | m.released) & bit) != 0) {
+            RC_ASSERT(out.verdict == RV::kIgnored);  // repeated, or after its pull
+          } else {
+            m.released |= bit;
+            const bool done = std::popcount(m.sent | m.released) >= kPairedRanks;
+            RC_ASSERT(out.verdict == (done ? RV::kReleased : RV::kKept));
+            if (!done) RC_ASSERT(table.Contains(id));
+            // Released means gone, or doomed until the sends reading it end.
+            if (done && table.Contains(id)) RC_ASSERT(m.sending != 0);
+          }
+        } else if (was_tombstoned) {
+          RC_ASSERT(out.verdict == RV::kIgnored);
+        } else if (need == 1) {
+          RC_ASSERT(out.verdict == RV::kTombstoned);
+          RC_ASSERT(table.IsTombstoned(id));
+          RC_ASSERT(!table.Contains(id));
+        } else {
+          RC_ASSERT(out.verdict == RV::kIgnored);
+          RC_ASSERT(!table.IsTombstoned(id));
+          RC_ASSERT(!table.Contains(id));
+        }
+        break;
+      }
       case Op::kAdvance: {
         // Deadlines as they stand before the pass.
         std::map<TransferId, TimePoint> deadline;
@@ -198,8 +293,42 @@ RC_GTEST_PROP(HoldTableProperties, ExpiryIsNeverEarlyNorLateAndLatePullsFailAtOn
         break;
       }
     }
+    // Every entry that left the table emitted exactly one kReleased, last among its events;
+    // no other entry emitted one.
+    const std::vector<HoldEvent> events = table.TakeEvents();
+    std::map<TransferId, int> released_events;
+    for (std::size_t i = 0; i < events.size(); ++i) {
+      const HoldEvent& e = events[i];
+      const EntryModel m = model.count(e.id) != 0 ? model.at(e.id) : EntryModel{};
+      if (e.kind == HoldEvent::Kind::kFreeBlocks) {
+        RC_ASSERT(m.sending == 0);  // never free blocks a write is reading
+      }
+      if (e.kind != HoldEvent::Kind::kReleased) continue;
+      ++released_events[e.id];
+      RC_ASSERT(live_before.count(e.id) != 0);
+      RC_ASSERT(m.sending == 0);
+      for (std::size_t j = i + 1; j < events.size(); ++j) RC_ASSERT(events[j].id != e.id);
+      // "Done" reasons only once every paired rank pulled or released it.
+      if (e.reason == ReleaseReason::kSent) {
+        RC_ASSERT(m.released == 0);
+        RC_ASSERT(std::popcount(m.sent) >= kPairedRanks);
+      } else if (e.reason == ReleaseReason::kReleasedByDecoder) {
+        RC_ASSERT(m.released != 0);
+        RC_ASSERT(std::popcount(m.sent | m.released) >= kPairedRanks);
+      } else {
+        RC_ASSERT(!e.status.ok());  // what a D rank still waiting hears
+      }
+    }
+    for (int i = 0; i < 6; ++i) {
+      const TransferId other = "xfer-" + std::to_string(i);
+      const bool left = live_before.count(other) != 0 && !table.Contains(other);
+      RC_ASSERT(released_events[other] == (left ? 1 : 0));
+      if (!table.Contains(other)) model.erase(other);  // the next entry of this id starts anew
+    }
+    std::uint64_t sending = 0;
+    for (const auto& [other, m] : model) sending += std::popcount(m.sending);
+    RC_ASSERT(table.stats().sending == sending);
     // Track what was released (by any path) for the late-pull check.
-    for (const HoldEvent& e : table.TakeEvents()) (void)e;
     for (int i = 0; i < 6; ++i) {
       const TransferId other = "xfer-" + std::to_string(i);
       if (table.IsTombstoned(other) && !table.Contains(other)) {

@@ -1,14 +1,18 @@
 // Real `kvferry serve` processes on 127.0.0.1: a P and a D instance, UCX over lo, requests sent
 // by hand as the proxy would (P: do_remote_decode; D: do_remote_prefill with the same
 // transfer_id). Every process a test starts is killed in its teardown.
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -36,8 +40,11 @@ class ServeProcess {
       : dir_(dir), name_(name) {
     ready_ = dir / (name + ".ready.json");
     log_ = dir / (name + ".log");
-    std::vector<std::string> argv = {KVFERRY_BINARY, "serve",         "--port",         "0",
-                                     "--ready-file", ready_.string(), "--http-threads", "32"};
+    std::vector<std::string> argv = {KVFERRY_BINARY, "serve",        "--port", "0",
+                                     "--ready-file", ready_.string()};
+    if (std::find(args.begin(), args.end(), "--http-threads") == args.end()) {
+      argv.insert(argv.end(), {"--http-threads", "32"});
+    }
     argv.insert(argv.end(), args.begin(), args.end());
     std::vector<char*> cargv;
     for (std::string& a : argv) cargv.push_back(a.data());
@@ -214,6 +221,44 @@ int StreamTokens(const std::string& body, bool* done, bool* error) {
     if (j.contains("choices") && !j["choices"].empty()) ++tokens;
   }
   return tokens;
+}
+
+// A client that sends one request and later vanishes: a raw socket, closed with RST (linger 0)
+// so the server's next write fails at once, as when a user's connection drops.
+class VanishingClient {
+ public:
+  VanishingClient(int port, const json& body) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd_ < 0 || ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return;
+    const std::string payload = body.dump();
+    const std::string request =
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        "Content-Type: application/json\r\nContent-Length: " +
+        std::to_string(payload.size()) + "\r\n\r\n" + payload;
+    sent_ = ::send(fd_, request.data(), request.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(request.size());
+  }
+  ~VanishingClient() { Vanish(); }
+  bool sent() const { return sent_; }
+  void Vanish() {
+    if (fd_ < 0) return;
+    linger l{1, 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
+    ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  bool sent_ = false;
+};
+
+double SecondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
 class ServeTest : public ::testing::Test {
@@ -475,6 +520,169 @@ TEST_F(ServeTest, MalformedConfigFailsAtStartup) {
   ServeProcess bad(dir_, "bad", {"--role", "decode", "--kv-transfer-config", "{not json"});
   EXPECT_FALSE(bad.WaitReady(std::chrono::seconds(5)));
   EXPECT_NE(bad.Log().find("not valid JSON"), std::string::npos) << bad.Log();
+}
+
+// ---- Release at once (D -> P) and abort notices (P -> D) ----
+
+// Keeps an instance's only running slot busy with a local request (no transfer) for `seconds`.
+std::future<HttpResult> Occupy(const ServeProcess& s, int seconds) {
+  const int tokens = seconds * 50;  // --decode-us-per-step 20000
+  return std::async(std::launch::async, [port = s.port(), tokens] {
+    return Post(port, {{"prompt", Prompt(16)}, {"max_tokens", tokens}, {"ignore_eos", true}}, 120);
+  });
+}
+
+class ReleaseTest : public ServeTest {
+ protected:
+  static constexpr int kLeaseS = 6;  // renewals every lease/6 = 1 s
+  // Start{Prefill,Decode} set --num-blocks 512 and --decode-us-per-step 500: overridden here.
+  ServeProcess& StartBusy(const std::string& role, const std::string& cfg) {
+    const bool prefill = role == "prefill";
+    return Start(role, {"--role", role, "--kv-transfer-config",
+                        std::string(R"({"kv_role":")") + (prefill ? "kv_producer" : "kv_consumer") +
+                            R"(","kv_connector_extra_config":{"bootstrap_port":0,)" +
+                            R"("abort_request_timeout":30)" + cfg + "}}",
+                        "--num-blocks", "2048", "--max-running", "1", "--decode-us-per-step",
+                        "20000", "--prefill-us-per-batch", "200",
+                        // Every open client holds an HTTP thread (cpp-httplib).
+                        "--http-threads", "200"});
+  }
+  // 128 requests queued on D (its only slot is busy) whose KV P holds; then every client leaves
+  // D. Returns (seconds from D's last client abort until P holds nothing, P's ready blocks one
+  // renewal interval after D's last abort).
+  std::pair<double, double> CancelOnD(bool release) {
+    const std::string lease = ",\"kv_lease_duration\":" + std::to_string(kLeaseS);
+    ServeProcess& p = StartBusy("prefill", lease);
+    ServeProcess& d = StartBusy("decode", lease + (release ? "" : ",\"kv_release\":false"));
+    if (HasFailure()) return {-1, -1};
+    std::future<HttpResult> blocker = Occupy(d, 60);
+    EXPECT_EQ(WaitMetric(d.port(), "kvferry_requests_running", 1), 1);
+    constexpr int kRequests = 128;
+    std::vector<std::unique_ptr<VanishingClient>> clients;
+    std::vector<std::future<HttpResult>> prefills;
+    for (int i = 0; i < kRequests; ++i) {
+      const std::string transfer = "xfer-cancel-" + std::to_string(i);
+      clients.push_back(
+          std::make_unique<VanishingClient>(d.port(), DecodeBody(64, 4, true, transfer, p)));
+      EXPECT_TRUE(clients.back()->sent());
+      prefills.push_back(std::async(std::launch::async, [&p, transfer] {
+        return Post(p.port(), PrefillBody(64, transfer));
+      }));
+    }
+    for (auto& f : prefills) EXPECT_EQ(f.get().status, 200);
+    // 64-token prompts: 4 blocks each, all held for D.
+    EXPECT_EQ(WaitMetric(p.port(), "kvferry_held_blocks{state=\"ready\"}", 4 * kRequests),
+              4 * kRequests);
+    EXPECT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting", kRequests), kRequests);
+    for (auto& c : clients) c->Vanish();
+    EXPECT_EQ(WaitMetric(d.port(), "kvferry_requests_finished_total{outcome=\"client_abort\"}",
+                         kRequests, std::chrono::milliseconds(5000)),
+              kRequests);
+    // Poll P until it holds nothing: when that happened, and what it held one renewal
+    // interval after D's last abort.
+    const auto aborted = Clock::now();
+    const double interval = 1.0 * kLeaseS / 6;
+    double after_interval = -1, freed_after = -1;
+    while (SecondsSince(aborted) < kLeaseS + 3) {
+      const double t = SecondsSince(aborted);
+      const double held = Metric(Get(p.port(), "/metrics"), "kvferry_held_blocks{state=\"ready\"}");
+      if (after_interval < 0 && (t >= interval || held == 0)) after_interval = held;
+      if (held == 0) {
+        freed_after = t;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_GE(freed_after, 0) << "P still holds KV a lease after the aborts";
+    const std::string pm = Get(p.port(), "/metrics");
+    EXPECT_EQ(Metric(pm, "kvferry_releases_received_total{outcome=\"released\"}"),
+              release ? kRequests : 0);
+    EXPECT_EQ(WaitMetric(p.port(), "kvferry_kv_blocks_used", 0), 0) << Get(p.port(), "/metrics");
+    EXPECT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting", 0), 0);
+    EXPECT_EQ(p.Terminate(), 0);
+    EXPECT_EQ(d.Terminate(), 0);
+    (void)blocker.wait_for(std::chrono::seconds(5));
+    return {freed_after, after_interval};
+  }
+};
+
+// 128 clients leave D while their requests queue there: D releases them and P frees their KV
+// within one renewal interval (not a lease).
+TEST_F(ReleaseTest, ClientsLeavingDFreePsKvWithinOneRenewalInterval) {
+  const auto [freed_after, held_after_interval] = CancelOnD(/*release=*/true);
+  EXPECT_EQ(held_after_interval, 0) << "P still held KV one renewal interval after the aborts";
+  EXPECT_LT(freed_after, 1.0 * kLeaseS / 6 + 0.5);
+  std::printf("with release: P held nothing %.3f s after D's last client abort\n", freed_after);
+}
+
+// The same with D's releases off (as if every one were lost): P frees by the lease instead.
+TEST_F(ReleaseTest, WithoutReleasesPsKvWaitsForTheLease) {
+  const auto [freed_after, held_after_interval] = CancelOnD(/*release=*/false);
+  EXPECT_EQ(held_after_interval, 4 * 128) << "nothing told P before the lease ran out";
+  EXPECT_GT(freed_after, kLeaseS - 1.0 * kLeaseS / 6 - 0.5);
+  EXPECT_LT(freed_after, kLeaseS + 3.0);
+  std::printf("without release: P held nothing %.3f s after D's last client abort\n", freed_after);
+}
+
+// P aborts 64 prefills (their clients leave P) while D queues the requests: D fails each at
+// once with P's reason instead of pulling late.
+TEST_F(ReleaseTest, PrefillAbortsFailQueuedDecodesAtOnceWithPsReason) {
+  const std::string lease = ",\"kv_lease_duration\":" + std::to_string(kLeaseS);
+  ServeProcess& p = StartBusy("prefill", lease);
+  ServeProcess& d = StartBusy("decode", lease);
+  ASSERT_FALSE(HasFailure());
+  std::future<HttpResult> p_blocker = Occupy(p, 60);
+  std::future<HttpResult> d_blocker = Occupy(d, 60);
+  ASSERT_EQ(WaitMetric(p.port(), "kvferry_requests_running", 1), 1);
+  ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_running", 1), 1);
+  constexpr int kRequests = 64;
+  std::vector<std::unique_ptr<VanishingClient>> prefills;
+  std::vector<std::future<std::pair<HttpResult, double>>> decodes;
+  for (int i = 0; i < kRequests; ++i) {
+    const std::string transfer = "xfer-pabort-" + std::to_string(i);
+    json body = PrefillBody(64, transfer);
+    body["stream"] = true;
+    prefills.push_back(std::make_unique<VanishingClient>(p.port(), body));
+    decodes.push_back(std::async(std::launch::async, [&d, &p, transfer] {
+      HttpResult r = Post(d.port(), DecodeBody(64, 4, false, transfer, p), 60);
+      return std::make_pair(r, 0.0);
+    }));
+  }
+  ASSERT_EQ(WaitMetric(p.port(), "kvferry_requests_waiting", kRequests), kRequests);
+  ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting", kRequests), kRequests);
+  // D's renewals reached P (so P knows whom to tell).
+  const auto renewed_by = Clock::now() + std::chrono::seconds(5);
+  while (Metric(Get(p.port(), "/metrics"), "kvferry_renewals_extended_total") < kRequests &&
+         Clock::now() < renewed_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const auto vanished = Clock::now();
+  for (auto& c : prefills) c->Vanish();
+  // P notices its clients left at its next keepalive write (<= 1 s), aborts the prefills and
+  // tells D, which fails every request: all within about one keepalive, not a lease.
+  int failed = 0;
+  double slowest = 0;
+  for (auto& f : decodes) {
+    auto [r, unused] = f.get();
+    slowest = std::max(slowest, SecondsSince(vanished));
+    EXPECT_EQ(r.status, 503) << r.body;
+    EXPECT_NE(r.body.find("aborted by the prefill instance"), std::string::npos) << r.body;
+    EXPECT_NE(r.body.find("was aborted on P"), std::string::npos) << r.body;
+    failed += r.status == 503;
+  }
+  EXPECT_EQ(failed, kRequests);
+  EXPECT_LT(slowest, 2.5);
+  EXPECT_EQ(Metric(Get(p.port(), "/metrics"), "kvferry_abort_notices_sent_total"), kRequests);
+  const std::string dm = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(dm, "kvferry_abort_notices_applied_total"), kRequests);
+  EXPECT_EQ(Metric(dm, "kvferry_pulls_sent_total"), 0) << "nothing was pulled late";
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
+  std::printf("P abort -> D failure: every request failed %.3f s after P's clients left\n",
+              slowest);
+  EXPECT_EQ(p.Terminate(), 0);
+  EXPECT_EQ(d.Terminate(), 0);
+  (void)p_blocker.wait_for(std::chrono::seconds(5));
+  (void)d_blocker.wait_for(std::chrono::seconds(5));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <map>
+#include <set>
 #include <string>
 #include <variant>
 #include <vector>
@@ -394,6 +395,475 @@ TEST_F(DecodeSessionTest, LoadOfAQuarantinedOrOversizedRequestIsRefused) {
   EXPECT_EQ(s().StartLoad("r3", Source(std::string(300, 'x')), {3}, kT0).code(),
             ErrorCode::kInvalidArgument);
   EXPECT_TRUE(Done().empty());
+}
+
+// ---- Releases (wire::Release) and notices (wire::AbortNotice) ----
+
+// The Release messages among `out` (with the endpoint each goes to).
+std::vector<Transmit> ReleasesIn(std::vector<Transmit> out) {
+  std::vector<Transmit> releases;
+  for (Transmit& t : out) {
+    if (std::holds_alternative<wire::Release>(t.message)) releases.push_back(std::move(t));
+  }
+  return releases;
+}
+const wire::Release& ReleaseOf(const Transmit& t) { return std::get<wire::Release>(t.message); }
+
+wire::AbortNotice Notice(const core::TransferId& xfer, const std::string& engine = "p",
+                         ErrorCode code = ErrorCode::kCancelled,
+                         const std::string& reason = "engine aborted it") {
+  wire::AbortNotice notice;
+  notice.p_engine_id = engine;
+  notice.p_tp_rank = 0;
+  notice.aborted.push_back({xfer, code, reason});
+  return notice;
+}
+
+std::vector<TransferAborted> AbortedIn(std::vector<DecodeEvent> events) {
+  std::vector<TransferAborted> out;
+  for (DecodeEvent& e : events) {
+    if (auto* a = std::get_if<TransferAborted>(&e)) out.push_back(std::move(*a));
+  }
+  return out;
+}
+
+TEST_F(DecodeSessionTest, RequestFinishedBeforeItsLoadReleasesTheTransferAfterTheDelay) {
+  DecodeSessionOptions o = Options();
+  o.tp_size = 2;
+  o.tp_rank = 1;
+  o.release_delay = 2ms;
+  Make(o);
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().RequestFinished("r1", kT0 + 1ms);
+  EXPECT_TRUE(s().TakeMessages().empty()) << "batched for release_delay";
+  EXPECT_EQ(s().NextDeadline(), kT0 + 3ms);
+  s().OnTimeout(kT0 + 2ms);
+  EXPECT_TRUE(s().TakeMessages().empty()) << "not due yet";
+  s().OnTimeout(s().NextDeadline());
+  std::vector<Transmit> out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].address, "p/0");
+  const wire::Release& release = ReleaseOf(out[0]);
+  EXPECT_NE(release.id, 0u);
+  EXPECT_EQ(release.d_engine_id, "d");
+  EXPECT_EQ(release.d_tp_size, 2u);
+  EXPECT_EQ(release.d_tp_rank, 1u);
+  EXPECT_EQ(release.fingerprints, std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+  EXPECT_TRUE(wire::Validate(release).ok());
+  EXPECT_EQ(s().stats().release_messages, 1u);
+  EXPECT_EQ(s().stats().releases_sent, 1u);
+  // Once only.
+  s().RequestFinished("r1", kT0 + 10ms);
+  s().OnTimeout(kT0 + 20ms);
+  EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty());
+}
+
+TEST_F(DecodeSessionTest, ReleaseGoesToEveryPrefillRankTheRequestPullsFrom) {
+  DecodeSessionOptions o = Options();
+  o.release_delay = 0ms;  // at once
+  Make(o);
+  s().OnLookup(Engine("p", 2), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().RequestFinished("r1", kT0);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 2u) << "P TP2 -> D TP1: both P ranks hold the transfer";
+  std::set<std::string> addresses;
+  for (const Transmit& t : out) {
+    addresses.insert(t.address);
+    EXPECT_EQ(ReleaseOf(t).fingerprints, std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+    EXPECT_EQ(ReleaseOf(t).d_tp_size, 1u);
+  }
+  EXPECT_EQ(addresses, (std::set<std::string>{"p/0", "p/1"}));
+  EXPECT_EQ(s().stats().releases_sent, 2u) << "per P rank";
+}
+
+TEST_F(DecodeSessionTest, SeveralRequestsFinishedWithinTheDelayGoInOneRelease) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  for (int i = 0; i < 3; ++i) {
+    s().OnNewRequest("r" + std::to_string(i), Source("x" + std::to_string(i)), kT0);
+  }
+  s().RequestFinished("r0", kT0);
+  s().RequestFinished("r1", kT0 + 1ms);
+  s().RequestFinished("r2", kT0 + 2ms - 1us);
+  EXPECT_EQ(s().NextDeadline(), kT0 + 2ms) << "the first release sets when the batch goes";
+  s().OnTimeout(kT0 + 2ms);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(ReleaseOf(out[0]).fingerprints,
+            (std::vector<core::Fingerprint>{core::FingerprintOf("x0"), core::FingerprintOf("x1"),
+                                            core::FingerprintOf("x2")}));
+  EXPECT_EQ(s().stats().release_messages, 1u);
+  EXPECT_EQ(s().stats().releases_sent, 3u);
+}
+
+TEST_F(DecodeSessionTest, ReleaseBeforeAnyLookupWaitsForTheLookup) {
+  Make();
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().RequestFinished("r1", kT0);
+  s().OnTimeout(kT0 + 2ms);
+  EXPECT_TRUE(s().TakeMessages().empty());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  EXPECT_EQ(lookups[0].engine_id, "p");
+  s().OnLookup(Engine("p"), kT0 + 3ms);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(ReleaseOf(out[0]).fingerprints,
+            std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+}
+
+TEST_F(DecodeSessionTest, SuccessfulReceiveReleasesNothing) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  s().OnPullResponse(last_endpoints_[0], Finish(pulls[0].id, {"r1"}), kT0 + 1ms);
+  ASSERT_EQ(Done().size(), 1u);
+  s().RequestFinished("r1", kT0 + 2ms);
+  s().OnTimeout(kT0 + 10ms);
+  EXPECT_TRUE(s().TakeMessages().empty()) << "P freed it when the write landed";
+  EXPECT_EQ(s().stats().release_messages, 0u);
+  EXPECT_EQ(s().NextDeadline(), core::kNever) << "nothing left to send or await";
+}
+
+TEST_F(DecodeSessionTest, FailedReceiveReleasesTheTransferOnce) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  s().OnPullResponse(last_endpoints_[0],
+                     Finish(pulls[0].id, {}, {{"r1", ErrorCode::kUnavailable, "write failed"}}),
+                     kT0 + 1ms);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  ASSERT_FALSE(done[0].ok);
+  s().OnTimeout(kT0 + 3ms);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].address, "p/0");
+  EXPECT_EQ(ReleaseOf(out[0]).fingerprints,
+            std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+  // The engine then finishes the request: nothing more.
+  s().RequestFinished("r1", kT0 + 4ms);
+  s().OnTimeout(kT0 + 10ms);
+  EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty());
+  EXPECT_EQ(s().stats().releases_sent, 1u);
+}
+
+TEST_F(DecodeSessionTest, ReleasesAreSentWithTheLeaseOff) {
+  Make(Options(/*lease=*/0s));
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  EXPECT_EQ(s().stats().tracked, 0u) << "nothing to renew without a lease";
+  s().OnTimeout(kT0 + 10s);
+  EXPECT_TRUE(s().TakeMessages().empty()) << "no renewals";
+  s().RequestFinished("r1", kT0 + 10s);
+  ASSERT_EQ(s().NextDeadline(), kT0 + 10s + 2ms);
+  s().OnTimeout(s().NextDeadline());
+  std::vector<Transmit> out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_TRUE(std::holds_alternative<wire::Release>(out[0].message));
+  EXPECT_EQ(ReleaseOf(out[0]).fingerprints,
+            std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+}
+
+TEST_F(DecodeSessionTest, NoReleasesWhenTheyAreSwitchedOff) {
+  DecodeSessionOptions o = Options();
+  o.send_releases = false;
+  Make(o);
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().RequestFinished("r1", kT0);
+  s().OnTimeout(kT0 + 1s);
+  EXPECT_TRUE(s().TakeMessages().empty());
+  EXPECT_EQ(s().stats().releases_sent, 0u);
+}
+
+TEST_F(DecodeSessionTest, ErrorAnsweringAReleaseMarksTheEngineWithoutReleases) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnNewRequest("r2", Source("x2"), kT0);
+  s().OnNewRequest("r3", Source("x3"), kT0);
+  s().RequestFinished("r1", kT0);
+  s().OnTimeout(kT0 + 2ms);
+  s().RequestFinished("r2", kT0 + 2ms);
+  s().OnTimeout(kT0 + 4ms);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 2u);
+  // An old P cannot dispatch type 5 and answers ERROR with the message's id.
+  wire::PullResponse error = UnreadableIdError();
+  error.message = "unknown message type 5";
+  error.id = ReleaseOf(out[0]).id;
+  s().OnPullResponse(out[0].endpoint, error, kT0 + 5ms);
+  error.id = ReleaseOf(out[1]).id;
+  s().OnPullResponse(out[1].endpoint, error, kT0 + 5ms);
+  int warnings = 0;
+  for (const DecodeEvent& e : s().TakeEvents()) {
+    const auto* w = std::get_if<Warning>(&e);
+    ASSERT_NE(w, nullptr);
+    EXPECT_EQ(w->kind, Warning::Kind::kNoRelease);
+    EXPECT_NE(w->text.find("p"), std::string::npos);
+    ++warnings;
+  }
+  EXPECT_EQ(warnings, 1) << "once per engine";
+  EXPECT_EQ(s().stats().release_failures, 2u);
+  EXPECT_EQ(s().stats().replies_unmatched, 0u);
+  s().RequestFinished("r3", kT0 + 6ms);
+  s().OnTimeout(kT0 + 1s);
+  EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty());
+  EXPECT_EQ(s().stats().releases_dropped, 1u);
+}
+
+TEST_F(DecodeSessionTest, UnreadableIdErrorToTheOnlyReleaseMarksTheEngineWithoutReleases) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnNewRequest("r2", Source("x2"), kT0);
+  s().RequestFinished("r1", kT0);
+  s().OnTimeout(kT0 + 2ms);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  s().OnPullResponse(out[0].endpoint, UnreadableIdError(), kT0 + 3ms);  // id 0
+  std::vector<DecodeEvent> events = s().TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  ASSERT_TRUE(std::holds_alternative<Warning>(events[0]));
+  EXPECT_EQ(std::get<Warning>(events[0]).kind, Warning::Kind::kNoRelease);
+  s().RequestFinished("r2", kT0 + 4ms);
+  s().OnTimeout(kT0 + 1s);
+  EXPECT_TRUE(s().TakeMessages().empty());
+  EXPECT_EQ(s().stats().releases_dropped, 1u);
+}
+
+TEST_F(DecodeSessionTest, ReleaseReplyCountsLandInTheStats) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  for (int i = 0; i < 6; ++i) s().OnNewRequest("r" + std::to_string(i), Source("x"), kT0);
+  s().RequestFinished("r0", kT0);
+  s().OnTimeout(kT0 + 2ms);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  wire::ReleaseReply reply;
+  reply.id = ReleaseOf(out[0]).id;
+  reply.status = wire::ReleaseStatus::kAccepted;
+  reply.released = 3;
+  reply.kept = 2;
+  reply.unknown = 1;
+  s().OnMessage(out[0].endpoint, wire::Encode(reply), kT0 + 3ms);  // through the codec
+  DecodeStats stats = s().stats();
+  EXPECT_EQ(stats.p_released, 3u);
+  EXPECT_EQ(stats.p_kept, 2u);
+  EXPECT_EQ(stats.p_unknown, 1u);
+  EXPECT_EQ(stats.release_failures, 0u);
+  // A second copy answers nothing outstanding.
+  s().OnReleaseReply(out[0].endpoint, reply, kT0 + 4ms);
+  EXPECT_EQ(s().stats().p_released, 3u);
+  EXPECT_EQ(s().stats().replies_unmatched, 1u);
+  // An unanswered release counts as failed at its reply deadline, once.
+  s().RequestFinished("r1", kT0 + 5ms);
+  s().OnTimeout(kT0 + 7ms);
+  ASSERT_EQ(ReleasesIn(s().TakeMessages()).size(), 1u);
+  s().OnTimeout(kT0 + 7ms + 2s);
+  EXPECT_EQ(s().stats().release_failures, 1u);
+  s().OnTimeout(kT0 + 10s);
+  EXPECT_EQ(s().stats().release_failures, 1u);
+}
+
+TEST_F(DecodeSessionTest, AbortNoticeFailsAQueuedRequestWithPsReasonAndReleasesNothing) {
+  std::vector<Transmit> out = AfterRenewalPass();
+  ASSERT_EQ(out.size(), 1u);
+  const wire::Renewal& renewal = std::get<wire::Renewal>(out[0].message);
+  EXPECT_TRUE(renewal.accepts_notices);
+  const EndpointId endpoint = out[0].endpoint;
+  s().OnMessage(endpoint,
+                wire::Encode(Notice("x1", "p", ErrorCode::kCancelled, "the engine aborted it")),
+                kT0 + 1s);
+  std::vector<TransferAborted> aborted = AbortedIn(s().TakeEvents());
+  ASSERT_EQ(aborted.size(), 1u);
+  EXPECT_EQ(aborted[0].request, "r1");
+  EXPECT_EQ(aborted[0].error.code(), ErrorCode::kCancelled);
+  EXPECT_NE(aborted[0].error.message().find("the engine aborted it"), std::string::npos)
+      << aborted[0].error.message();
+  DecodeStats stats = s().stats();
+  EXPECT_EQ(stats.notices_received, 1u);
+  EXPECT_EQ(stats.transfers_aborted, 1u);
+  EXPECT_EQ(stats.notices_ignored, 0u);
+  EXPECT_EQ(stats.tracked, 0u) << "no more renewals for it";
+  // The engine finishes the request: P freed it already, so no release.
+  s().RequestFinished("r1", kT0 + 2s);
+  s().OnTimeout(kT0 + 3s);
+  EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty());
+  EXPECT_EQ(s().stats().release_messages, 0u);
+  // A repeated notice changes nothing.
+  s().OnAbortNotice(endpoint, Notice("x1"), kT0 + 4s);
+  EXPECT_TRUE(AbortedIn(s().TakeEvents()).empty());
+  EXPECT_EQ(s().stats().notices_ignored, 1u);
+}
+
+TEST_F(DecodeSessionTest, AbortNoticeKeepsPsErrorCode) {
+  std::vector<Transmit> out = AfterRenewalPass();
+  ASSERT_EQ(out.size(), 1u);
+  s().OnAbortNotice(out[0].endpoint,
+                    Notice("x1", "p", ErrorCode::kLeaseMismatch, "decoder has 20s, P has 30s"),
+                    kT0 + 1s);
+  std::vector<TransferAborted> aborted = AbortedIn(s().TakeEvents());
+  ASSERT_EQ(aborted.size(), 1u);
+  EXPECT_EQ(aborted[0].error.code(), ErrorCode::kLeaseMismatch);
+}
+
+TEST_F(DecodeSessionTest, AbortNoticeForALoadingRequestChangesNothing) {
+  std::vector<Transmit> out = AfterRenewalPass(/*with_load=*/true);
+  ASSERT_EQ(out.size(), 2u);
+  const wire::Pull* pull = nullptr;
+  EndpointId endpoint = 0;
+  for (const Transmit& t : out) {
+    if (const auto* p = std::get_if<wire::Pull>(&t.message)) {
+      pull = p;
+      endpoint = t.endpoint;
+    }
+  }
+  ASSERT_NE(pull, nullptr);
+  s().OnAbortNotice(endpoint, Notice("x1"), kT0 + 1s);
+  EXPECT_TRUE(s().TakeEvents().empty()) << "its pull's answer settles it";
+  EXPECT_EQ(s().stats().transfers_aborted, 0u);
+  EXPECT_EQ(s().stats().receiving, 1u);
+  // The pull's answer still settles it (here: ok), and nothing is released.
+  s().OnPullResponse(endpoint, Finish(pull->id, {"r1"}), kT0 + 2s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].ok);
+  s().OnTimeout(kT0 + 3s);
+  EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty());
+}
+
+TEST_F(DecodeSessionTest, AbortNoticeFromAnotherEnginesEndpointIsIgnored) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1", "p"), kT0);
+  s().OnNewRequest("r2", Source("x2", "q"), kT0);
+  s().OnLookup(Engine("p"), kT0);
+  s().OnLookup(Engine("q"), kT0);
+  s().OnTimeout(kT0);
+  std::map<std::string, EndpointId> endpoint;
+  for (const Transmit& t : s().TakeMessages()) endpoint[t.address] = t.endpoint;
+  ASSERT_EQ(endpoint.size(), 2u);
+  // Engine q's socket names r1's transfer, as q and as p: neither may fail r1.
+  s().OnAbortNotice(endpoint.at("q/0"), Notice("x1", "q"), kT0 + 1s);
+  s().OnAbortNotice(endpoint.at("q/0"), Notice("x1", "p"), kT0 + 1s);
+  // p's own socket under another engine's name: ignored too.
+  s().OnAbortNotice(endpoint.at("p/0"), Notice("x1", "q"), kT0 + 1s);
+  // An endpoint the session never made, and a transfer nobody tracks.
+  s().OnAbortNotice(999, Notice("x1", "p"), kT0 + 1s);
+  s().OnAbortNotice(endpoint.at("p/0"), Notice("x-unknown", "p"), kT0 + 1s);
+  EXPECT_TRUE(s().TakeEvents().empty());
+  DecodeStats stats = s().stats();
+  EXPECT_EQ(stats.notices_received, 5u);
+  EXPECT_EQ(stats.notices_ignored, 5u);
+  EXPECT_EQ(stats.transfers_aborted, 0u);
+  EXPECT_EQ(stats.tracked, 2u);
+  // The real one still works.
+  s().OnAbortNotice(endpoint.at("p/0"), Notice("x1", "p"), kT0 + 2s);
+  std::vector<TransferAborted> aborted = AbortedIn(s().TakeEvents());
+  ASSERT_EQ(aborted.size(), 1u);
+  EXPECT_EQ(aborted[0].request, "r1");
+}
+
+TEST_F(DecodeSessionTest, UndecodableOrUnexpectedMessagesAreCountedAndChangeNothing) {
+  std::vector<Transmit> out = AfterRenewalPass(/*with_load=*/true);
+  ASSERT_EQ(out.size(), 2u);
+  const EndpointId endpoint = out[0].endpoint;
+  const std::vector<std::uint8_t> garbage = {0xc1, 0x00, 0xff};
+  s().OnMessage(endpoint, garbage, kT0 + 1ms);
+  s().OnMessage(endpoint, {}, kT0 + 1ms);
+  // A D -> P message type arriving at D.
+  s().OnMessage(endpoint, wire::Encode(std::get<wire::Renewal>(out[1].message)), kT0 + 1ms);
+  // An AbortNotice without entries is a decode error.
+  wire::AbortNotice empty = Notice("x1");
+  empty.aborted.clear();
+  s().OnMessage(endpoint, wire::Encode(empty), kT0 + 1ms);
+  EXPECT_EQ(s().stats().undecodable, 4u);
+  EXPECT_EQ(s().stats().notices_received, 0u);
+  EXPECT_TRUE(s().TakeEvents().empty());
+  EXPECT_EQ(s().stats().receiving, 1u);
+  EXPECT_EQ(s().stats().tracked, 1u);
+}
+
+TEST_F(DecodeSessionTest, ReleaseTransferOfATransferATrackedRequestUsesSendsNothing) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().ReleaseTransfer(Source("x1"), kT0);
+  s().OnTimeout(kT0 + 10ms);
+  EXPECT_TRUE(s().TakeMessages().empty()) << "r1 still needs x1";
+  // A transfer the engine refused and nothing tracks is released.
+  s().ReleaseTransfer(Source("x2"), kT0 + 10ms);
+  s().OnTimeout(kT0 + 20ms);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(ReleaseOf(out[0]).fingerprints,
+            std::vector<core::Fingerprint>{core::FingerprintOf("x2")});
+  // And r1's own release still goes when it finishes.
+  s().RequestFinished("r1", kT0 + 30ms);
+  s().OnTimeout(kT0 + 40ms);
+  out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(ReleaseOf(out[0]).fingerprints,
+            std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+}
+
+// End to end: D's release reaches P's session, which frees the KV and answers; P's notice
+// reaches D's session, which fails the queued request.
+TEST(DecodeSessionWithPrefill, ReleaseFreesPsKvAndANoticeFailsAQueuedRequest) {
+  DecodeSessionOptions o = Options(30s);
+  DecodeSession d(o);
+  PrefillSessionOptions po;
+  po.engine_id = "p";
+  po.hold.lease = 30s;
+  PrefillSession p(po);
+  ASSERT_TRUE(p.Admit("x1", 1, kT0).ok());
+  ASSERT_TRUE(p.PrefillDone("x1", 4, kT0).ok());
+  ASSERT_TRUE(p.Admit("x2", 2, kT0).ok());
+  d.OnNewRequest("r1", Source("x1"), kT0);
+  d.OnNewRequest("r2", Source("x2"), kT0);
+  d.OnLookup(Engine("p"), kT0);
+  auto deliver = [&](core::TimePoint now) {
+    for (Transmit& t : d.TakeMessages()) {
+      std::vector<std::uint8_t> bytes =
+          std::visit([](const auto& m) { return wire::Encode(m); }, t.message);
+      p.OnMessage("d-socket", bytes, now);
+      for (Outgoing& back : p.TakeOutgoing()) {
+        std::vector<std::uint8_t> reply =
+            std::visit([](const auto& m) { return wire::Encode(m); }, back.message);
+        d.OnMessage(t.endpoint, reply, now);
+      }
+    }
+  };
+  d.OnTimeout(kT0);  // the renewal pass: P remembers the socket for notices
+  deliver(kT0);
+  EXPECT_EQ(d.stats().renewals_accepted, 1u);
+  d.RequestFinished("r1", kT0 + 1s);
+  d.OnTimeout(kT0 + 1s + 2ms);
+  deliver(kT0 + 1s + 2ms);
+  EXPECT_FALSE(p.hold().Contains("x1"));
+  std::vector<core::HoldEvent> freed = p.TakeEngineEvents();
+  ASSERT_EQ(freed.size(), 1u);
+  EXPECT_EQ(freed[0].reason, core::ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(d.stats().p_released, 1u);
+  // P's engine aborts x2 while D still queues r2.
+  p.EngineFinished("x2", kT0 + 2s);
+  std::vector<Outgoing> notices = p.TakeOutgoing();
+  ASSERT_EQ(notices.size(), 1u);
+  EXPECT_EQ(notices[0].peer, "d-socket");
+  d.OnMessage(0, wire::Encode(std::get<wire::AbortNotice>(notices[0].message)), kT0 + 2s);
+  std::vector<TransferAborted> aborted = AbortedIn(d.TakeEvents());
+  ASSERT_EQ(aborted.size(), 1u);
+  EXPECT_EQ(aborted[0].request, "r2");
+  EXPECT_EQ(aborted[0].error.code(), ErrorCode::kCancelled);
+  EXPECT_EQ(d.stats().tracked, 0u);
 }
 
 TEST(DecodeSessionOptionsTest, PullTimeoutMustOutlastWhatPMayTakeToAnswer) {

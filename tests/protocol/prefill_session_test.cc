@@ -6,7 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
+#include <set>
 #include <string>
 #include <variant>
 #include <vector>
@@ -388,6 +391,440 @@ TEST_F(PrefillSessionTest, CachedDescriptorServesOnlyTheSocketThatSentIt) {
   ASSERT_EQ(replies.size(), 1u);
   EXPECT_EQ(replies[0].code, ErrorCode::kNotFound);
   EXPECT_TRUE(s().TakeWrites().empty());
+}
+
+// ---- Releases (wire::Release) and notices (wire::AbortNotice) ----
+
+wire::Release MakeRelease(std::uint64_t id, const std::vector<core::TransferId>& transfers,
+                          std::uint32_t d_tp_size = 1, std::uint32_t d_tp_rank = 0) {
+  wire::Release release;
+  release.id = id;
+  release.d_engine_id = "d-engine";
+  release.d_tp_size = d_tp_size;
+  release.d_tp_rank = d_tp_rank;
+  release.fingerprints = wire::FingerprintsOf(transfers);
+  return release;
+}
+
+wire::Renewal MakeRenewal(std::uint64_t id, const std::vector<core::TransferId>& transfers,
+                          bool accepts_notices) {
+  wire::Renewal renewal;
+  renewal.id = id;
+  renewal.d_engine_id = "d-engine";
+  renewal.d_lease_ms = 30000;
+  renewal.fingerprints = wire::FingerprintsOf(transfers);
+  renewal.accepts_notices = accepts_notices;
+  return renewal;
+}
+
+PrefillSessionOptions LeaseOptions(std::uint32_t p_tp_size = 1, std::uint32_t p_tp_rank = 0) {
+  PrefillSessionOptions options;
+  options.engine_id = "p-engine";
+  options.hold.lease = 30s;
+  options.p_tp_size = p_tp_size;
+  options.p_tp_rank = p_tp_rank;
+  return options;
+}
+
+// What one batch of outgoing messages holds, by kind.
+struct Sorted {
+  std::vector<Outgoing> pull_responses;
+  std::vector<Outgoing> renewal_replies;
+  std::vector<Outgoing> release_replies;
+  std::vector<Outgoing> notices;
+};
+
+Sorted Sort(std::vector<Outgoing> out) {
+  Sorted sorted;
+  for (Outgoing& o : out) {
+    if (std::holds_alternative<wire::PullResponse>(o.message)) {
+      sorted.pull_responses.push_back(std::move(o));
+    } else if (std::holds_alternative<wire::RenewalReply>(o.message)) {
+      sorted.renewal_replies.push_back(std::move(o));
+    } else if (std::holds_alternative<wire::ReleaseReply>(o.message)) {
+      sorted.release_replies.push_back(std::move(o));
+    } else {
+      sorted.notices.push_back(std::move(o));
+    }
+  }
+  return sorted;
+}
+
+const wire::ReleaseReply& ReplyOf(const Outgoing& o) {
+  return std::get<wire::ReleaseReply>(o.message);
+}
+const wire::AbortNotice& NoticeOf(const Outgoing& o) {
+  return std::get<wire::AbortNotice>(o.message);
+}
+
+TEST_F(PrefillSessionTest, ReleaseFreesTheTransfersAndIsAnsweredWithTheCounts) {
+  Make();
+  Ready("x1", 1);
+  Ready("x2", 2);
+  ASSERT_TRUE(s().Admit("x3", 3, kT0).ok());  // still prefilling
+  // x1 twice: the second is a repeat of an id already freed.
+  s().OnMessage("d0", wire::Encode(MakeRelease(21, {"x1", "x2", "x3", "x1"})), kT0 + 1s);
+  std::vector<Outgoing> out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].peer, "d0");
+  const auto* reply = std::get_if<wire::ReleaseReply>(&out[0].message);
+  ASSERT_NE(reply, nullptr);
+  EXPECT_EQ(reply->id, 21u);
+  EXPECT_EQ(reply->status, wire::ReleaseStatus::kAccepted);
+  EXPECT_EQ(reply->released, 3u);
+  EXPECT_EQ(reply->kept, 0u);
+  EXPECT_EQ(reply->unknown, 1u);
+  std::vector<core::HoldEvent> events = s().TakeEngineEvents();
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].kind, core::HoldEvent::Kind::kFreeBlocks);
+  EXPECT_EQ(events[0].id, "x1");
+  EXPECT_EQ(events[1].kind, core::HoldEvent::Kind::kFreeBlocks);
+  EXPECT_EQ(events[1].id, "x2");
+  EXPECT_EQ(events[2].kind, core::HoldEvent::Kind::kAbortPrefill);
+  EXPECT_EQ(events[2].id, "x3");
+  EXPECT_EQ(events[2].handle, 3u);
+  for (const core::HoldEvent& e : events) {
+    EXPECT_EQ(e.reason, core::ReleaseReason::kReleasedByDecoder);
+  }
+  EXPECT_EQ(s().hold().size(), 0u);
+  const PrefillStats stats = s().stats();
+  EXPECT_EQ(stats.releases_received, 1u);
+  EXPECT_EQ(stats.releases_refused, 0u);
+  EXPECT_EQ(stats.released_entries, 3u);
+  EXPECT_EQ(stats.released_kept, 0u);
+  EXPECT_EQ(stats.released_unknown, 1u);
+  EXPECT_EQ(stats.hold.decoder_releases, 3u);
+  // A late pull of a released transfer fails at once.
+  s().OnPull("d0", MakePull(5, {{"r1", "x1"}}), kT0 + 2s);
+  std::vector<wire::PullResponse> replies = Responses();
+  ASSERT_EQ(replies.size(), 1u);
+  ASSERT_EQ(replies[0].err.size(), 1u);
+  EXPECT_EQ(replies[0].err[0].code, ErrorCode::kTombstoned);
+  EXPECT_TRUE(s().TakeWrites().empty());
+}
+
+TEST_F(PrefillSessionTest, ReleaseByOneOfTwoPairedDecoderRanksIsCountedKept) {
+  Make();  // P TP1, D TP2: both D ranks pull every transfer from this worker
+  Ready("x1");
+  s().OnRelease("d0", MakeRelease(3, {"x1"}, 2, 0), kT0);
+  std::vector<Outgoing> out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(ReplyOf(out[0]).kept, 1u);
+  EXPECT_EQ(ReplyOf(out[0]).released, 0u);
+  EXPECT_EQ(ReplyOf(out[0]).unknown, 0u);
+  EXPECT_TRUE(s().hold().Contains("x1"));
+  EXPECT_TRUE(s().TakeEngineEvents().empty());
+  EXPECT_EQ(s().stats().released_kept, 1u);
+  s().OnRelease("d1", MakeRelease(4, {"x1"}, 2, 1), kT0);
+  out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(ReplyOf(out[0]).released, 1u);
+  EXPECT_FALSE(s().hold().Contains("x1"));
+  ASSERT_EQ(s().TakeEngineEvents().size(), 1u);
+}
+
+// Protocol §3.6: `unknown` counts "fingerprints P does not hold (already freed, never seen, or
+// not paired with this rank)". A never-seen id is still tombstoned (P must not prefill it).
+TEST_F(PrefillSessionTest, ReleaseOfANeverSeenTransferIsCountedUnknownAndTombstonesIt) {
+  Make();
+  s().OnRelease("d0", MakeRelease(8, {"never-seen"}), kT0);
+  std::vector<Outgoing> out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(ReplyOf(out[0]).status, wire::ReleaseStatus::kAccepted);
+  EXPECT_TRUE(s().hold().IsTombstoned("never-seen"));
+  EXPECT_EQ(s().Admit("never-seen", 1, kT0 + 1s).code(), ErrorCode::kTombstoned);
+  EXPECT_EQ(ReplyOf(out[0]).unknown, 1u) << "P did not hold it";
+  EXPECT_EQ(ReplyOf(out[0]).released, 0u) << "no entry was freed";
+}
+
+TEST_F(PrefillSessionTest, UnpairedOrShutDownReleaseIsRefusedAndChangesNothing) {
+  Make(LeaseOptions(/*p_tp_size=*/2, /*p_tp_rank=*/1));
+  Ready("x1");
+  // D rank 0 of 2 pulls from P rank 0, not from this rank 1.
+  s().OnMessage("d0", wire::Encode(MakeRelease(31, {"x1"}, 2, 0)), kT0);
+  wire::Release huge = MakeRelease(32, {"x1"}, 1u << 31, 1);  // past the codec
+  s().OnRelease("d0", huge, kT0);
+  std::vector<Outgoing> out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(ReplyOf(out[0]).id, 31u);
+  EXPECT_EQ(ReplyOf(out[1]).id, 32u);
+  for (const Outgoing& o : out) {
+    const wire::ReleaseReply& reply = ReplyOf(o);
+    EXPECT_EQ(reply.status, wire::ReleaseStatus::kError);
+    EXPECT_FALSE(reply.message.empty());
+    EXPECT_EQ(reply.released + reply.kept + reply.unknown, 0u);
+  }
+  EXPECT_NE(ReplyOf(out[0]).message.find("not paired"), std::string::npos)
+      << ReplyOf(out[0]).message;
+  EXPECT_EQ(s().hold().PhaseOf("x1"), core::HoldPhase::kReady);
+  EXPECT_TRUE(s().TakeEngineEvents().empty());
+  PrefillStats stats = s().stats();
+  EXPECT_EQ(stats.releases_refused, 2u);
+  EXPECT_EQ(stats.releases_received, 0u);
+  EXPECT_EQ(stats.hold.decoder_releases + stats.hold.decoder_releases_ignored, 0u);
+  // Shutting down: refused too.
+  s().Shutdown(kT0);
+  (void)s().TakeOutgoing();
+  s().OnRelease("d0", MakeRelease(33, {"x1"}, 2, 1), kT0);
+  out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(ReplyOf(out[0]).status, wire::ReleaseStatus::kError);
+  EXPECT_EQ(ReplyOf(out[0]).id, 33u);
+  EXPECT_TRUE(s().hold().Contains("x1"));
+  EXPECT_EQ(s().stats().releases_refused, 3u);
+}
+
+TEST_F(PrefillSessionTest, MalformedReleaseGetsAReleaseReplyErrorWithItsId) {
+  Make();
+  Ready("x1");
+  wire::Release empty = MakeRelease(42, {});  // an empty release is a decode error
+  s().OnMessage("d0", wire::Encode(empty), kT0);
+  std::vector<Outgoing> out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].peer, "d0");
+  const auto* reply = std::get_if<wire::ReleaseReply>(&out[0].message);
+  ASSERT_NE(reply, nullptr);
+  EXPECT_EQ(reply->status, wire::ReleaseStatus::kError);
+  EXPECT_EQ(reply->id, 42u);
+  EXPECT_FALSE(reply->message.empty());
+  EXPECT_EQ(s().stats().messages_malformed, 1u);
+  EXPECT_EQ(s().stats().releases_refused, 1u);
+  EXPECT_EQ(s().hold().PhaseOf("x1"), core::HoldPhase::kReady);
+}
+
+TEST_F(PrefillSessionTest, UnknownMessageTypeIsAnsweredErrorWithItsId) {
+  Make();
+  // {"t": 9, "v": 1, "id": 77}: a message type from a newer protocol.
+  const std::vector<std::uint8_t> raw = {0x83, 0xa1, 't', 0x09, 0xa1, 'v',
+                                         0x01, 0xa2, 'i', 'd',  0x4d};
+  s().OnMessage("d0", raw, kT0);
+  std::vector<Outgoing> out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].peer, "d0");
+  const auto* response = std::get_if<wire::PullResponse>(&out[0].message);
+  ASSERT_NE(response, nullptr);
+  EXPECT_EQ(response->status, wire::PullStatus::kError);
+  EXPECT_EQ(response->id, 77u);
+  EXPECT_EQ(response->code, ErrorCode::kProtocol);
+  EXPECT_NE(response->message.find('9'), std::string::npos) << response->message;
+  EXPECT_EQ(s().stats().messages_malformed, 1u);
+}
+
+TEST_F(PrefillSessionTest, AbortOfARenewedPrefillNotifiesTheRenewingSocket) {
+  Make(LeaseOptions());
+  ASSERT_TRUE(s().Admit("x1", 1, kT0).ok());
+  s().OnMessage("d0", wire::Encode(MakeRenewal(1, {"x1"}, /*accepts_notices=*/true)), kT0 + 1s);
+  Sorted first = Sort(s().TakeOutgoing());
+  ASSERT_EQ(first.renewal_replies.size(), 1u);
+  EXPECT_TRUE(first.notices.empty());
+  s().EngineFinished("x1", kT0 + 2s);
+  std::vector<Outgoing> out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].peer, "d0");
+  const auto* notice = std::get_if<wire::AbortNotice>(&out[0].message);
+  ASSERT_NE(notice, nullptr);
+  EXPECT_EQ(notice->p_engine_id, "p-engine");
+  EXPECT_EQ(notice->p_tp_rank, 0u);
+  ASSERT_EQ(notice->aborted.size(), 1u);
+  EXPECT_EQ(notice->aborted[0].transfer_id, "x1");
+  EXPECT_EQ(notice->aborted[0].code, ErrorCode::kCancelled);
+  EXPECT_NE(notice->aborted[0].reason.find("aborted"), std::string::npos)
+      << notice->aborted[0].reason;
+  EXPECT_TRUE(wire::Validate(*notice).ok());
+  EXPECT_EQ(s().stats().notices_sent, 1u);
+  EXPECT_EQ(s().stats().notified_transfers, 1u);
+  // Exactly once: nothing more about it, ever.
+  s().OnTimeout(kT0 + 1000s);
+  EXPECT_TRUE(Sort(s().TakeOutgoing()).notices.empty());
+}
+
+TEST_F(PrefillSessionTest, NoticesOfOneCallAreBatchedIntoOneMessagePerSocket) {
+  Make(LeaseOptions());
+  ASSERT_TRUE(s().Admit("x1", 1, kT0).ok());
+  ASSERT_TRUE(s().Admit("x2", 2, kT0).ok());
+  s().OnRenewal("d0", MakeRenewal(1, {"x1", "x2"}, true), kT0);
+  s().OnRenewal("d1", MakeRenewal(1, {"x2"}, true), kT0);
+  (void)s().TakeOutgoing();
+  // D stopped renewing both while P still prefilled them: dropped as dead-decoder at once.
+  s().OnTimeout(kT0 + 30s);
+  Sorted sorted = Sort(s().TakeOutgoing());
+  ASSERT_EQ(sorted.notices.size(), 2u);
+  std::map<PeerAddress, std::vector<core::TransferId>> by_peer;
+  for (const Outgoing& o : sorted.notices) {
+    for (const wire::AbortedTransfer& a : NoticeOf(o).aborted) {
+      by_peer[o.peer].push_back(a.transfer_id);
+      EXPECT_EQ(a.code, ErrorCode::kTimeout);
+    }
+  }
+  std::sort(by_peer["d0"].begin(), by_peer["d0"].end());
+  EXPECT_EQ(by_peer["d0"], (std::vector<core::TransferId>{"x1", "x2"}));
+  EXPECT_EQ(by_peer["d1"], (std::vector<core::TransferId>{"x2"}));
+  EXPECT_EQ(s().stats().notices_sent, 2u);
+  EXPECT_EQ(s().stats().notified_transfers, 3u);
+}
+
+// Protocol §5: AbortNotice code TOMBSTONED means "the lease expired" (TIMEOUT is a wait for a
+// prefill that never finished).
+TEST_F(PrefillSessionTest, ExpiredLeaseNotifiesTheRenewingSocketWithTombstoned) {
+  Make(LeaseOptions());
+  Ready("x1");
+  s().OnRenewal("d0", MakeRenewal(1, {"x1"}, true), kT0 + 1s);
+  (void)s().TakeOutgoing();
+  s().OnTimeout(kT0 + 30s);  // max(30, 1 + 20)
+  ASSERT_FALSE(s().hold().Contains("x1"));
+  Sorted sorted = Sort(s().TakeOutgoing());
+  ASSERT_EQ(sorted.notices.size(), 1u);
+  ASSERT_EQ(NoticeOf(sorted.notices[0]).aborted.size(), 1u);
+  EXPECT_EQ(NoticeOf(sorted.notices[0]).aborted[0].transfer_id, "x1");
+  EXPECT_EQ(NoticeOf(sorted.notices[0]).aborted[0].code, ErrorCode::kTombstoned)
+      << NoticeOf(sorted.notices[0]).aborted[0].reason;
+}
+
+TEST_F(PrefillSessionTest, NoNoticeForASocketThatRenewedWithoutAcceptingNotices) {
+  Make(LeaseOptions());
+  ASSERT_TRUE(s().Admit("x1", 1, kT0).ok());
+  s().OnRenewal("old-d", MakeRenewal(1, {"x1"}, /*accepts_notices=*/false), kT0);
+  s().OnRenewal("new-d", MakeRenewal(1, {"x1"}, /*accepts_notices=*/true), kT0);
+  ASSERT_EQ(Sort(s().TakeOutgoing()).renewal_replies.size(), 2u);
+  s().EngineFinished("x1", kT0 + 1s);
+  Sorted sorted = Sort(s().TakeOutgoing());
+  ASSERT_EQ(sorted.notices.size(), 1u);
+  EXPECT_EQ(sorted.notices[0].peer, "new-d");
+  EXPECT_EQ(s().stats().notices_sent, 1u);
+}
+
+TEST_F(PrefillSessionTest, NoNoticeOnceEveryPairedRankPulledTheTransfer) {
+  Make(LeaseOptions());
+  Ready("x1");
+  s().OnRenewal("d0", MakeRenewal(1, {"x1"}, true), kT0);
+  (void)s().TakeOutgoing();
+  s().OnPull("d0", MakePull(2, {{"r1", "x1"}}), kT0 + 1s);
+  std::vector<WriteJob> writes = s().TakeWrites();
+  ASSERT_EQ(writes.size(), 1u);
+  s().OnWriteDone(writes[0].ticket, WriteOutcome::Landed(), kT0 + 1s);
+  Sorted sorted = Sort(s().TakeOutgoing());
+  ASSERT_EQ(sorted.pull_responses.size(), 1u);
+  EXPECT_TRUE(sorted.notices.empty());
+  ASSERT_FALSE(s().hold().Contains("x1"));
+  // Nothing later either: the entry went as kSent and its renewer was forgotten.
+  s().EngineFinished("x1", kT0 + 2s);
+  s().OnTimeout(kT0 + 1000s);
+  EXPECT_TRUE(Sort(s().TakeOutgoing()).notices.empty());
+  EXPECT_EQ(s().stats().notices_sent, 0u);
+}
+
+TEST_F(PrefillSessionTest, NoNoticeToTheSocketThatReleasedTheTransfer) {
+  Make(LeaseOptions());  // P TP1, D TP2
+  ASSERT_TRUE(s().Admit("x1", 1, kT0).ok());
+  s().OnRenewal("d-rank0", MakeRenewal(1, {"x1"}, true), kT0);
+  s().OnRenewal("d-rank1", MakeRenewal(1, {"x1"}, true), kT0);
+  (void)s().TakeOutgoing();
+  s().OnRelease("d-rank0", MakeRelease(2, {"x1"}, 2, 0), kT0 + 1s);
+  Sorted sorted = Sort(s().TakeOutgoing());
+  ASSERT_EQ(sorted.release_replies.size(), 1u);
+  EXPECT_EQ(ReplyOf(sorted.release_replies[0]).kept, 1u);
+  EXPECT_TRUE(sorted.notices.empty());
+  s().EngineFinished("x1", kT0 + 2s);
+  sorted = Sort(s().TakeOutgoing());
+  ASSERT_EQ(sorted.notices.size(), 1u);
+  EXPECT_EQ(sorted.notices[0].peer, "d-rank1");
+}
+
+TEST_F(PrefillSessionTest, NoNoticeWhenTheReleaseOfTheLastRankFreesTheTransfer) {
+  Make(LeaseOptions());
+  ASSERT_TRUE(s().Admit("x1", 1, kT0).ok());
+  s().OnRenewal("d0", MakeRenewal(1, {"x1"}, true), kT0);
+  s().OnRenewal("d-other", MakeRenewal(1, {"x1"}, true), kT0);  // e.g. a second socket of D
+  (void)s().TakeOutgoing();
+  s().OnRelease("d0", MakeRelease(2, {"x1"}), kT0 + 1s);
+  Sorted sorted = Sort(s().TakeOutgoing());
+  ASSERT_EQ(sorted.release_replies.size(), 1u);
+  EXPECT_EQ(ReplyOf(sorted.release_replies[0]).released, 1u);
+  EXPECT_TRUE(sorted.notices.empty()) << "kReleasedByDecoder leaves no decoder waiting";
+  ASSERT_EQ(s().TakeEngineEvents().size(), 1u);  // kAbortPrefill
+}
+
+TEST_F(PrefillSessionTest, RenewalsOfUnknownFingerprintsRememberNoSocket) {
+  Make(LeaseOptions());
+  // A hostile (or early) peer renews transfers P does not hold yet, asking for notices.
+  std::vector<core::TransferId> ids;
+  for (int i = 0; i < 100; ++i) ids.push_back("x" + std::to_string(i));
+  for (int round = 0; round < 50; ++round) {
+    s().OnRenewal("evil-" + std::to_string(round), MakeRenewal(round + 1, ids, true), kT0);
+  }
+  for (const Outgoing& o : s().TakeOutgoing()) {
+    const auto& reply = std::get<wire::RenewalReply>(o.message);
+    EXPECT_EQ(reply.unknown, 100u);
+    EXPECT_EQ(reply.extended, 0u);
+  }
+  EXPECT_EQ(s().hold().size(), 0u) << "a renewal must not create an entry";
+  // P admits and aborts them later: nobody renewed them while they were held.
+  for (const core::TransferId& id : ids) {
+    ASSERT_TRUE(s().Admit(id, 1, kT0 + 1s).ok());
+    s().EngineFinished(id, kT0 + 1s);
+  }
+  EXPECT_TRUE(Sort(s().TakeOutgoing()).notices.empty());
+  EXPECT_EQ(s().stats().notices_sent, 0u);
+}
+
+TEST_F(PrefillSessionTest, SocketsRememberedPerTransferAreCapped) {
+  Make(LeaseOptions());
+  ASSERT_TRUE(s().Admit("x1", 1, kT0).ok());
+  const std::size_t sockets = kMaxNoticePeersPerTransfer + 36;
+  for (std::size_t i = 0; i < sockets; ++i) {
+    s().OnRenewal("d" + std::to_string(i), MakeRenewal(1, {"x1"}, true), kT0);
+    s().OnRenewal("d" + std::to_string(i), MakeRenewal(2, {"x1"}, true), kT0);  // repeated
+  }
+  (void)s().TakeOutgoing();
+  s().EngineFinished("x1", kT0 + 1s);
+  Sorted sorted = Sort(s().TakeOutgoing());
+  EXPECT_EQ(sorted.notices.size(), kMaxNoticePeersPerTransfer);
+  std::set<PeerAddress> peers;
+  for (const Outgoing& o : sorted.notices) peers.insert(o.peer);
+  EXPECT_EQ(peers.size(), kMaxNoticePeersPerTransfer) << "one notice per socket";
+}
+
+TEST_F(PrefillSessionTest, ReleaseFailsOnlyTheReleasingRanksParkedPull) {
+  Make();  // P TP1, D TP2
+  wire::Pull rank0 = MakePull(1, {{"r-a", "x1"}});
+  rank0.d_tp_size = 2;
+  rank0.d_tp_rank = 0;
+  wire::Pull rank1 = MakePull(1, {{"r-b", "x1"}});
+  rank1.d_tp_size = 2;
+  rank1.d_tp_rank = 1;
+  s().OnPull("d0", rank0, kT0);
+  s().OnPull("d1", rank1, kT0);
+  EXPECT_TRUE(Responses().empty());
+  ASSERT_EQ(s().stats().requests_parked, 2u);
+  s().OnRelease("d0", MakeRelease(2, {"x1"}, 2, 0), kT0 + 1s);
+  Sorted sorted = Sort(s().TakeOutgoing());
+  ASSERT_EQ(sorted.release_replies.size(), 1u);
+  EXPECT_EQ(ReplyOf(sorted.release_replies[0]).kept, 1u);
+  ASSERT_EQ(sorted.pull_responses.size(), 1u);
+  EXPECT_EQ(sorted.pull_responses[0].peer, "d0");
+  const auto& answer = std::get<wire::PullResponse>(sorted.pull_responses[0].message);
+  EXPECT_EQ(answer.id, 1u);
+  EXPECT_EQ(answer.status, wire::PullStatus::kFinish);
+  ASSERT_EQ(answer.err.size(), 1u);
+  EXPECT_EQ(answer.err[0].d_req_id, "r-a");
+  EXPECT_EQ(answer.err[0].code, ErrorCode::kCancelled);
+  EXPECT_EQ(s().stats().requests_parked, 1u) << "rank 1's pull keeps waiting";
+  // The prefill ends: rank 1 gets its KV, and the entry goes.
+  ASSERT_TRUE(s().Admit("x1", 9, kT0 + 2s).ok());
+  ASSERT_TRUE(s().PrefillDone("x1", 2, kT0 + 3s).ok());
+  std::vector<WriteJob> writes = s().TakeWrites();
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0].d_req_id, "r-b");
+  EXPECT_EQ(writes[0].context->d_tp_rank, 1u);
+  s().OnWriteDone(writes[0].ticket, WriteOutcome::Landed(), kT0 + 4s);
+  std::vector<wire::PullResponse> replies = Responses("d1");
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(replies[0].ok, std::vector<core::RequestId>{"r-b"});
+  std::vector<core::HoldEvent> events = s().TakeEngineEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, core::HoldEvent::Kind::kFreeBlocks);
+  EXPECT_EQ(events[0].reason, core::ReleaseReason::kReleasedByDecoder);
+  EXPECT_EQ(s().stats().requests_parked, 0u);
 }
 
 TEST(PrefillSessionOptionsTest, TpBeyondTheLimitIsRefused) {

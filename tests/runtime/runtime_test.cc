@@ -38,6 +38,8 @@ struct Cluster {
   // P's abort_request_timeout; D's copy of it is `d_abort` (the same value unless a test
   // misconfigures D to time out before P answers).
   std::chrono::milliseconds p_abort = 5s;
+  // D releases what it gives up (DecodeWorkerOptions::send_releases).
+  bool d_releases = true;
 
   // P TP `p_tp` (2 KV heads) → D TP1; leases in seconds (0 = off). D's pull deadline must
   // exceed its abort_request_timeout + write bound (DecodeWorkerOptions).
@@ -99,6 +101,7 @@ struct Cluster {
     o.pull_timeout = pull_timeout;
     o.abort_request_timeout = d_abort;
     o.write_bound = write_bound;  // P: 2 s connect + 2 s write + 1 s close + 5 s fence
+    o.send_releases = d_releases;
     auto worker = DecodeWorker::Start(o, std::shared_ptr<transport::Engine>(std::move(*engine)),
                                       [this](std::string_view w) {
                                         std::lock_guard<std::mutex> lock(mu);
@@ -281,6 +284,9 @@ TEST(RuntimeEndToEnd, PullForATransferPNeverAdmitsFailsWithoutQuarantine) {
 TEST(RuntimeEndToEnd, SecondRegistrationOfALiveEngineReleasesNothing) {
   Cluster c;
   c.p_abort = 2500ms;
+  // Without releases: D's release of the failed receive would make P answer at once (and so
+  // end the quarantine before the second registration; see the next test).
+  c.d_releases = false;
   ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30, 400ms, /*d_abort=*/200ms, /*write_bound=*/100ms));
   ASSERT_TRUE(c.p[0]->Admit("xfer-stuck", 1).get().ok());
   ASSERT_TRUE(c.d->StartLoad("req-stuck", c.Source("xfer-stuck"), kDestBlocks).ok());
@@ -298,6 +304,24 @@ TEST(RuntimeEndToEnd, SecondRegistrationOfALiveEngineReleasesNothing) {
   // The first process answers at its wait deadline: now the blocks come back.
   EXPECT_TRUE(WaitReleased(c, "req-stuck", core::Clock::now() + 5s));
   EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
+}
+
+// The same stuck pull with releases on: D's failed receive releases the transfer, P fails the
+// parked pull at once, and that answer ends the quarantine — long before P's wait deadline.
+TEST(RuntimeEndToEnd, ReleaseOfATimedOutPullEndsItsQuarantineAtOnce) {
+  Cluster c;
+  c.p_abort = 5000ms;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30, 400ms, /*d_abort=*/200ms, /*write_bound=*/100ms));
+  ASSERT_TRUE(c.p[0]->Admit("xfer-stuck", 1).get().ok());
+  const auto start = core::Clock::now();
+  ASSERT_TRUE(c.d->StartLoad("req-stuck", c.Source("xfer-stuck"), kDestBlocks).ok());
+  ASSERT_TRUE(c.Receive("req-stuck", core::Clock::now() + 5s).quarantined);
+  EXPECT_TRUE(WaitReleased(c, "req-stuck", core::Clock::now() + 2s));
+  EXPECT_LT(core::Clock::now() - start, 2s) << "the quarantine waited for P's wait deadline";
+  EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
+  const control::ListenerStats stats = c.p[0]->listener().Stats();
+  EXPECT_EQ(stats.released_entries, 1u);
+  EXPECT_EQ(stats.hold_entries, 0u) << "P freed the transfer nobody will pull";
 }
 
 // Hole 5 in real processes: D renews transfers with a live P and with 20 silent P engines — 10

@@ -93,5 +93,25 @@ TEST(ScenarioD, LatePullFailsAtOnceWithAndWithoutLease) {
   EXPECT_GE(n.time_to_fail_s, 20);
 }
 
+// E: the release frees cancelled requests' KV at once; the lease only after a lease; the
+// timeout only after 480 s. The same cancellations in all three runs.
+TEST(ScenarioE, ReleaseFreesCancelledKvSoonerThanLeaseAndTimeout) {
+  const ScenarioE e = RunScenarioE(1);
+  ExpectNoViolations(e.timeout);
+  ExpectNoViolations(e.lease);
+  ExpectNoViolations(e.release);
+  // Cancelled requests' KV: the timeout keeps it to the end of its 480 s, the lease frees it.
+  EXPECT_GT(PctAt(e.timeout, 120), 5.0);
+  EXPECT_LT(PctAt(e.lease, 120), 1.0);
+  EXPECT_LT(PctAt(e.release, 120), 1.0);
+  // While cancellations still come (t <= 40 s) the release holds less than the lease alone.
+  EXPECT_LT(PctAt(e.release, 45), PctAt(e.lease, 45) - 5.0);
+  EXPECT_LT(PctAt(e.release, 20), PctAt(e.lease, 20) - 5.0);
+  // Clients did cancel, and the others still succeeded.
+  EXPECT_GE(e.release.Count(Outcome::kAborted), 30u);
+  EXPECT_GE(e.release.Count(Outcome::kOk), 80u);
+  EXPECT_EQ(e.release.Count(Outcome::kFailed), 0u);
+}
+
 }  // namespace
 }  // namespace kvferry::sim

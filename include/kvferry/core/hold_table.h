@@ -6,19 +6,22 @@
 //
 // An entry's life:
 //
-//   (pull before admit) kPlaceholder ──Admit──▶ kPrefilling ──PrefillDone──▶ kReady
-//                              │                     │                          │
-//                              └──── wait deadline, dead decoder, abort ───────┴── sent ==
-//                              need_send,
-//                                                                                   lease/timeout
-//                                                                                   expiry
-//   Every way out removes the entry and leaves a tombstone, so a later pull fails at once.
+//   (pull or release before admit)
+//        kPlaceholder ──Admit──▶ kPrefilling ──PrefillDone──▶ kReady
+//             │                      │                           │
+//             └─ wait deadline, dead decoder, abort, released ───┴─ every paired D rank pulled
+//                                                                   or released it, lease or
+//                                                                   timeout expiry, abort
+//   Every way out removes the entry, emits one kReleased and leaves a tombstone, so a later
+//   pull fails at once.
 //
 // Deadlines (all in this process's clock):
 //   kReady:       expire = prefill_done + (lease or abort_request_timeout); a renewal sets
 //                 expire = max(expire, now + 2/3·lease); once renewed, the entry also goes at
 //                 last_renewal + lease. A send in flight defers expiry.
-//   wait:         a pull that waits for an unfinished prefill fails at first_wait + abort_timeout.
+//   wait:         a pull that waits for an unfinished prefill fails at first_wait + abort_timeout,
+//                 and the entry goes then, also if the waiting rank released it meanwhile (so no
+//                 placeholder is stranded).
 //   dead decoder: with a lease, an entry renewed at least once and not prefilled is dropped
 //                 (its prefill aborted) at last_renewal + lease.
 //
@@ -73,16 +76,25 @@ const char* ToString(HoldPhase phase);
 
 // Why an entry left the table. Each is terminal and reached exactly once per entry.
 enum class ReleaseReason : std::uint8_t {
-  kSent,             // every paired D rank pulled it
-  kExpired,          // lease (or fixed timeout) ran out on a ready entry
-  kDeadDecoder,      // renewed, then not renewed for a whole lease, before prefill finished
-  kWaitTimeout,      // a pull waited abort_request_timeout for a prefill that never finished
-  kLeaseMismatch,    // a pull declared a different lease; D failed the request
-  kAbortedByEngine,  // P's engine aborted or finished the request without a send
+  kSent,               // every paired D rank pulled it
+  kExpired,            // lease (or fixed timeout) ran out on a ready entry
+  kDeadDecoder,        // renewed, then not renewed for a whole lease, before prefill finished
+  kWaitTimeout,        // a pull waited abort_request_timeout for a prefill that never finished
+  kLeaseMismatch,      // a pull declared a different lease; D failed the request
+  kAbortedByEngine,    // P's engine aborted or finished the request without a send
+  kReleasedByDecoder,  // every paired D rank pulled or released it, at least one released
 };
-inline constexpr std::array<ReleaseReason, 6> kAllReleaseReasons = {
-    ReleaseReason::kSent,        ReleaseReason::kExpired,       ReleaseReason::kDeadDecoder,
-    ReleaseReason::kWaitTimeout, ReleaseReason::kLeaseMismatch, ReleaseReason::kAbortedByEngine};
+inline constexpr std::array<ReleaseReason, 7> kAllReleaseReasons = {
+    ReleaseReason::kSent,
+    ReleaseReason::kExpired,
+    ReleaseReason::kDeadDecoder,
+    ReleaseReason::kWaitTimeout,
+    ReleaseReason::kLeaseMismatch,
+    ReleaseReason::kAbortedByEngine,
+    ReleaseReason::kReleasedByDecoder};
+// Whether a D rank that renewed a transfer released for `reason` may still be waiting for it:
+// every reason but kSent and kReleasedByDecoder (P tells such ranks: wire::AbortNotice).
+bool LeftDecoderWaiting(ReleaseReason reason);
 const char* ToString(ReleaseReason reason);
 
 struct HoldEvent {
@@ -90,13 +102,17 @@ struct HoldEvent {
     kFreeBlocks,    // phase was kReady: return the request's blocks to the pool
     kAbortPrefill,  // phase was kPrefilling: stop the request; nobody will pull it
     kPullsReady,    // pulls waiting on this transfer can send now
-    kPullsFailed,   // pulls waiting on this transfer fail with `status`
+    kPullsFailed,   // pulls of the D ranks in `ranks` waiting on this transfer fail with
+                    // `status`
+    kReleased,      // the entry left the table (exactly once per entry, after the events
+                    // above): `reason`, and in `status` what a D rank still waiting should hear
   };
   Kind kind;
   TransferId id;
   std::uint64_t handle = 0;  // the engine's cookie given to Admit (0 for placeholders)
   ReleaseReason reason = ReleaseReason::kSent;
-  Status status;  // for kPullsFailed
+  Status status;                            // for kPullsFailed and kReleased
+  std::uint64_t ranks = ~std::uint64_t{0};  // kPullsFailed: bit r = D rank r
 };
 
 // What a pull should do now.
@@ -119,6 +135,8 @@ struct HoldStats {
   std::uint64_t late_pulls_rejected = 0;  // pulls for a tombstoned id
   std::uint64_t tombstone_hits = 0;       // any call that found a tombstone
   std::uint64_t tombstones_evicted = 0;
+  std::uint64_t decoder_releases = 0;          // ReleaseByDecoder calls that changed something
+  std::uint64_t decoder_releases_ignored = 0;  // ... that did not (unknown, repeated, mismatch)
 };
 
 class HoldTable {
@@ -165,6 +183,28 @@ class HoldTable {
   PullAdmission AdmitPull(const TransferId& id, std::uint32_t d_rank, std::uint32_t need_send,
                           std::optional<Duration> d_lease, TimePoint now);
 
+  // D rank `d_rank` will not pull transfer `fp` (again): a wire::Release. `need_send` is how many
+  // D ranks pull it from this P worker (from the release's d_tp_size). The rank counts as done:
+  // once every paired rank pulled or released it, the entry is released (kReleasedByDecoder;
+  // kAbortPrefill if it is still prefilling, kFreeBlocks once ready) — never while a send reads
+  // its blocks — and tombstoned. A pull of that rank still waiting fails (kPullsFailed for its
+  // rank only, kCancelled); its pulls from now on fail too. An id P does not hold is tombstoned
+  // when `need_send` is 1, so P will not prefill it (kTombstoned); with several paired ranks it is
+  // kIgnored (nothing remembers one rank's release of an unknown id; the lease still bounds the
+  // hold). Never frees a transfer another paired rank may still pull. Harmless for ids already
+  // freed, already pulled by that rank or already released by it (kIgnored, nothing changes); a
+  // `need_send` that differs from the first pull's is kIgnored with `error` set.
+  struct ReleaseOutcome {
+    // kReleased: the entry is freed (or goes when its sends end); kKept: other paired ranks
+    // still need it; kTombstoned: P held nothing, the id is remembered so P never prefills it;
+    // kIgnored: nothing changed.
+    enum class Verdict : std::uint8_t { kReleased, kKept, kTombstoned, kIgnored };
+    Verdict verdict = Verdict::kIgnored;
+    Status error;  // why, for a kIgnored that is not plainly "already gone"
+  };
+  ReleaseOutcome ReleaseByDecoder(Fingerprint fp, std::uint32_t d_rank, std::uint32_t need_send,
+                                  TimePoint now);
+
   // The pull of `d_rank` starts writing (entry must be kReady, and no other send of that rank
   // in flight). A send in flight defers every release of the entry: its blocks are being read.
   Status BeginSend(const TransferId& id, std::uint32_t d_rank, TimePoint now);
@@ -181,6 +221,8 @@ class HoldTable {
   std::vector<HoldEvent> TakeEvents();
 
   bool Contains(const TransferId& id) const;
+  // Whether an entry with this fingerprint is held (what a renewal would extend).
+  bool ContainsFingerprint(Fingerprint fp) const { return entries_.count(fp) != 0; }
   std::optional<HoldPhase> PhaseOf(const TransferId& id) const;
   // The deadline the entry is held to now (kNever while a send is in flight), for tests.
   std::optional<TimePoint> DeadlineOf(const TransferId& id) const;
@@ -202,6 +244,7 @@ class HoldTable {
     // D ranks with a pull waiting for the prefill: one wait per rank, so a D rank that repeats
     // its pull cannot grow anything, and the count (its popcount) cannot wrap.
     std::uint64_t waiting_mask = 0;
+    std::uint64_t released_mask = 0;  // D ranks that released it (wire::Release)
     std::uint32_t heap_pos = kNotInHeap;
     std::uint32_t num_blocks = 0;
     std::uint16_t need_send = 0;  // 0 until the first pull says
@@ -210,6 +253,7 @@ class HoldTable {
     // blocks: it is released with this reason as soon as the last send ends.
     bool doomed = false;
     ReleaseReason doom_reason = ReleaseReason::kAbortedByEngine;
+    Status doom_status;  // what waiting pulls and notices hear when it goes
   };
   struct HeapItem {
     TimePoint key;
@@ -229,6 +273,8 @@ class HoldTable {
   void Release(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now);
   // Release now, or as soon as the sends in flight end.
   void ReleaseOrDoom(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now);
+  // Every paired D rank pulled or released it: release (or doom) with the fitting reason.
+  bool MaybeDone(Entry& e, TimePoint now);
   void AddTombstone(Fingerprint fp, TimePoint now);
   void ExpireTombstones(TimePoint now);
 
