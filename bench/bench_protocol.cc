@@ -33,8 +33,9 @@ core::HoldConfig Hold(core::Duration lease) {
   return c;
 }
 
-std::vector<std::uint8_t> RenewalBytes(int ids) {
+std::vector<std::uint8_t> RenewalBytes(int ids, bool accepts_notices = false) {
   wire::Renewal r;
+  r.accepts_notices = accepts_notices;
   r.id = 7;
   r.d_engine_id = "decode-0";
   r.d_lease_ms = 30000;
@@ -71,6 +72,8 @@ void BM_RenewalInline(benchmark::State& state) {
 }
 BENCHMARK(BM_RenewalInline);
 
+// Arg 1: the renewal asks for AbortNotices (accepts_notices), so P also remembers the socket
+// for every held transfer it names.
 void BM_RenewalSession(benchmark::State& state) {
   protocol::PrefillSessionOptions o;
   o.hold = Hold(30s);
@@ -79,7 +82,7 @@ void BM_RenewalSession(benchmark::State& state) {
     (void)session.Admit(x, 1, kT0);
     (void)session.PrefillDone(x, 4, kT0);
   });
-  const std::vector<std::uint8_t> bytes = RenewalBytes(128);
+  const std::vector<std::uint8_t> bytes = RenewalBytes(128, state.range(0) != 0);
   const protocol::PeerAddress peer = "d0";
   for (auto _ : state) {
     session.OnMessage(peer, bytes, kT0 + 1s);
@@ -89,7 +92,7 @@ void BM_RenewalSession(benchmark::State& state) {
     }
   }
 }
-BENCHMARK(BM_RenewalSession);
+BENCHMARK(BM_RenewalSession)->Arg(0)->Arg(1);
 
 // ---- P: a ready pull of one request (admit, prefill done, pull, write landed, FINISH) ----
 
@@ -162,6 +165,66 @@ void BM_PullSession(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_PullSession);
+
+// ---- P: D releases a ready transfer (admit, prefill done, release, free, reply) ----
+
+std::vector<std::vector<std::uint8_t>> ReleaseRing() {
+  std::vector<std::vector<std::uint8_t>> ring;
+  for (int i = 0; i < kRing; ++i) {
+    wire::Release r;
+    r.id = static_cast<std::uint64_t>(i + 1);
+    r.d_engine_id = "decode-0";
+    r.fingerprints.push_back(core::FingerprintOf(Xfer(i)));
+    ring.push_back(wire::Encode(r));
+  }
+  return ring;
+}
+
+void BM_ReleaseInline(benchmark::State& state) {
+  core::HoldTable table(Hold(30s));
+  const auto ring = ReleaseRing();
+  int i = 0;
+  for (auto _ : state) {
+    const std::string xfer = Xfer(i);
+    (void)table.Admit(xfer, 1, kT0);
+    (void)table.PrefillDone(xfer, 4, kT0);
+    auto release = wire::DecodeRelease(ring[static_cast<std::size_t>(i)]);
+    auto paired = core::PairedDecoderRanks(0, 1, release->d_tp_size);
+    wire::ReleaseReply reply;
+    reply.id = release->id;
+    for (core::Fingerprint fp : release->fingerprints) {
+      const auto out = table.ReleaseByDecoder(fp, release->d_tp_rank,
+                                              static_cast<std::uint32_t>(paired->size()), kT0);
+      reply.released += out.verdict == core::HoldTable::ReleaseOutcome::Verdict::kReleased;
+    }
+    benchmark::DoNotOptimize(table.TakeEvents());
+    benchmark::DoNotOptimize(wire::Encode(reply));
+    i = (i + 1) % kRing;
+  }
+}
+BENCHMARK(BM_ReleaseInline);
+
+void BM_ReleaseSession(benchmark::State& state) {
+  protocol::PrefillSessionOptions o;
+  o.hold = Hold(30s);
+  protocol::PrefillSession session(o);
+  const auto ring = ReleaseRing();
+  const protocol::PeerAddress peer = "d0";
+  int i = 0;
+  for (auto _ : state) {
+    const std::string xfer = Xfer(i);
+    (void)session.Admit(xfer, 1, kT0);
+    (void)session.PrefillDone(xfer, 4, kT0);
+    session.OnMessage(peer, ring[static_cast<std::size_t>(i)], kT0);
+    benchmark::DoNotOptimize(session.TakeEngineEvents());
+    for (protocol::Outgoing& out : session.TakeOutgoing()) {
+      benchmark::DoNotOptimize(
+          std::visit([](const auto& m) { return wire::Encode(m); }, out.message));
+    }
+    i = (i + 1) % kRing;
+  }
+}
+BENCHMARK(BM_ReleaseSession);
 
 // ---- D: one renewal pass over E engines x 128 transfers each (one P worker per engine) ----
 

@@ -5,7 +5,8 @@
 #      times scaled by 1/10 (480 s -> 48 s, ...), about 3 minutes; exits non-zero if a check
 #      fails. Case A's timeline: out/demo/case_a_timeline.csv and out/demo/case_a.png.
 #   2. in the deterministic simulator at the seed's full scale (seconds of wall time), with
-#      the seed's old ledger beside the fixed one for case C. Plot: out/case_a.png.
+#      the seed's old ledger beside the fixed one for case C, and case E (30% of clients
+#      cancel on D: timeout vs lease vs lease + release). Plots: out/case_a.png, out/case_e.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,7 @@ build/bin/kvferry demo --out out/demo
 echo
 echo "==== 2. Full scale in virtual time (kvferry sim --scenario all)"
 build/bin/kvferry sim --scenario all --csv out
-if [ -f out/scenario_a_timeline.csv ] && command -v gnuplot >/dev/null; then
-  gnuplot scripts/plot_case_a.gp && echo "plot: out/case_a.png"
+if command -v gnuplot >/dev/null; then
+  [ -f out/scenario_a_timeline.csv ] && gnuplot scripts/plot_case_a.gp && echo "plot: out/case_a.png"
+  [ -f out/scenario_e_timeline.csv ] && gnuplot scripts/plot_case_e.gp && echo "plot: out/case_e.png"
 fi
