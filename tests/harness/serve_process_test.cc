@@ -574,6 +574,7 @@ class ReleaseTest : public ServeTest {
     EXPECT_EQ(WaitMetric(p.port(), "kvferry_held_blocks{state=\"ready\"}", 4 * kRequests),
               4 * kRequests);
     EXPECT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting", kRequests), kRequests);
+    const auto vanished = Clock::now();
     for (auto& c : clients) c->Vanish();
     EXPECT_EQ(WaitMetric(d.port(), "kvferry_requests_finished_total{outcome=\"client_abort\"}",
                          kRequests, std::chrono::milliseconds(5000)),
@@ -589,6 +590,9 @@ class ReleaseTest : public ServeTest {
       if (after_interval < 0 && (t >= interval || held == 0)) after_interval = held;
       if (held == 0) {
         freed_after = t;
+        std::printf("%s: P held nothing %.3f s after the clients left D (D notices a vanished "
+                    "client at its next keepalive write, <= 1 s)\n",
+                    release ? "with release" : "without release", SecondsSince(vanished));
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -637,7 +641,7 @@ TEST_F(ReleaseTest, PrefillAbortsFailQueuedDecodesAtOnceWithPsReason) {
   ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_running", 1), 1);
   constexpr int kRequests = 64;
   std::vector<std::unique_ptr<VanishingClient>> prefills;
-  std::vector<std::future<std::pair<HttpResult, double>>> decodes;
+  std::vector<std::future<std::pair<HttpResult, Clock::time_point>>> decodes;
   for (int i = 0; i < kRequests; ++i) {
     const std::string transfer = "xfer-pabort-" + std::to_string(i);
     json body = PrefillBody(64, transfer);
@@ -645,7 +649,7 @@ TEST_F(ReleaseTest, PrefillAbortsFailQueuedDecodesAtOnceWithPsReason) {
     prefills.push_back(std::make_unique<VanishingClient>(p.port(), body));
     decodes.push_back(std::async(std::launch::async, [&d, &p, transfer] {
       HttpResult r = Post(d.port(), DecodeBody(64, 4, false, transfer, p), 60);
-      return std::make_pair(r, 0.0);
+      return std::make_pair(r, Clock::now());
     }));
   }
   ASSERT_EQ(WaitMetric(p.port(), "kvferry_requests_waiting", kRequests), kRequests);
@@ -658,13 +662,25 @@ TEST_F(ReleaseTest, PrefillAbortsFailQueuedDecodesAtOnceWithPsReason) {
   }
   const auto vanished = Clock::now();
   for (auto& c : prefills) c->Vanish();
-  // P notices its clients left at its next keepalive write (<= 1 s), aborts the prefills and
-  // tells D, which fails every request: all within about one keepalive, not a lease.
+  // P notices its clients left at its next keepalive write (<= 1 s) and aborts the prefills;
+  // when its engine has aborted all of them (polled every 5 ms) D should be done within ms.
+  Clock::time_point p_aborted{};
+  while (SecondsSince(vanished) < 10) {
+    if (Metric(Get(p.port(), "/metrics"),
+               "kvferry_requests_finished_total{outcome=\"client_abort\"}") >= kRequests) {
+      p_aborted = Clock::now();
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_NE(p_aborted, Clock::time_point{}) << "P never aborted its prefills";
   int failed = 0;
   double slowest = 0;
+  Clock::time_point last_failure{};
   for (auto& f : decodes) {
-    auto [r, unused] = f.get();
-    slowest = std::max(slowest, SecondsSince(vanished));
+    auto [r, done] = f.get();
+    slowest = std::max(slowest, std::chrono::duration<double>(done - vanished).count());
+    last_failure = std::max(last_failure, done);
     EXPECT_EQ(r.status, 503) << r.body;
     EXPECT_NE(r.body.find("aborted by the prefill instance"), std::string::npos) << r.body;
     EXPECT_NE(r.body.find("was aborted on P"), std::string::npos) << r.body;
@@ -672,13 +688,18 @@ TEST_F(ReleaseTest, PrefillAbortsFailQueuedDecodesAtOnceWithPsReason) {
   }
   EXPECT_EQ(failed, kRequests);
   EXPECT_LT(slowest, 2.5);
+  // From P's abort (as seen by a 5 ms poll) to D's last failure: one message, not a lease.
+  const double after_p = std::chrono::duration<double>(last_failure - p_aborted).count();
+  EXPECT_LT(after_p, 0.25);
   EXPECT_EQ(Metric(Get(p.port(), "/metrics"), "kvferry_abort_notices_sent_total"), kRequests);
   const std::string dm = Get(d.port(), "/metrics");
   EXPECT_EQ(Metric(dm, "kvferry_abort_notices_applied_total"), kRequests);
   EXPECT_EQ(Metric(dm, "kvferry_pulls_sent_total"), 0) << "nothing was pulled late";
   EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
-  std::printf("P abort -> D failure: every request failed %.3f s after P's clients left\n",
-              slowest);
+  std::printf(
+      "P abort -> D failure: every request failed %.3f s after P's clients left, %.3f s after "
+      "P had aborted them all\n",
+      slowest, after_p);
   EXPECT_EQ(p.Terminate(), 0);
   EXPECT_EQ(d.Terminate(), 0);
   (void)p_blocker.wait_for(std::chrono::seconds(5));
