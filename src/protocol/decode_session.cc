@@ -577,7 +577,7 @@ void DecodeSession::SendRenewals(const core::EngineId& engine, const PeerEngine&
     renewal.fingerprints.assign(ids.begin(), ids.end());
     renewal.accepts_notices = true;  // OnAbortNotice reads them
     const TimePoint deadline = now + renewal_reply_timeout_;
-    ep.renewals.emplace(renewal.id, RenewalOp{engine, deadline});
+    ep.renewals.emplace(renewal.id, ReplyOp{engine, deadline});
     renewal_deadlines_.insert({deadline, endpoint, renewal.id});
     ++counters_.renewal_messages;
     messages_out_.push_back({endpoint, ep.address, std::move(renewal)});
@@ -605,22 +605,32 @@ void DecodeSession::RenewalPass(TimePoint now) {
   }
 }
 
+std::optional<core::EngineId> DecodeSession::TakeReplyOp(
+    EndpointId endpoint, std::map<std::uint64_t, ReplyOp> Endpoint::*ops,
+    std::set<Deadline>& deadlines, std::uint64_t id) {
+  if (endpoint >= endpoints_.size()) {
+    ++counters_.replies_unmatched;
+    return std::nullopt;
+  }
+  std::map<std::uint64_t, ReplyOp>& pending = endpoints_[endpoint].*ops;
+  auto op = pending.find(id);
+  if (op == pending.end()) {
+    ++counters_.replies_unmatched;  // unknown, or answered after its deadline
+    return std::nullopt;
+  }
+  core::EngineId engine = std::move(op->second.engine);
+  deadlines.erase({op->second.deadline, endpoint, id});
+  pending.erase(op);
+  return engine;
+}
+
 void DecodeSession::OnRenewalReply(EndpointId endpoint, const wire::RenewalReply& reply,
                                    TimePoint now) {
   (void)now;
-  if (endpoint >= endpoints_.size()) {
-    ++counters_.replies_unmatched;
-    return;
-  }
-  Endpoint& ep = endpoints_[endpoint];
-  auto op = ep.renewals.find(reply.id);
-  if (op == ep.renewals.end()) {
-    ++counters_.replies_unmatched;  // unknown, or answered after its deadline
-    return;
-  }
-  const core::EngineId engine = op->second.engine;
-  renewal_deadlines_.erase({op->second.deadline, endpoint, reply.id});
-  ep.renewals.erase(op);
+  std::optional<core::EngineId> taken =
+      TakeReplyOp(endpoint, &Endpoint::renewals, renewal_deadlines_, reply.id);
+  if (!taken) return;
+  const core::EngineId& engine = *taken;
   switch (reply.status) {
     case wire::RenewalStatus::kAccepted:
       ++counters_.renewals_accepted;
@@ -690,7 +700,7 @@ void DecodeSession::SendReleases(const core::EngineId& engine, const PeerEngine&
       release.fingerprints.assign(ids.begin() + static_cast<long>(at),
                                   ids.begin() + static_cast<long>(at + n));
       const TimePoint deadline = now + options_.release_reply_timeout;
-      ep.releases.emplace(release.id, ReleaseOp{engine, deadline});
+      ep.releases.emplace(release.id, ReplyOp{engine, deadline});
       release_deadlines_.insert({deadline, endpoint, release.id});
       ++counters_.release_messages;
       counters_.releases_sent += n;
@@ -702,18 +712,7 @@ void DecodeSession::SendReleases(const core::EngineId& engine, const PeerEngine&
 void DecodeSession::OnReleaseReply(EndpointId endpoint, const wire::ReleaseReply& reply,
                                    TimePoint now) {
   (void)now;
-  if (endpoint >= endpoints_.size()) {
-    ++counters_.replies_unmatched;
-    return;
-  }
-  Endpoint& ep = endpoints_[endpoint];
-  auto op = ep.releases.find(reply.id);
-  if (op == ep.releases.end()) {
-    ++counters_.replies_unmatched;
-    return;
-  }
-  release_deadlines_.erase({op->second.deadline, endpoint, reply.id});
-  ep.releases.erase(op);
+  if (!TakeReplyOp(endpoint, &Endpoint::releases, release_deadlines_, reply.id)) return;
   if (reply.status != wire::ReleaseStatus::kAccepted) {
     ++counters_.release_failures;
     return;

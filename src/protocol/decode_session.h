@@ -274,17 +274,19 @@ class DecodeSession {
     core::TimePoint deadline;
     bool timed_out = false;
   };
-  struct RenewalOp {
+  // A renewal or release awaiting its reply.
+  struct ReplyOp {
     core::EngineId engine;
     core::TimePoint deadline;
   };
-  using ReleaseOp = RenewalOp;
+  // (deadline, endpoint, wire id) of a pull or of a message awaiting its reply.
+  using Deadline = std::tuple<core::TimePoint, EndpointId, std::uint64_t>;
   struct Endpoint {
     std::string address;
     std::uint64_t next_id = 0;
-    std::map<std::uint64_t, PullOp> pulls;        // by wire id
-    std::map<std::uint64_t, RenewalOp> renewals;  // by wire id
-    std::map<std::uint64_t, ReleaseOp> releases;  // by wire id
+    std::map<std::uint64_t, PullOp> pulls;      // by wire id
+    std::map<std::uint64_t, ReplyOp> renewals;  // by wire id
+    std::map<std::uint64_t, ReplyOp> releases;  // by wire id
     std::uint32_t epoch = 0;  // bumped when a fence is asked for: later pulls are a new peer
   };
   struct Load {
@@ -346,6 +348,11 @@ class DecodeSession {
   // a PROTOCOL error means its engine cannot read releases (an old P). Returns false if `id`
   // is not a release.
   bool ReleaseRefused(EndpointId endpoint, std::uint64_t id, const wire::PullResponse& error);
+  // Takes the renewal or release `id` of `endpoint` (in `ops`) out with its deadline: its
+  // engine, or nullopt (counted unmatched) when none is awaited.
+  std::optional<core::EngineId> TakeReplyOp(EndpointId endpoint,
+                                            std::map<std::uint64_t, ReplyOp> Endpoint::*ops,
+                                            std::set<Deadline>& deadlines, std::uint64_t id);
   void RenewalPass(core::TimePoint now);
   void ExpirePulls(core::TimePoint now);
   void AskFence(EndpointId endpoint);
@@ -363,8 +370,7 @@ class DecodeSession {
   std::map<PeerKey, core::PeerId> peers_;
   std::vector<PeerKey> peer_keys_;             // by PeerId
   std::unordered_set<core::PeerId> quiesced_;  // epochs a fence proved stopped
-  // (deadline, endpoint, wire id) of pulls not yet timed out and of renewals not yet answered.
-  using Deadline = std::tuple<core::TimePoint, EndpointId, std::uint64_t>;
+  // Pulls not yet timed out, renewals and releases not yet answered.
   std::set<Deadline> pull_deadlines_;
   std::set<Deadline> renewal_deadlines_;
   std::set<Deadline> release_deadlines_;
