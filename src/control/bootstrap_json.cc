@@ -54,6 +54,11 @@ class Reader {
     return true;
   }
 
+  // An optional field: absent leaves `out` as it is (a peer that predates the field).
+  bool OptionalUint(const char* field, std::uint32_t& out) {
+    return object_.find(field) == object_.end() || Uint(field, out);
+  }
+
   bool Bool(const char* field, bool& out) {
     const json* v = Find(field);
     if (v == nullptr) return false;
@@ -121,6 +126,7 @@ json EngineToJson(const EngineInfo& info) {
           {"pp_size", info.pp_size},
           {"kv_lease_duration", info.kv_lease_duration},
           {"protocol_version", info.protocol_version},
+          {"protocol_features", info.protocol_features},
           {"complete", info.complete},
           {"workers", std::move(workers)}};
 }
@@ -136,6 +142,7 @@ Result<EngineInfo> EngineFromJson(const json& j) {
             in.Uint("pp_size", info.pp_size) &&
             in.Number("kv_lease_duration", info.kv_lease_duration) &&
             in.Uint("protocol_version", info.protocol_version) &&
+            in.OptionalUint("protocol_features", info.protocol_features) &&
             in.Bool("complete", info.complete) && (workers = in.Array("workers")) != nullptr;
   if (!ok) return Err(kBad, in.error());
   // Bound the loop before trusting the array (ValidateEngineInfo repeats the check).
@@ -172,6 +179,7 @@ std::string EncodeRegistration(const WorkerRegistration& r) {
                {"data_plane", r.data_plane},
                {"kv_lease_duration", r.kv_lease_duration},
                {"protocol_version", r.protocol_version},
+               {"protocol_features", r.protocol_features},
                {"incarnation", r.incarnation}});
 }
 
@@ -187,6 +195,7 @@ Result<WorkerRegistration> DecodeRegistration(std::string_view body) {
             in.String("side_channel", r.side_channel) && in.String("data_plane", r.data_plane) &&
             in.Number("kv_lease_duration", r.kv_lease_duration) &&
             in.Uint("protocol_version", r.protocol_version) &&
+            in.OptionalUint("protocol_features", r.protocol_features) &&
             in.String("incarnation", r.incarnation);
   if (!ok) return Err(kBad, in.error());
   if (Status s = Validate(r); !s.ok()) {

@@ -33,6 +33,10 @@ std::string EngineFieldConflict(const EngineInfo& info, const WorkerRegistration
     return fmt::format("protocol_version {} (registered {})", r.protocol_version,
                        info.protocol_version);
   }
+  if (info.protocol_features != r.protocol_features) {
+    return fmt::format("protocol_features {:#x} (registered {:#x})", r.protocol_features,
+                       info.protocol_features);
+  }
   return "";
 }
 
@@ -49,6 +53,7 @@ EngineInfo FreshEngine(const WorkerRegistration& r) {
   info.pp_size = r.pp_size;
   info.kv_lease_duration = r.kv_lease_duration;
   info.protocol_version = r.protocol_version;
+  info.protocol_features = r.protocol_features;
   info.workers.push_back(AddressOf(r));
   return info;
 }

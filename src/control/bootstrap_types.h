@@ -39,6 +39,10 @@ struct WorkerRegistration {
   std::string data_plane;        // opaque data-plane address of the worker
   double kv_lease_duration = 0;  // seconds; 0 = lease off
   std::uint32_t protocol_version = 0;
+  // wire::kFeature* bits: the optional messages this worker's side channel reads (JSON key
+  // "protocol_features", absent = 0 from a build before them). D sends a Release only to an
+  // engine that advertises it, so an older P never has to answer one with an ERROR.
+  std::uint32_t protocol_features = 0;
   std::string incarnation;  // random id, new on every P process start (all ranks share it)
 
   friend bool operator==(const WorkerRegistration&, const WorkerRegistration&) = default;
@@ -71,6 +75,7 @@ struct EngineInfo {
   std::uint32_t pp_size = 1;
   double kv_lease_duration = 0;  // seconds; 0 = off
   std::uint32_t protocol_version = 0;
+  std::uint32_t protocol_features = 0;  // as registered (WorkerRegistration)
   // Every (tp_rank, pp_rank) in tp_size x pp_size has registered. D must not pair with an
   // incomplete engine: the ranks it needs may be missing.
   bool complete = false;

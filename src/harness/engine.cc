@@ -416,8 +416,11 @@ void ServingEngine::Shutdown() {
 
 Result<std::shared_ptr<RequestStream>> ServingEngine::Submit(const CompletionSpec& spec) {
   Result<std::shared_ptr<RequestStream>> queued = Enqueue(spec);
-  if (!queued && options_.role == Role::kDecode && spec.kind == RequestKind::kRemotePrefill) {
-    // Refused here: P must not prefill it and hold its KV for nobody.
+  if (!queued && queued.error().code() == ErrorCode::kInvalidArgument &&
+      options_.role == Role::kDecode && spec.kind == RequestKind::kRemotePrefill) {
+    // This instance can never serve it as sent: P must not prefill it and hold its KV for
+    // nobody. (A full queue or a shutdown is left alone: a router may retry elsewhere with the
+    // same transfer.)
     const runtime::RemoteSource source{spec.transfer_id, spec.remote_engine_id,
                                        spec.remote_bootstrap_addr};
     for (auto& worker : impl_->decode) worker->ReleaseTransfer(source);

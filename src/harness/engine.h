@@ -138,8 +138,8 @@ class ServingEngine {
   // Queues a request. Errors: kInvalidArgument (does not fit this instance, wrong kind for the
   // role), kAlreadyExists (the transfer is already held here), kTombstoned (P freed that transfer
   // earlier: nobody will pull it), kResourceExhausted (queue full), kUnavailable (shutting down).
-  // A remote-prefill request D refuses is released to its P at once (P neither prefills nor
-  // holds it).
+  // A remote-prefill request D can never serve as sent (kInvalidArgument) is released to its P
+  // at once (P neither prefills nor holds it).
   [[nodiscard]] Result<std::shared_ptr<RequestStream>> Submit(const CompletionSpec& spec);
   // The client went away: finish the request early (its blocks follow the normal rules).
   void Abort(std::uint64_t handle);

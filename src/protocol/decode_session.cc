@@ -111,7 +111,9 @@ void DecodeSession::RequestFinished(const core::RequestId& request, TimePoint no
 }
 
 void DecodeSession::ReleaseTransfer(const RemoteSource& source, TimePoint now) {
-  if (source.transfer_id.empty() || source.engine_id.empty() ||
+  // A refused request may name any engine at any address: no lookups, no state for strangers.
+  auto engine = engines_.find(source.engine_id);
+  if (engine == engines_.end() || !engine->second.view || source.transfer_id.empty() ||
       by_transfer_.count(source.transfer_id) != 0) {
     return;
   }
@@ -132,11 +134,14 @@ void DecodeSession::Untrack(const core::RequestId& request, bool release, TimePo
       break;
     }
   }
+  // Another request still names this transfer (a router sent it twice): it is still wanted.
+  if (by_transfer_.count(t.transfer) != 0) return;
   if (t.renewed) renewals_.Untrack(t.transfer);
   if (!release || !options_.send_releases) return;
   EngineState& state = Engine(t.engine, "");
-  if (state.releases_unsupported) {
-    ++counters_.releases_dropped;
+  if (state.releases_unsupported ||
+      (state.view && (state.view->features & wire::kFeatureRelease) == 0)) {
+    ++counters_.releases_dropped;  // an older P: its lease (or timeout) frees it
     return;
   }
   state.pending_releases.push_back(core::FingerprintOf(t.transfer));
@@ -375,15 +380,21 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
   }
   Endpoint& ep = endpoints_[endpoint];
   std::uint64_t id = response.id;
+  // "unknown message type N" answers a message P could not dispatch — never a Pull, which every
+  // P reads: such an ERROR must not settle a pull P may be writing for.
+  const bool type_refused = response.status == wire::PullStatus::kError &&
+                            response.code == ErrorCode::kProtocol &&
+                            response.message.rfind("unknown message type", 0) == 0;
   if (id == 0 && ep.pulls.size() + ep.renewals.size() + ep.releases.size() == 1) {
     // P could not read the id (protocol §1): only the one message outstanding can be meant —
     // a pull, or a renewal or release an old P could not dispatch. With several outstanding
     // nothing is settled (an ERROR meant for a renewal must never settle a pull P may be
     // writing): their own deadlines decide.
-    id = !ep.pulls.empty()      ? ep.pulls.begin()->first
+    id = !ep.pulls.empty()      ? (type_refused ? 0 : ep.pulls.begin()->first)
          : !ep.renewals.empty() ? ep.renewals.begin()->first
                                 : ep.releases.begin()->first;
   }
+  if (type_refused && ep.pulls.count(id) != 0) id = 0;
   auto op = ep.pulls.find(id);
   if (op == ep.pulls.end() && response.status == wire::PullStatus::kError) {
     if (ReleaseRefused(endpoint, id, response)) return;
@@ -683,7 +694,9 @@ void DecodeSession::SendReleases(const core::EngineId& engine, const PeerEngine&
                                  std::span<const core::Fingerprint> ids, TimePoint now) {
   Status why;
   std::optional<std::vector<std::uint32_t>> targets = Targets(view, &why);
-  if (!targets) {
+  // Only to an engine that said it reads releases: an older P would answer an ERROR it cannot
+  // tie to the release (id 0), which must never be mistaken for the answer to a pull.
+  if (!targets || (view.features & wire::kFeatureRelease) == 0) {
     counters_.releases_dropped += ids.size();
     return;
   }
@@ -783,7 +796,9 @@ void DecodeSession::OnAbortNotice(EndpointId endpoint, const wire::AbortNotice& 
                           fmt::format("prefill engine {} rank {} dropped transfer {}: {}",
                                       notice.p_engine_id, notice.p_tp_rank, aborted.transfer_id,
                                       aborted.reason))});
-      Untrack(request, /*release=*/false, now);  // P freed it already
+      // The rank that sent it dropped the transfer; other P ranks it pulls from may still hold
+      // it (the sender ignores the release: tombstoned).
+      Untrack(request, /*release=*/true, now);
     }
   }
 }

@@ -86,6 +86,9 @@ struct PeerEngine {
   std::string incarnation;  // a new value: a new process
   std::uint32_t tp_size = 1;
   std::vector<std::string> side_channels;  // by P rank; size() == tp_size
+  // wire::kFeature* bits its workers read (bootstrap "protocol_features"); releases go only to
+  // an engine with wire::kFeatureRelease.
+  std::uint32_t features = 0;
 };
 
 struct DecodeSessionOptions {
@@ -224,9 +227,11 @@ class DecodeSession {
   // It finished or was aborted: stop renewing it, and unless its receive succeeded release its
   // transfer to P (wire::Release).
   void RequestFinished(const core::RequestId& request, core::TimePoint now);
-  // The engine refused a request before announcing it (queue full, too large): release its
-  // transfer so P neither prefills nor holds it for nobody. Ignored while a tracked request
-  // names the same transfer.
+  // The engine refused a request before announcing it and will not serve it as sent (e.g. too
+  // large for this instance): release its transfer so P neither prefills nor holds it for
+  // nobody. Only to an engine D already knows (no lookup for a refused request), and ignored
+  // while a tracked request names the same transfer. Do not call it for a refusal a router may
+  // retry elsewhere with the same transfer (queue full, shutting down).
   void ReleaseTransfer(const RemoteSource& source, core::TimePoint now);
 
   // ---- Results of what the session asked for ----

@@ -491,6 +491,9 @@ void PrefillSession::DrainHoldEvents(TimePoint now) {
       case core::HoldEvent::Kind::kReleased: {
         auto node = renewers_.extract(core::FingerprintOf(event.id));
         if (node.empty() || !core::LeftDecoderWaiting(event.reason)) break;
+        // An id the wire cannot carry (the engine admitted it; D renewed its fingerprint) would
+        // make D refuse the whole notice: its D learns at its pull instead.
+        if (event.id.empty() || event.id.size() > wire::kMaxIdBytes) break;
         // The D ranks that renewed it may still be queueing the request: tell them now.
         wire::AbortedTransfer aborted;
         aborted.transfer_id = event.id;

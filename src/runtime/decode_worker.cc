@@ -221,6 +221,7 @@ class DecodeWorker::Impl {
         view->engine_id = info.engine_id;
         view->incarnation = info.incarnation;
         view->tp_size = info.tp_size;
+        view->features = info.protocol_features;
         for (std::uint32_t rank = 0; rank < info.tp_size; ++rank) {
           const control::WorkerAddress* worker = info.Find(rank, 0);
           view->side_channels.push_back(worker != nullptr ? worker->side_channel : std::string());

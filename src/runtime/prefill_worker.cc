@@ -221,6 +221,7 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
     reg.data_plane = std::string(worker->engine_->backend());
     reg.kv_lease_duration = core::ToSeconds(options.hold.lease);
     reg.protocol_version = wire::kProtocolVersion;
+    reg.protocol_features = wire::kProtocolFeatures;
     reg.incarnation = options.incarnation;
     Status registered = client->Register(reg, kRegisterTimeout);
     if (!registered.ok()) return tl::unexpected(registered);

@@ -1177,7 +1177,7 @@ class Sim {
       if (p_dead_) {
         d_sessions_[r]->OnLookupFailed(engine, Status(ErrorCode::kUnavailable, "P is down"), now());
       } else {
-        protocol::PeerEngine view{engine, "1", c_.p.tp, {}};
+        protocol::PeerEngine view{engine, "1", c_.p.tp, {}, wire::kProtocolFeatures};
         for (std::uint32_t p = 0; p < c_.p.tp; ++p) view.side_channels.push_back(PName(p));
         d_sessions_[r]->OnLookup(view, now());
       }

@@ -34,6 +34,12 @@ namespace kvferry::wire {
 // optional keys (unknown keys are skipped); anything else bumps this number.
 inline constexpr std::uint32_t kProtocolVersion = 1;
 
+// Optional messages a P worker reads, advertised in its bootstrap registration
+// ("protocol_features"). Bits are never reused.
+inline constexpr std::uint32_t kFeatureRelease = 1u << 0;  // Release (t = 5) / ReleaseReply
+// What this build's P reads.
+inline constexpr std::uint32_t kProtocolFeatures = kFeatureRelease;
+
 // Value of key "t". Never renumber: the numbers are on the wire.
 enum class MessageType : std::uint8_t {
   kPull = 1,          // D -> P: write these transfers into my blocks

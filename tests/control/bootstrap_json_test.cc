@@ -120,6 +120,26 @@ EngineInfo SampleEngine() {
   return info;
 }
 
+// The features a P reads travel with its registration and its query answer; a P that predates
+// the key advertises none.
+TEST(BootstrapJson, ProtocolFeaturesRoundTripAndDefaultToNone) {
+  auto r = MakeWorker("engine-7", 0, 1, "inc-1", 3);
+  r.protocol_features = 0x5;
+  auto back = DecodeRegistration(EncodeRegistration(r));
+  ASSERT_TRUE(back) << back.error().ToString();
+  EXPECT_EQ(back->protocol_features, 0x5u);
+  auto old = DecodeRegistration(BodyWith("", ""));
+  ASSERT_TRUE(old) << old.error().ToString();
+  EXPECT_EQ(old->protocol_features, 0u);
+  EXPECT_FALSE(DecodeRegistration(BodyWith("", "").insert(1, "\"protocol_features\":-1,")));
+  EXPECT_FALSE(DecodeRegistration(BodyWith("", "").insert(1, "\"protocol_features\":\"1\",")));
+  EngineInfo info = SampleEngine();
+  info.protocol_features = 1;
+  auto engine = DecodeEngine(EncodeEngine(info));
+  ASSERT_TRUE(engine) << engine.error().ToString();
+  EXPECT_EQ(engine->protocol_features, 1u);
+}
+
 TEST(BootstrapJson, EngineRoundTrips) {
   const EngineInfo info = SampleEngine();
   auto back = DecodeEngine(EncodeEngine(info));

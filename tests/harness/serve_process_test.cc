@@ -590,9 +590,10 @@ class ReleaseTest : public ServeTest {
       if (after_interval < 0 && (t >= interval || held == 0)) after_interval = held;
       if (held == 0) {
         freed_after = t;
-        std::printf("%s: P held nothing %.3f s after the clients left D (D notices a vanished "
-                    "client at its next keepalive write, <= 1 s)\n",
-                    release ? "with release" : "without release", SecondsSince(vanished));
+        std::printf(
+            "%s: P held nothing %.3f s after the clients left D (D notices a vanished "
+            "client at its next keepalive write, <= 1 s)\n",
+            release ? "with release" : "without release", SecondsSince(vanished));
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -687,10 +688,10 @@ TEST_F(ReleaseTest, PrefillAbortsFailQueuedDecodesAtOnceWithPsReason) {
     failed += r.status == 503;
   }
   EXPECT_EQ(failed, kRequests);
-  EXPECT_LT(slowest, 2.5);
+  EXPECT_LT(slowest, 4.0);  // a keepalive (1 s) and slack for a loaded 2-core CI
   // From P's abort (as seen by a 5 ms poll) to D's last failure: one message, not a lease.
   const double after_p = std::chrono::duration<double>(last_failure - p_aborted).count();
-  EXPECT_LT(after_p, 0.25);
+  EXPECT_LT(after_p, 1.0);  // measured 17-20 ms; a lease here is 6 s
   EXPECT_EQ(Metric(Get(p.port(), "/metrics"), "kvferry_abort_notices_sent_total"), kRequests);
   const std::string dm = Get(d.port(), "/metrics");
   EXPECT_EQ(Metric(dm, "kvferry_abort_notices_applied_total"), kRequests);

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <set>
@@ -37,7 +38,7 @@ DecodeSessionOptions Options(core::Duration lease = 0s) {
 }
 
 PeerEngine Engine(const std::string& name, std::uint32_t tp = 1, const std::string& inc = "1") {
-  PeerEngine e{name, inc, tp, {}};
+  PeerEngine e{name, inc, tp, {}, wire::kProtocolFeatures};
   for (std::uint32_t r = 0; r < tp; ++r) e.side_channels.push_back(name + "/" + std::to_string(r));
   return e;
 }
@@ -640,10 +641,108 @@ TEST_F(DecodeSessionTest, UnreadableIdErrorToTheOnlyReleaseMarksTheEngineWithout
   EXPECT_EQ(s().stats().releases_dropped, 1u);
 }
 
+// An engine that does not advertise releases (a P built before them) gets none: it could only
+// answer with an ERROR that carries no id.
+TEST_F(DecodeSessionTest, ReleasesGoOnlyToEnginesThatAdvertiseThem) {
+  Make();
+  PeerEngine old = Engine("p");
+  old.features = 0;
+  s().OnLookup(old, kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().RequestFinished("r1", kT0);
+  s().OnTimeout(kT0 + 1s);
+  EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty());
+  EXPECT_EQ(s().stats().releases_dropped, 1u);
+  EXPECT_EQ(s().stats().release_messages, 0u);
+}
+
+// "unknown message type N" answers a message P could not dispatch, never a pull: it settles no
+// pull even when the pull is the only message outstanding, or when it names the pull's id.
+TEST_F(DecodeSessionTest, UnknownTypeErrorNeverSettlesAPull) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1, 2}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  wire::PullResponse error;
+  error.status = wire::PullStatus::kError;
+  error.code = ErrorCode::kProtocol;
+  error.message = "unknown message type 5";
+  s().OnPullResponse(last_endpoints_[0], error, kT0 + 1ms);  // id 0, one pull outstanding
+  error.id = pulls[0].id;
+  s().OnPullResponse(last_endpoints_[0], error, kT0 + 2ms);
+  EXPECT_TRUE(Done().empty()) << "a refusal of another message settled the pull";
+  EXPECT_EQ(s().stats().replies_unmatched, 2u);
+  // The pull's own answer still settles it.
+  s().OnPullResponse(last_endpoints_[0], Finish(pulls[0].id, {"r1"}), kT0 + 3ms);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].ok);
+}
+
+// With P TP2 -> D TP1 the request pulls from two P ranks: a notice from one of them releases it
+// on the other, which may still hold its KV.
+TEST_F(DecodeSessionTest, NoticeFromOnePrefillRankReleasesItOnTheOthers) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnLookup(Engine("p", 2), kT0);
+  s().OnTimeout(kT0);
+  EndpointId rank0 = 0;
+  bool found = false;
+  for (const Transmit& t : s().TakeMessages()) {
+    if (t.address == "p/0") {
+      rank0 = t.endpoint;
+      found = true;
+    }
+  }
+  ASSERT_TRUE(found);
+  s().OnAbortNotice(rank0, Notice("x1"), kT0 + 1s);
+  ASSERT_EQ(AbortedIn(s().TakeEvents()).size(), 1u);
+  s().OnTimeout(kT0 + 1s + 2ms);
+  std::vector<std::string> to;
+  for (const Transmit& t : ReleasesIn(s().TakeMessages())) to.push_back(t.address);
+  std::sort(to.begin(), to.end());
+  EXPECT_EQ(to, (std::vector<std::string>{"p/0", "p/1"}));
+}
+
+// Two requests naming one transfer (a router that sent it twice): the transfer is still wanted
+// while either is tracked, so neither its renewals nor a release stop at the first one's end.
+TEST_F(DecodeSessionTest, FinishingOneOfTwoRequestsOfATransferReleasesNothing) {
+  Make(Options(30s));
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnNewRequest("r2", Source("x1"), kT0);
+  s().RequestFinished("r1", kT0);
+  s().OnTimeout(kT0 + 1s);
+  std::vector<Transmit> out = s().TakeMessages();
+  EXPECT_TRUE(ReleasesIn(out).empty());
+  EXPECT_EQ(s().stats().tracked, 1u) << "x1 is still renewed for r2";
+  s().RequestFinished("r2", kT0 + 2s);
+  s().OnTimeout(kT0 + 3s);
+  EXPECT_EQ(ReleasesIn(s().TakeMessages()).size(), 1u);
+}
+
+// A refused request may name any engine at any address: no lookup, no state, nothing sent.
+TEST_F(DecodeSessionTest, ReleaseTransferOfAnUnknownEngineDoesNothing) {
+  Make();
+  s().ReleaseTransfer(Source("x1", "stranger"), kT0);
+  s().OnTimeout(kT0 + 1s);
+  EXPECT_TRUE(s().TakeLookups().empty());
+  EXPECT_TRUE(s().TakeMessages().empty());
+  EXPECT_EQ(s().stats().lookups, 0u);
+  // Of a known engine it releases at once.
+  s().OnLookup(Engine("p"), kT0 + 1s);
+  s().ReleaseTransfer(Source("x2"), kT0 + 1s);
+  s().OnTimeout(kT0 + 2s);
+  EXPECT_EQ(ReleasesIn(s().TakeMessages()).size(), 1u);
+}
+
 TEST_F(DecodeSessionTest, ReleaseReplyCountsLandInTheStats) {
   Make();
   s().OnLookup(Engine("p"), kT0);
-  for (int i = 0; i < 6; ++i) s().OnNewRequest("r" + std::to_string(i), Source("x"), kT0);
+  for (int i = 0; i < 6; ++i) {
+    s().OnNewRequest("r" + std::to_string(i), Source("x" + std::to_string(i)), kT0);
+  }
   s().RequestFinished("r0", kT0);
   s().OnTimeout(kT0 + 2ms);
   std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
@@ -674,7 +773,7 @@ TEST_F(DecodeSessionTest, ReleaseReplyCountsLandInTheStats) {
   EXPECT_EQ(s().stats().release_failures, 1u);
 }
 
-TEST_F(DecodeSessionTest, AbortNoticeFailsAQueuedRequestWithPsReasonAndReleasesNothing) {
+TEST_F(DecodeSessionTest, AbortNoticeFailsAQueuedRequestWithPsReasonAndReleasesItOnce) {
   std::vector<Transmit> out = AfterRenewalPass();
   ASSERT_EQ(out.size(), 1u);
   const wire::Renewal& renewal = std::get<wire::Renewal>(out[0].message);
@@ -694,11 +793,14 @@ TEST_F(DecodeSessionTest, AbortNoticeFailsAQueuedRequestWithPsReasonAndReleasesN
   EXPECT_EQ(stats.transfers_aborted, 1u);
   EXPECT_EQ(stats.notices_ignored, 0u);
   EXPECT_EQ(stats.tracked, 0u) << "no more renewals for it";
-  // The engine finishes the request: P freed it already, so no release.
+  // Released to every P rank it pulls from (with P TP > D TP the other ranks may still hold
+  // it; the rank that sent the notice ignores it), once: the engine's finish adds nothing.
+  s().OnTimeout(kT0 + 1s + 2ms);
+  EXPECT_EQ(ReleasesIn(s().TakeMessages()).size(), 1u);
   s().RequestFinished("r1", kT0 + 2s);
   s().OnTimeout(kT0 + 3s);
   EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty());
-  EXPECT_EQ(s().stats().release_messages, 0u);
+  EXPECT_EQ(s().stats().release_messages, 1u);
   // A repeated notice changes nothing.
   s().OnAbortNotice(endpoint, Notice("x1"), kT0 + 4s);
   EXPECT_TRUE(AbortedIn(s().TakeEvents()).empty());

@@ -638,6 +638,25 @@ TEST_F(PrefillSessionTest, AbortOfARenewedPrefillNotifiesTheRenewingSocket) {
   EXPECT_TRUE(Sort(s().TakeOutgoing()).notices.empty());
 }
 
+// An id the wire cannot carry (the engine admitted it; D renews only its fingerprint) is left
+// out of notices: D would refuse the whole notice, and the others in it with it.
+TEST_F(PrefillSessionTest, OverlongTransferIdIsLeftOutOfNotices) {
+  Make(LeaseOptions());
+  const std::string huge(wire::kMaxIdBytes + 1, 'x');
+  ASSERT_TRUE(s().Admit(huge, 1, kT0).ok());
+  ASSERT_TRUE(s().Admit("x2", 2, kT0).ok());
+  s().OnRenewal("d0", MakeRenewal(1, {huge, "x2"}, true), kT0);
+  (void)s().TakeOutgoing();
+  s().EngineFinished(huge, kT0 + 1s);
+  s().EngineFinished("x2", kT0 + 1s);
+  Sorted sorted = Sort(s().TakeOutgoing());
+  ASSERT_EQ(sorted.notices.size(), 1u);
+  const auto& notice = std::get<wire::AbortNotice>(sorted.notices[0].message);
+  ASSERT_EQ(notice.aborted.size(), 1u);
+  EXPECT_EQ(notice.aborted[0].transfer_id, "x2");
+  EXPECT_TRUE(wire::Validate(notice).ok());
+}
+
 TEST_F(PrefillSessionTest, NoticesOfOneCallAreBatchedIntoOneMessagePerSocket) {
   Make(LeaseOptions());
   ASSERT_TRUE(s().Admit("x1", 1, kT0).ok());
