@@ -5,6 +5,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "control/json_limits.h"
+
 namespace kvferry::control {
 namespace {
 
@@ -103,6 +105,9 @@ Result<json> ParseObject(std::string_view body, ErrorCode code, std::string_view
   if (body.size() > kMaxBodyBytes) {
     return Err(code,
                fmt::format("{}: body is {} bytes, limit {}", what, body.size(), kMaxBodyBytes));
+  }
+  if (JsonDepth(body) > kMaxJsonDepth) {
+    return Err(code, fmt::format("{}: JSON nested deeper than {} levels", what, kMaxJsonDepth));
   }
   json j = json::parse(body, /*cb=*/nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Err(code, fmt::format("{}: body is not valid JSON", what));

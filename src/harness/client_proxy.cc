@@ -1,5 +1,6 @@
 #include "client_proxy.h"
 
+#include <fmt/format.h>
 #include <httplib.h>
 
 #include <condition_variable>
@@ -11,6 +12,7 @@
 #include <thread>
 
 #include "client_http.h"
+#include "control/json_limits.h"
 
 namespace kvferry::harness {
 
@@ -112,14 +114,28 @@ struct Proxy::Impl {
                       "application/json");
       return;
     }
-    json client = json::parse(req.body, nullptr, false);
-    if (client.is_discarded() || !client.is_object()) {
+    auto refuse = [&res](const std::string& why) {
       res.status = 400;
-      res.set_content(ErrorJson("request body is not a JSON object", "invalid_request").dump(),
-                      "application/json");
+      res.set_content(ErrorJson(why, "invalid_request").dump(), "application/json");
+    };
+    // Bounded before parsing: the bodies are re-serialized for P and D, and serializing
+    // recurses once per level (a 70,000-deep body used to crash the proxy).
+    if (control::JsonDepth(req.body) > control::kMaxJsonDepth) {
+      refuse(fmt::format("request body nests JSON deeper than {} levels", control::kMaxJsonDepth));
       return;
     }
-    const bool stream = client.value("stream", false);
+    json client = json::parse(req.body, nullptr, false);
+    if (client.is_discarded() || !client.is_object()) {
+      refuse("request body is not a JSON object");
+      return;
+    }
+    const auto stream_field = client.find("stream");
+    if (stream_field != client.end() && !stream_field->is_boolean() && !stream_field->is_null()) {
+      refuse("field 'stream' must be a boolean");
+      return;
+    }
+    const bool stream =
+        stream_field != client.end() && stream_field->is_boolean() && stream_field->get<bool>();
     const std::uint64_t n = next.fetch_add(1);
     const PrefillTarget& p = o.prefills[n % o.prefills.size()];
     const std::string d_url = o.decodes[n % o.decodes.size()];
@@ -310,6 +326,7 @@ bool Proxy::Start(std::string* error) {
   m.svr.set_read_timeout(std::chrono::seconds(30));
   m.svr.set_write_timeout(std::chrono::seconds(30));
   m.svr.set_keep_alive_timeout(2);
+  m.svr.set_payload_max_length(m.o.max_body_bytes);
   m.svr.Post("/v1/completions",
              [&m](const httplib::Request& req, httplib::Response& res) { m.Handle(req, res); });
   m.svr.Get("/health", [](const httplib::Request&, httplib::Response& res) {

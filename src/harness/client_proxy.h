@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -27,6 +28,9 @@ struct ProxyOptions {
   double prefill_timeout_s = 900;  // deadline of P's background request
   double decode_timeout_s = 900;   // per-read deadline of D's request
   int threads = 512;               // concurrent client connections served
+  // A client body beyond this gets 413 before it is read further (a prompt of 8,192 token ids
+  // is ~60 KB of JSON).
+  std::size_t max_body_bytes = std::size_t{8} << 20;
   bool verbose = false;
 };
 

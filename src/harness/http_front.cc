@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "client_http.h"
+#include "control/json_limits.h"
 
 namespace kvferry::harness {
 
@@ -19,36 +20,8 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr std::size_t kMaxJsonDepth = 32;
 constexpr std::size_t kMaxIdBytes = 256;
 constexpr auto kKeepalive = std::chrono::seconds(1);
-
-// Nesting depth of a JSON text (brackets outside strings), so that hostile input is refused
-// before a parser sees it.
-std::size_t JsonDepth(std::string_view text) {
-  std::size_t depth = 0, max_depth = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      max_depth = std::max(max_depth, ++depth);
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
-    }
-  }
-  return max_depth;
-}
 
 Status Bad(std::string message) { return Status(ErrorCode::kInvalidArgument, std::move(message)); }
 
@@ -120,7 +93,10 @@ std::string TokenText(std::uint32_t token) { return fmt::format(" t{}", token); 
 
 Result<CompletionRequest> ParseCompletionRequest(std::string_view body, Role role,
                                                  std::uint32_t max_model_len) {
-  if (JsonDepth(body) > kMaxJsonDepth) return tl::unexpected(Bad("JSON nested too deeply"));
+  if (control::JsonDepth(body) > control::kMaxJsonDepth) {
+    return tl::unexpected(
+        Bad(fmt::format("JSON nested deeper than {} levels", control::kMaxJsonDepth)));
+  }
   json doc = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return tl::unexpected(Bad("body is not valid JSON"));
   if (!doc.is_object()) return tl::unexpected(Bad("body must be a JSON object"));

@@ -120,6 +120,19 @@ EngineInfo SampleEngine() {
   return info;
 }
 
+// A body nested beyond kMaxJsonDepth is refused before any parser or serializer sees it.
+TEST(BootstrapJson, DeeplyNestedBodyIsRefusedBeforeParsing) {
+  const std::string deep =
+      "{\"engine_id\":" + std::string(10000, '[') + std::string(10000, ']') + "}";
+  auto r = DecodeRegistration(deep);
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(r.error().message().find("deeper than 32 levels"), std::string::npos)
+      << r.error().message();
+  auto q = DecodeEngine("{\"workers\":" + std::string(40, '[') + std::string(40, ']') + "}");
+  EXPECT_FALSE(q);
+}
+
 // The features a P reads travel with its registration and its query answer; a P that predates
 // the key advertises none.
 TEST(BootstrapJson, ProtocolFeaturesRoundTripAndDefaultToNone) {

@@ -227,6 +227,44 @@ TEST(Proxy, ForwardsDecodeErrorsAndRoundRobins) {
   EXPECT_EQ(r.http_status, 502);
 }
 
+// Hostile bodies get a 400 naming what is wrong (or 413 for size), reach neither P nor D, and
+// the proxy keeps serving: a body nested 70,000 deep used to crash it (SIGSEGV re-serializing
+// it), and "stream": "yes" got an empty 500.
+TEST(Proxy, HostileBodiesAreRefusedAndTheProxyKeepsServing) {
+  FakeServer p, d;
+  ProxyOptions o;
+  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
+  o.decodes = {d.url()};
+  o.max_body_bytes = 1 << 20;
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  httplib::Client cli("127.0.0.1", proxy.port());
+  cli.set_read_timeout(std::chrono::seconds(10));
+  auto post = [&](const std::string& body) {
+    auto res = cli.Post("/v1/completions", body, "application/json");
+    return res ? std::make_pair(res->status, res->body) : std::make_pair(0, std::string());
+  };
+  const std::string deep = "{\"prompt\":" + std::string(70000, '[') + std::string(70000, ']') + "}";
+  auto [deep_status, deep_body] = post(deep);
+  EXPECT_EQ(deep_status, 400);
+  EXPECT_NE(deep_body.find("deeper than 32 levels"), std::string::npos) << deep_body;
+  auto [stream_status, stream_body] = post(R"({"prompt":[1],"max_tokens":2,"stream":"yes"})");
+  EXPECT_EQ(stream_status, 400);
+  EXPECT_NE(stream_body.find("'stream'"), std::string::npos) << stream_body;
+  auto [big_status, big_body] = post("{\"prompt\":\"" + std::string(2 << 20, 'a') + "\"}");
+  EXPECT_EQ(big_status, 413) << big_body;
+  auto [garbage_status, garbage_body] = post("not json");
+  EXPECT_EQ(garbage_status, 400) << garbage_body;
+  EXPECT_TRUE(p.bodies().empty());
+  EXPECT_TRUE(d.bodies().empty());
+  // Still serving.
+  auto health = cli.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  EXPECT_TRUE(PostCompletion({url, CompletionBody({1}, 2, true, true), true, 10, nullptr}).ok);
+}
+
 TEST(Proxy, BurstOfConnectionsDoesNotStall) {
   // 64 connects at once: with httplib's backlog of 5 some would sit in SYN retransmission
   // (1 s, 3 s, ...); the proxy raises its backlog, as does this fake server.
