@@ -46,6 +46,7 @@ class PrefillListener::Impl {
       kAdmit,
       kPrefillDone,
       kEngineFinished,
+      kRefuse,
       kWriteDone,
       kStats,
       kStop
@@ -59,6 +60,7 @@ class PrefillListener::Impl {
     // kWriteDone
     std::uint64_t ticket = 0;
     protocol::WriteOutcome outcome;
+    Status why;  // kRefuse
   };
   Impl(ListenerOptions options, std::shared_ptr<KvWriter> writer, HoldEventCallback on_hold_event)
       : options_(std::move(options)),
@@ -102,7 +104,8 @@ class PrefillListener::Impl {
   const std::string& endpoint() const { return endpoint_; }
 
   std::future<Status> PostEngineCommand(Command::Kind kind, const core::TransferId& id,
-                                        std::uint64_t handle, std::uint32_t num_blocks);
+                                        std::uint64_t handle, std::uint32_t num_blocks,
+                                        Status why = {});
   ListenerStats Stats(std::chrono::milliseconds wait);
   Status Stop();
 
@@ -184,9 +187,10 @@ void PrefillListener::Impl::Post(Command command) {
 std::future<Status> PrefillListener::Impl::PostEngineCommand(Command::Kind kind,
                                                              const core::TransferId& id,
                                                              std::uint64_t handle,
-                                                             std::uint32_t num_blocks) {
+                                                             std::uint32_t num_blocks, Status why) {
   Command command;
   command.kind = kind;
+  command.why = std::move(why);
   command.id = id;
   command.handle = handle;
   command.num_blocks = num_blocks;
@@ -420,6 +424,9 @@ bool PrefillListener::Impl::ProcessCommands() {
       case Command::Kind::kEngineFinished:
         session_.EngineFinished(c.id, now);
         break;
+      case Command::Kind::kRefuse:
+        status = session_.Refuse(c.id, std::move(c.why), now);
+        break;
       case Command::Kind::kWriteDone:
         session_.OnWriteDone(c.ticket, c.outcome, now);
         break;
@@ -550,6 +557,9 @@ std::future<Status> PrefillListener::PrefillDone(const core::TransferId& id,
 }
 std::future<Status> PrefillListener::EngineFinished(const core::TransferId& id) {
   return impl_->PostEngineCommand(Impl::Command::Kind::kEngineFinished, id, 0, 0);
+}
+std::future<Status> PrefillListener::Refuse(const core::TransferId& id, Status why) {
+  return impl_->PostEngineCommand(Impl::Command::Kind::kRefuse, id, 0, 0, std::move(why));
 }
 ListenerStats PrefillListener::Stats(std::chrono::milliseconds wait) { return impl_->Stats(wait); }
 Status PrefillListener::Stop() { return impl_->Stop(); }

@@ -109,6 +109,9 @@ class PrefillListener {
   [[nodiscard]] std::future<Status> PrefillDone(const core::TransferId& id,
                                                 std::uint32_t num_blocks);
   [[nodiscard]] std::future<Status> EngineFinished(const core::TransferId& id);
+  // The engine refused the request without admitting it: core::HoldTable::Refuse (D's pull
+  // of it fails at once with `why`).
+  [[nodiscard]] std::future<Status> Refuse(const core::TransferId& id, Status why);
 
   // Counters as of after every message and command already received. Waits up to `wait` for
   // the listener; after that (or once stopped) returns the last published snapshot.

@@ -167,6 +167,28 @@ void HoldTable::EngineFinished(const TransferId& id, TimePoint now) {
                 now);
 }
 
+Status HoldTable::Refuse(const TransferId& id, Status why, TimePoint now) {
+  const Fingerprint fp = FingerprintOf(id);
+  auto it = entries_.find(fp);
+  if (it == entries_.end()) {
+    AddTombstone(fp, now);
+    return Status::Ok();
+  }
+  Entry& e = it->second;
+  if (e.id != id || e.phase != HoldPhase::kPlaceholder) {
+    return Status(ErrorCode::kAlreadyExists,
+                  fmt::format("transfer {} is held for another request: its refusal changes "
+                              "nothing",
+                              id));
+  }
+  // A placeholder holds no blocks and has no send: it goes at once, failing its waiting pulls.
+  Release(e, ReleaseReason::kAbortedByEngine,
+          why.ok() ? Status(ErrorCode::kCancelled, fmt::format("P refused transfer {}", id))
+                   : std::move(why),
+          now);
+  return Status::Ok();
+}
+
 void HoldTable::ReleaseOrDoom(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now) {
   if (e.sending_mask == 0) {
     Release(e, reason, std::move(pull_error), now);

@@ -416,6 +416,20 @@ void ServingEngine::Shutdown() {
 
 Result<std::shared_ptr<RequestStream>> ServingEngine::Submit(const CompletionSpec& spec) {
   Result<std::shared_ptr<RequestStream>> queued = Enqueue(spec);
+  if (!queued && options_.role == Role::kPrefill && spec.kind == RequestKind::kRemoteDecode &&
+      !spec.transfer_id.empty()) {
+    // P will not prefill it: D's half must not wait abort_request_timeout for it. (An Admit
+    // that found the transfer held or freed already changes nothing: Refuse leaves admitted
+    // entries alone, and a tombstone stays a tombstone.)
+    const ErrorCode code = queued.error().code();
+    if (code != ErrorCode::kAlreadyExists && code != ErrorCode::kTombstoned) {
+      const Status why(code,
+                       "the prefill instance refused the request: " + queued.error().message());
+      std::vector<std::future<Status>> acks;
+      for (auto& worker : impl_->prefill) acks.push_back(worker->Refuse(spec.transfer_id, why));
+      for (auto& f : acks) (void)f.wait_for(kListenerAckTimeout);
+    }
+  }
   if (!queued && queued.error().code() == ErrorCode::kInvalidArgument &&
       options_.role == Role::kDecode && spec.kind == RequestKind::kRemotePrefill) {
     // This instance can never serve it as sent: P must not prefill it and hold its KV for

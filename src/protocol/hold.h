@@ -23,6 +23,7 @@ class Hold {
   virtual Status PrefillDone(const core::TransferId& id, std::uint32_t num_blocks,
                              core::TimePoint now) = 0;
   virtual void EngineFinished(const core::TransferId& id, core::TimePoint now) = 0;
+  virtual Status Refuse(const core::TransferId& id, Status why, core::TimePoint now) = 0;
   virtual Result<core::HoldTable::RenewResult> Renew(std::span<const core::Fingerprint> ids,
                                                      core::TimePoint now) = 0;
   virtual core::PullAdmission AdmitPull(const core::TransferId& id, std::uint32_t d_rank,
@@ -62,6 +63,9 @@ class CoreHold : public Hold {
   }
   void EngineFinished(const core::TransferId& id, core::TimePoint now) override {
     table_.EngineFinished(id, now);
+  }
+  Status Refuse(const core::TransferId& id, Status why, core::TimePoint now) override {
+    return table_.Refuse(id, std::move(why), now);
   }
   Result<core::HoldTable::RenewResult> Renew(std::span<const core::Fingerprint> ids,
                                              core::TimePoint now) override {

@@ -524,6 +524,13 @@ Status PrefillSession::PrefillDone(const core::TransferId& id, std::uint32_t num
   return status;
 }
 
+Status PrefillSession::Refuse(const core::TransferId& id, Status why, TimePoint now) {
+  Status status = table_->Refuse(id, std::move(why), now);
+  DrainHoldEvents(now);
+  Flush();
+  return status;
+}
+
 void PrefillSession::EngineFinished(const core::TransferId& id, TimePoint now) {
   table_->EngineFinished(id, now);
   handles_.erase(id);

@@ -207,6 +207,8 @@ class PrefillSession {
   [[nodiscard]] Status PrefillDone(const core::TransferId& id, std::uint32_t num_blocks,
                                    core::TimePoint now);
   void EngineFinished(const core::TransferId& id, core::TimePoint now);
+  // The engine refused the request without admitting it: core::HoldTable::Refuse.
+  [[nodiscard]] Status Refuse(const core::TransferId& id, Status why, core::TimePoint now);
 
   // ---- Input from the data plane ----
   // The write of a job from TakeWrites ended; exactly once per ticket. `outcome.status` is the

@@ -125,6 +125,9 @@ class PrefillWorker {
   [[nodiscard]] std::future<Status> EngineFinished(const core::TransferId& id) {
     return listener_->EngineFinished(id);
   }
+  [[nodiscard]] std::future<Status> Refuse(const core::TransferId& id, Status why) {
+    return listener_->Refuse(id, std::move(why));
+  }
 
   // Stops serving; idempotent. The destructor calls it.
   Status Stop();

@@ -957,5 +957,37 @@ TEST(HoldTableReleases, APrefillOnceWaitedForStaysBoundedAfterItsWaiterReleased)
   EXPECT_EQ(events[1].kind, Kind::kReleased);
 }
 
+// P's engine refused a request it never admitted: D's pull of it fails at once, whether it
+// comes after the refusal (tombstone) or already waits for it (placeholder), with P's reason.
+TEST(HoldTableRefusals, RefusedTransferFailsItsPullAtOnce) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_TRUE(t.Refuse("late", Status(ErrorCode::kResourceExhausted, "queue full"), t0).ok());
+  EXPECT_TRUE(t.IsTombstoned("late"));
+  EXPECT_EQ(t.AdmitPull("late", 0, 1, seconds(30), t0).error.code(), ErrorCode::kTombstoned);
+  ASSERT_EQ(t.AdmitPull("early", 0, 1, seconds(30), t0).verdict, Verdict::kWait);
+  ASSERT_TRUE(t.Refuse("early", Status(ErrorCode::kResourceExhausted, "queue full"), t0).ok());
+  auto events = t.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Kind::kPullsFailed);
+  EXPECT_EQ(events[0].status.code(), ErrorCode::kResourceExhausted);
+  EXPECT_EQ(events[0].status.message(), "queue full");
+  EXPECT_EQ(events[1].kind, Kind::kReleased);
+  EXPECT_EQ(events[1].reason, ReleaseReason::kAbortedByEngine);
+  EXPECT_FALSE(t.Contains("early"));
+  EXPECT_TRUE(t.IsTombstoned("early"));
+  EXPECT_EQ(t.Admit("early", 1, t0).code(), ErrorCode::kTombstoned);
+}
+
+// A refusal never touches a transfer another request has admitted (a duplicate submission).
+TEST(HoldTableRefusals, RefusalOfAnAdmittedTransferChangesNothing) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_TRUE(t.Admit("x", 1, t0).ok());
+  EXPECT_EQ(t.Refuse("x", Status(ErrorCode::kInvalidArgument, "too large"), t0).code(),
+            ErrorCode::kAlreadyExists);
+  EXPECT_EQ(t.PhaseOf("x"), HoldPhase::kPrefilling);
+  EXPECT_FALSE(t.IsTombstoned("x"));
+  EXPECT_TRUE(t.TakeEvents().empty());
+}
+
 }  // namespace
 }  // namespace kvferry::core

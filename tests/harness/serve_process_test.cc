@@ -707,4 +707,43 @@ TEST_F(ReleaseTest, PrefillAbortsFailQueuedDecodesAtOnceWithPsReason) {
   (void)d_blocker.wait_for(std::chrono::seconds(5));
 }
 
+// P refuses its half of a pair (its pool cannot hold the prompt): D's half fails at once
+// (the transfer is tombstoned on P) instead of waiting abort_request_timeout for a prefill
+// that will never come.
+TEST_F(ServeTest, RefusedPrefillFailsItsDecodeAtOnce) {
+  ServeProcess& p = Start(
+      "prefill", {"--role", "prefill", "--kv-transfer-config",
+                  R"({"kv_role":"kv_producer","kv_connector_extra_config":{"bootstrap_port":0}})",
+                  "--num-blocks", "8"});
+  ServeProcess& d = StartDecode();
+  ASSERT_FALSE(HasFailure());
+  for (const bool p_first : {true, false}) {
+    const std::string transfer = p_first ? "xfer-refused-1" : "xfer-refused-2";
+    const auto start = Clock::now();
+    std::future<HttpResult> prefill;
+    if (p_first) {
+      EXPECT_EQ(Post(p.port(), PrefillBody(200, transfer)).status, 400);
+    } else {
+      // D pulls first: its pull waits for the prefill until P refuses it.
+      prefill = std::async(std::launch::async, [&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        return Post(p.port(), PrefillBody(200, transfer));
+      });
+    }
+    HttpResult dr = Post(d.port(), DecodeBody(200, 2, false, transfer, p), 20);
+    if (!p_first) {
+      EXPECT_EQ(prefill.get().status, 400);
+    }
+    EXPECT_EQ(dr.status, 503) << dr.body;
+    EXPECT_LT(SecondsSince(start), 3.0) << "D waited for a prefill P had refused";
+    if (p_first) {
+      EXPECT_NE(dr.body.find("TOMBSTONED"), std::string::npos) << dr.body;
+    } else {
+      EXPECT_NE(dr.body.find("refused the request"), std::string::npos) << dr.body;
+    }
+  }
+  EXPECT_EQ(WaitMetric(d.port(), "kvferry_kv_blocks_used", 0), 0);
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
+}
+
 }  // namespace

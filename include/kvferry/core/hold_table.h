@@ -164,6 +164,13 @@ class HoldTable {
   // Unknown ids are ignored.
   void EngineFinished(const TransferId& id, TimePoint now);
 
+  // P's engine refused the request before admitting it (queue full, too large, shutting down):
+  // nobody here will prefill it. A pull already waiting for it (a placeholder) fails now with
+  // `why` (kAbortedByEngine); a later pull fails at once (the id is tombstoned), so D's half of
+  // the request ends in milliseconds instead of waiting abort_request_timeout. An admitted
+  // entry belongs to another request and is left alone (kAlreadyExists).
+  Status Refuse(const TransferId& id, Status why, TimePoint now);
+
   // Renewal of the transfers named by fingerprints. Only known transfers are extended, never
   // shortened. Error kRejected when this P has no lease (D then warns once and keeps pulling).
   struct RenewResult {
