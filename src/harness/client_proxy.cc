@@ -38,7 +38,13 @@ struct Pipe {
   std::deque<std::string> chunks;
   bool finished = false;
   std::string error;                   // transport failure (no or broken response)
-  std::atomic<bool> abandoned{false};  // the client went away: stop reading D
+  std::atomic<bool> abandoned{false};  // the client (or P's failure) ended it: stop reading D
+  // The request's other half: P's copy. It fails -> the client hears P's reason at once and D's
+  // copy is dropped; D's copy fails -> P's copy is cancelled (P aborts the prefill).
+  bool p_failed = false;
+  int p_status = 0;
+  std::string p_error;
+  CancelGroup p_cancel;
 };
 
 }  // namespace
@@ -46,7 +52,9 @@ struct Pipe {
 std::string BuildPrefillBody(const std::string& client_body, const std::string& transfer_id) {
   json j = json::parse(client_body);
   j["max_tokens"] = 1;
-  j["stream"] = false;
+  // Streamed, so that closing the connection (the proxy cancelling it because D's half failed)
+  // is noticed by P at its next keepalive write and the prefill is aborted.
+  j["stream"] = true;
   j.erase("stream_options");
   if (j.contains("min_tokens")) j.erase("min_tokens");
   j["kv_transfer_params"] = {
@@ -73,7 +81,8 @@ struct Proxy::Impl {
   CancelGroup cancel;
   ConnectGate gate;
   std::atomic<std::uint64_t> next{0};
-  std::atomic<std::uint64_t> requests{0}, prefill_failed{0}, decode_failed{0}, in_flight{0};
+  std::atomic<std::uint64_t> requests{0}, prefill_failed{0}, decode_failed{0}, in_flight{0},
+      twins_aborted{0};
 
   std::mutex threads_mu;
   struct Task {
@@ -150,17 +159,24 @@ struct Proxy::Impl {
       return;
     }
 
-    // P's copy, in the background: its answer (one token) is not used, only logged on failure.
-    const bool spawned = Spawn([this, p_url = p.url, p_body, transfer_id] {
-      CompletionCall call{p_url, p_body, false, o.prefill_timeout_s, &cancel, &gate};
+    // P's copy, in the background: its answer (one token) is not used; its failure ends the
+    // request at once (D's copy would only wait for a prefill that will not come).
+    auto pipe = std::make_shared<Pipe>();
+    const std::uint64_t p_reg = cancel.Add([pipe] { pipe->p_cancel.CancelAll(); });
+    if (p_reg == 0) pipe->p_cancel.CancelAll();  // shutting down
+    const bool spawned = Spawn([this, pipe, p_reg, p_url = p.url, p_body, transfer_id] {
+      CompletionCall call{p_url, p_body, true, o.prefill_timeout_s, &pipe->p_cancel, &gate};
       const CompletionOutcome r = PostCompletion(call);
-      if (!r.ok) {
-        prefill_failed.fetch_add(1);
-        if (r.error != "cancelled") {
-          std::fprintf(stderr, "[proxy] prefill %s failed: %s\n", transfer_id.c_str(),
-                       r.error.c_str());
-        }
-      }
+      cancel.Remove(p_reg);
+      if (r.ok) return;
+      prefill_failed.fetch_add(1);
+      if (pipe->p_cancel.cancelled()) return;  // we cancelled it (D failed, or shutdown)
+      std::fprintf(stderr, "[proxy] prefill %s failed: %s\n", transfer_id.c_str(), r.error.c_str());
+      std::lock_guard<std::mutex> lock(pipe->mu);
+      pipe->p_failed = true;
+      pipe->p_status = r.http_status;
+      pipe->p_error = r.error;
+      pipe->cv.notify_all();
     });
     if (!spawned) {
       res.status = 503;
@@ -169,8 +185,7 @@ struct Proxy::Impl {
       return;
     }
 
-    // D's copy at the same time, read on its own thread into a pipe.
-    auto pipe = std::make_shared<Pipe>();
+    // D's copy at the same time, read on its own thread into the pipe.
     in_flight.fetch_add(1);
     if (!Spawn([this, pipe, d_url, d_body, stream] {
           ReadDecode(*pipe, d_url, d_body, stream);
@@ -188,8 +203,20 @@ struct Proxy::Impl {
       const auto deadline =
           SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(
                                    std::chrono::duration<double>(o.decode_timeout_s + 5));
-      pipe->cv.wait_until(lock, deadline, [&] { return pipe->status != 0 || pipe->finished; });
+      pipe->cv.wait_until(lock, deadline,
+                          [&] { return pipe->status != 0 || pipe->finished || pipe->p_failed; });
+      if (pipe->status == 0 && pipe->p_failed) {
+        // P refused or failed its half: D's copy can only fail later; answer now, drop it.
+        twins_aborted.fetch_add(1);
+        pipe->abandoned.store(true);
+        res.status = pipe->p_status >= 400 && pipe->p_status < 600 ? pipe->p_status : 502;
+        res.set_content(
+            ErrorJson("prefill " + p.url + " failed: " + pipe->p_error, "prefill_error").dump(),
+            "application/json");
+        return;
+      }
       if (pipe->status == 0) {
+        pipe->p_cancel.CancelAll();
         decode_failed.fetch_add(1);
         res.status = 502;
         const std::string why = pipe->error.empty() ? "no answer from decode" : pipe->error;
@@ -199,7 +226,12 @@ struct Proxy::Impl {
         return;
       }
       res.status = pipe->status;
-      if (pipe->status != 200) decode_failed.fetch_add(1);
+      if (pipe->status != 200) {
+        // D refused or failed its half: P must not go on prefilling (or hold KV) for nobody.
+        decode_failed.fetch_add(1);
+        twins_aborted.fetch_add(1);
+        pipe->p_cancel.CancelAll();
+      }
       if (pipe->status != 200 || !stream) {
         // Not a stream: wait for the whole body.
         pipe->cv.wait_until(lock, deadline, [&] { return pipe->finished; });
@@ -340,6 +372,8 @@ bool Proxy::Start(std::string* error) {
          std::to_string(m.prefill_failed.load()) + "\n";
     t += "# TYPE kvferry_proxy_decode_failed_total counter\nkvferry_proxy_decode_failed_total " +
          std::to_string(m.decode_failed.load()) + "\n";
+    t += "# TYPE kvferry_proxy_twins_aborted_total counter\nkvferry_proxy_twins_aborted_total " +
+         std::to_string(m.twins_aborted.load()) + "\n";
     t += "# TYPE kvferry_proxy_in_flight gauge\nkvferry_proxy_in_flight " +
          std::to_string(m.in_flight.load()) + "\n";
     res.set_content(t, "text/plain; version=0.0.4");
@@ -389,7 +423,8 @@ void Proxy::Stop() {
 
 ProxyStats Proxy::stats() const {
   return ProxyStats{impl_->requests.load(), impl_->prefill_failed.load(),
-                    impl_->decode_failed.load(), impl_->in_flight.load()};
+                    impl_->decode_failed.load(), impl_->in_flight.load(),
+                    impl_->twins_aborted.load()};
 }
 
 }  // namespace kvferry::harness

@@ -1,8 +1,13 @@
 // `kvferry proxy`: the disaggregated-serving router (SPEC §1). For every /v1/completions it
-// assigns transfer_id = "xfer-<uuid>", sends P's copy (max_tokens=1, stream=false,
-// do_remote_decode) in the background and D's copy (do_remote_prefill, remote_engine_id,
-// remote_bootstrap_addr, transfer_id) at the same time, and passes D's answer (SSE or JSON)
-// back to the client. Several P and D instances are used round-robin.
+// assigns transfer_id = "xfer-<uuid>", sends P's copy (max_tokens=1, do_remote_decode; streamed
+// so that P notices when the proxy drops it) in the background and D's copy (do_remote_prefill,
+// remote_engine_id, remote_bootstrap_addr, transfer_id) at the same time, and passes D's answer
+// (SSE or JSON) back to the client. Several P and D instances are used round-robin.
+//
+// The two halves are paired: if P refuses or fails its copy before D answers, the client gets
+// P's error at once ("prefill <url> failed: ...") and D's copy is dropped; if D refuses or
+// fails its copy, P's copy is cancelled (P aborts the prefill, or frees what it held, instead
+// of keeping KV for nobody) and the client gets D's error.
 #pragma once
 
 #include <atomic>
@@ -39,6 +44,7 @@ struct ProxyStats {
   std::uint64_t prefill_failed = 0;
   std::uint64_t decode_failed = 0;
   std::uint64_t in_flight = 0;
+  std::uint64_t twins_aborted = 0;  // requests whose other half the proxy dropped
 };
 
 // What the proxy sends to P and to D for one client request (exposed for tests).

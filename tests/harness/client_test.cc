@@ -158,7 +158,7 @@ TEST(Proxy, SendsPrefillAndDecodeCopiesAndStreamsDecode) {
   const json pb = p.bodies()[0];
   const json db = d.bodies().at(0);
   EXPECT_EQ(pb["max_tokens"], 1);
-  EXPECT_EQ(pb["stream"], false);
+  EXPECT_EQ(pb["stream"], true) << "P's copy is streamed so that P notices a drop";
   EXPECT_EQ(pb["prompt"], json({1, 2, 3}));
   EXPECT_EQ(pb["kv_transfer_params"]["do_remote_decode"], true);
   EXPECT_EQ(pb["kv_transfer_params"]["do_remote_prefill"], false);
@@ -263,6 +263,49 @@ TEST(Proxy, HostileBodiesAreRefusedAndTheProxyKeepsServing) {
   EXPECT_EQ(health->status, 200);
   const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
   EXPECT_TRUE(PostCompletion({url, CompletionBody({1}, 2, true, true), true, 10, nullptr}).ok);
+}
+
+// P refuses its half: the client hears P's reason at once (not after D's copy gave up), and
+// D's copy is dropped.
+TEST(Proxy, PrefillFailureEndsTheRequestAtOnce) {
+  FakeServer p, d;
+  p.fail_status = [](const json&) { return 503; };
+  d.delay_s = [](const json&, int) { return 3.0; };
+  ProxyOptions o;
+  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
+  o.decodes = {d.url()};
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = PostCompletion({url, CompletionBody({1}, 2, false, true), false, 10, nullptr});
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.http_status, 503);
+  EXPECT_NE(r.error.find("prefill " + p.url() + " failed"), std::string::npos) << r.error;
+  EXPECT_LT(took, 2.0) << "the client waited for D's copy";
+  EXPECT_EQ(proxy.stats().twins_aborted, 1u);
+}
+
+// D refuses its half: the client gets D's error, and P's copy is cancelled at once instead of
+// prefilling (and holding KV) for nobody.
+TEST(Proxy, DecodeRefusalCancelsThePrefillCopy) {
+  FakeServer p, d;
+  d.fail_status = [](const json&) { return 400; };
+  p.delay_s = [](const json&, int) { return 3.0; };
+  ProxyOptions o;
+  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
+  o.decodes = {d.url()};
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  const auto r = PostCompletion({url, CompletionBody({1}, 2, false, true), false, 10, nullptr});
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.http_status, 400);
+  EXPECT_EQ(proxy.stats().twins_aborted, 1u);
+  // P's copy ends long before P would have answered (3 s): the proxy closed it.
+  EXPECT_TRUE(WaitFor([&] { return proxy.stats().prefill_failed == 1; }, 1.5));
 }
 
 TEST(Proxy, BurstOfConnectionsDoesNotStall) {

@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "harness/client_proxy.h"
+
 extern char** environ;
 
 namespace {
@@ -744,6 +746,39 @@ TEST_F(ServeTest, RefusedPrefillFailsItsDecodeAtOnce) {
   }
   EXPECT_EQ(WaitMetric(d.port(), "kvferry_kv_blocks_used", 0), 0);
   EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
+}
+
+// Through the proxy: D refuses its half (prompt + max_tokens over its max_model_len), the
+// client gets D's 400 at once, and the proxy drops P's copy, so P aborts the prefill and frees
+// its blocks within a keepalive instead of prefilling and holding KV for nobody.
+TEST_F(ServeTest, ProxyAbortsThePrefillWhenDecodeRefuses) {
+  ServeProcess& p = Start(
+      "prefill", {"--role", "prefill", "--kv-transfer-config",
+                  R"({"kv_role":"kv_producer","kv_connector_extra_config":{"bootstrap_port":0}})",
+                  // A 2,000-token prompt prefills in 8 chunks of 256 ms: ~2 s.
+                  "--max-batch-tokens", "256", "--prefill-us-per-token", "1000"});
+  ServeProcess& d = Start("decode", {"--role", "decode", "--max-model-len", "1000"});
+  ASSERT_FALSE(HasFailure());
+  kvferry::harness::ProxyOptions o;
+  o.prefills = {
+      {"http://127.0.0.1:" + std::to_string(p.port()), p.bootstrap_addr(), p.engine_id()}};
+  o.decodes = {"http://127.0.0.1:" + std::to_string(d.port())};
+  kvferry::harness::Proxy proxy(o);
+  std::string error;
+  ASSERT_TRUE(proxy.Start(&error)) << error;
+  const auto start = Clock::now();
+  HttpResult r = Post(proxy.port(), {{"prompt", Prompt(2000)}, {"max_tokens", 8}});
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_LT(SecondsSince(start), 1.0) << "the client waited for P";
+  // P noticed the dropped copy (keepalive, <= 1 s) and aborted the prefill mid-way.
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_requests_finished_total{outcome=\"client_abort\"}", 1,
+                       std::chrono::milliseconds(3000)),
+            1);
+  EXPECT_LT(SecondsSince(start), 2.0) << "P finished the prefill nobody will pull";
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_kv_blocks_used", 0), 0);
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
+  EXPECT_EQ(proxy.stats().twins_aborted, 1u);
+  proxy.Stop();
 }
 
 }  // namespace
