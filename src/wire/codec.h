@@ -92,6 +92,17 @@ inline Result<std::uint64_t> GetUint(
   return o.via.u64;
 }
 
+// A status enum travelling as a uint: values above `last` (the highest this build knows) are a
+// protocol error, since new status values need a new major version (docs/protocol.md §6).
+template <typename Enum>
+inline Result<Enum> GetStatus(const msgpack::object& o, const Label& label, Enum last) {
+  if (o.type != msgpack::type::POSITIVE_INTEGER) return WrongType(label, "uint", o);
+  if (o.via.u64 > static_cast<std::uint64_t>(last)) {
+    return FieldErr(ErrorCode::kProtocol, label, "unknown value " + std::to_string(o.via.u64));
+  }
+  return static_cast<Enum>(o.via.u64);
+}
+
 // A msgpack bool (true/false), never an integer.
 inline Result<bool> GetBool(const msgpack::object& o, const Label& label) {
   if (o.type != msgpack::type::BOOLEAN) return WrongType(label, "bool", o);
@@ -105,6 +116,15 @@ inline Result<std::string_view> GetStr(const msgpack::object& o, const Label& la
   if (o.via.str.size > max_len) return TooLong(label, o.via.str.size, max_len);
   if (non_empty && o.via.str.size == 0) return FieldErr(ErrorCode::kProtocol, label, "empty");
   return std::string_view(o.via.str.ptr, o.via.str.size);
+}
+
+// The optional free-text key of a reply (`m`): absent means empty.
+inline Status GetMessageText(const msgpack::object* o, const Label& label, std::string& out) {
+  if (o == nullptr) return Status::Ok();
+  Result<std::string_view> text = GetStr(*o, label, kMaxTextBytes, false);
+  if (!text) return text.error();
+  out.assign(*text);
+  return Status::Ok();
 }
 
 inline Result<std::span<const std::uint8_t>> GetBin(const msgpack::object& o, const Label& label,

@@ -513,20 +513,12 @@ Result<RenewalReply> DecodeRenewalReply(const std::uint8_t* data, std::size_t si
   for (std::size_t i : {kYStatus, kYExtended, kYUnknown, kYLease}) {
     if (f[i] == nullptr) return f.Missing(i);
   }
-  std::uint64_t status = 0;
-  KVF_ASSIGN(status, GetUint(*f[kYStatus], kReplyLabels[kYStatus]));
-  if (status > static_cast<std::uint8_t>(RenewalStatus::kError)) {
-    return FieldErr(ErrorCode::kProtocol, kReplyLabels[kYStatus],
-                    "unknown value " + std::to_string(status));
-  }
-  msg.status = static_cast<RenewalStatus>(status);
+  KVF_ASSIGN(msg.status, GetStatus(*f[kYStatus], kReplyLabels[kYStatus], RenewalStatus::kError));
   KVF_ASSIGN(msg.extended, GetUint(*f[kYExtended], kReplyLabels[kYExtended]));
   KVF_ASSIGN(msg.unknown, GetUint(*f[kYUnknown], kReplyLabels[kYUnknown]));
   KVF_ASSIGN(msg.p_lease_ms, GetUint(*f[kYLease], kReplyLabels[kYLease]));
-  if (f[kYMessage] != nullptr) {
-    std::string_view m;
-    KVF_ASSIGN(m, GetStr(*f[kYMessage], kReplyLabels[kYMessage], kMaxTextBytes, false));
-    msg.message.assign(m);
+  if (Status s = GetMessageText(f[kYMessage], kReplyLabels[kYMessage], msg.message); !s.ok()) {
+    return tl::unexpected(std::move(s));
   }
   return msg;
 }
@@ -654,17 +646,9 @@ Result<PullResponse> DecodePullResponse(const std::uint8_t* data, std::size_t si
     return tl::unexpected(std::move(s));
   }
   if (f[kSStatus] == nullptr) return f.Missing(kSStatus);
-  std::uint64_t status = 0;
-  KVF_ASSIGN(status, GetUint(*f[kSStatus], kResponseLabels[kSStatus]));
-  if (status > static_cast<std::uint8_t>(PullStatus::kError)) {
-    return FieldErr(ErrorCode::kProtocol, kResponseLabels[kSStatus],
-                    "unknown value " + std::to_string(status));
-  }
-  msg.status = static_cast<PullStatus>(status);
-  if (f[kSMessage] != nullptr) {
-    std::string_view m;
-    KVF_ASSIGN(m, GetStr(*f[kSMessage], kResponseLabels[kSMessage], kMaxTextBytes, false));
-    msg.message.assign(m);
+  KVF_ASSIGN(msg.status, GetStatus(*f[kSStatus], kResponseLabels[kSStatus], PullStatus::kError));
+  if (Status s = GetMessageText(f[kSMessage], kResponseLabels[kSMessage], msg.message); !s.ok()) {
+    return tl::unexpected(std::move(s));
   }
   if (msg.status == PullStatus::kError) {
     // D fails every request of the pull with this code and message; lists would be ambiguous.

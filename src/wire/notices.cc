@@ -249,20 +249,14 @@ Result<ReleaseReply> DecodeReleaseReply(const std::uint8_t* data, std::size_t si
   for (std::size_t i : {kQStatus, kQReleased, kQKept, kQUnknown}) {
     if (f[i] == nullptr) return f.Missing(i);
   }
-  std::uint64_t status = 0;
-  KVF_ASSIGN(status, GetUint(*f[kQStatus], kReleaseReplyLabels[kQStatus]));
-  if (status > static_cast<std::uint8_t>(ReleaseStatus::kError)) {
-    return FieldErr(ErrorCode::kProtocol, kReleaseReplyLabels[kQStatus],
-                    "unknown value " + std::to_string(status));
-  }
-  msg.status = static_cast<ReleaseStatus>(status);
+  KVF_ASSIGN(msg.status,
+             GetStatus(*f[kQStatus], kReleaseReplyLabels[kQStatus], ReleaseStatus::kError));
   KVF_ASSIGN(msg.released, GetUint(*f[kQReleased], kReleaseReplyLabels[kQReleased]));
   KVF_ASSIGN(msg.kept, GetUint(*f[kQKept], kReleaseReplyLabels[kQKept]));
   KVF_ASSIGN(msg.unknown, GetUint(*f[kQUnknown], kReleaseReplyLabels[kQUnknown]));
-  if (f[kQMessage] != nullptr) {
-    std::string_view m;
-    KVF_ASSIGN(m, GetStr(*f[kQMessage], kReleaseReplyLabels[kQMessage], kMaxTextBytes, false));
-    msg.message.assign(m);
+  if (Status s = GetMessageText(f[kQMessage], kReleaseReplyLabels[kQMessage], msg.message);
+      !s.ok()) {
+    return tl::unexpected(std::move(s));
   }
   return msg;
 }
