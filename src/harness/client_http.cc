@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "control/json_limits.h"
+
 namespace kvferry::harness {
 
 std::optional<HostPort> ParseUrl(const std::string& url) {
@@ -77,6 +79,8 @@ std::vector<int> RandomPrompt(std::mt19937_64& rng, int tokens, int low, int hig
 namespace {
 
 std::string ErrorFromJson(const std::string& text) {
+  // A backend's body: bounded like a client's before anything recurses over it.
+  if (control::JsonDepth(text) > control::kMaxJsonDepth) return "error body nested too deeply";
   auto j = nlohmann::json::parse(text, nullptr, false);
   if (j.is_discarded()) return {};
   if (j.is_object() && j.contains("error")) {
@@ -85,7 +89,7 @@ std::string ErrorFromJson(const std::string& text) {
     if (e.is_object() && e.contains("message") && e["message"].is_string()) {
       return e["message"].get<std::string>();
     }
-    return e.dump();
+    return e.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   }
   // {"object": "error", "message": ...} (vLLM's and `kvferry serve`'s plain error body).
   if (j.is_object() && j.value("object", "") == "error" && j.contains("message") &&
@@ -137,6 +141,7 @@ CompletionOutcome PostCompletion(const CompletionCall& call) {
       if (stream_error.empty()) stream_error = err;
       return;
     }
+    if (control::JsonDepth(data) > control::kMaxJsonDepth) return;  // not a token event
     auto j = nlohmann::json::parse(data, nullptr, false);
     if (j.is_object() && j.contains("choices") && j["choices"].is_array() &&
         !j["choices"].empty()) {
@@ -151,11 +156,15 @@ CompletionOutcome PostCompletion(const CompletionCall& call) {
   req.body = call.body;
   req.set_header("Content-Type", "application/json");
   if (call.stream) req.set_header("Accept", "text/event-stream");
+  // A cancel that lands before the request is on the wire only closes an idle socket (httplib
+  // then reconnects): checking the group here makes it stick.
+  auto cancelled_now = [&] { return call.cancel != nullptr && call.cancel->cancelled(); };
   req.response_handler = [&](const httplib::Response& r) {
     out.http_status = r.status;
-    return true;
+    return !cancelled_now();
   };
   req.content_receiver = [&](const char* data, std::size_t len, std::uint64_t, std::uint64_t) {
+    if (cancelled_now()) return false;
     if (SteadyClock::now() > deadline) {
       past_deadline = true;
       return false;

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "client_http.h"
+#include "control/http_limits.h"
 #include "control/json_limits.h"
 
 namespace kvferry::harness {
@@ -27,6 +28,11 @@ std::string BootstrapUrl(const std::string& addr) {
 
 json ErrorJson(const std::string& message, const std::string& type) {
   return json{{"error", {{"message", message}, {"type", type}}}};
+}
+
+// Error bodies carry backend text that may not be valid UTF-8: never throw while answering.
+std::string ErrorBody(const std::string& message, const std::string& type) {
+  return ErrorJson(message, type).dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 // D's response travelling from the thread that reads it to the client's connection.
@@ -45,6 +51,13 @@ struct Pipe {
   int p_status = 0;
   std::string p_error;
   CancelGroup p_cancel;
+  CancelGroup d_cancel;  // closes D's connection: D's copy is dropped, not left to run
+
+  // Stop reading D and close its connection (the client left, or the request already failed).
+  void Abandon() {
+    abandoned.store(true);
+    d_cancel.CancelAll();
+  }
 };
 
 }  // namespace
@@ -82,7 +95,7 @@ struct Proxy::Impl {
   ConnectGate gate;
   std::atomic<std::uint64_t> next{0};
   std::atomic<std::uint64_t> requests{0}, prefill_failed{0}, decode_failed{0}, in_flight{0},
-      twins_aborted{0};
+      twins_aborted{0}, prefill_cancelled{0};
 
   std::mutex threads_mu;
   struct Task {
@@ -119,13 +132,13 @@ struct Proxy::Impl {
     requests.fetch_add(1);
     if (o.prefills.empty() || o.decodes.empty()) {
       res.status = 503;
-      res.set_content(ErrorJson("proxy has no prefill or decode instance", "proxy_error").dump(),
+      res.set_content(ErrorBody("proxy has no prefill or decode instance", "proxy_error"),
                       "application/json");
       return;
     }
     auto refuse = [&res](const std::string& why) {
       res.status = 400;
-      res.set_content(ErrorJson(why, "invalid_request").dump(), "application/json");
+      res.set_content(ErrorBody(why, "invalid_request"), "application/json");
     };
     // Bounded before parsing: the bodies are re-serialized for P and D, and serializing
     // recurses once per level (a 70,000-deep body used to crash the proxy).
@@ -155,7 +168,7 @@ struct Proxy::Impl {
       d_body = BuildDecodeBody(req.body, transfer_id, p);
     } catch (const std::exception& e) {
       res.status = 400;
-      res.set_content(ErrorJson(e.what(), "invalid_request").dump(), "application/json");
+      res.set_content(ErrorBody(e.what(), "invalid_request"), "application/json");
       return;
     }
 
@@ -169,8 +182,11 @@ struct Proxy::Impl {
       const CompletionOutcome r = PostCompletion(call);
       cancel.Remove(p_reg);
       if (r.ok) return;
+      if (pipe->p_cancel.cancelled()) {  // we cancelled it: D failed (or the proxy stops)
+        if (!cancel.cancelled()) prefill_cancelled.fetch_add(1);
+        return;
+      }
       prefill_failed.fetch_add(1);
-      if (pipe->p_cancel.cancelled()) return;  // we cancelled it (D failed, or shutdown)
       std::fprintf(stderr, "[proxy] prefill %s failed: %s\n", transfer_id.c_str(), r.error.c_str());
       std::lock_guard<std::mutex> lock(pipe->mu);
       pipe->p_failed = true;
@@ -180,8 +196,7 @@ struct Proxy::Impl {
     });
     if (!spawned) {
       res.status = 503;
-      res.set_content(ErrorJson("proxy is shutting down", "proxy_error").dump(),
-                      "application/json");
+      res.set_content(ErrorBody("proxy is shutting down", "proxy_error"), "application/json");
       return;
     }
 
@@ -193,8 +208,7 @@ struct Proxy::Impl {
         })) {
       in_flight.fetch_sub(1);
       res.status = 503;
-      res.set_content(ErrorJson("proxy is shutting down", "proxy_error").dump(),
-                      "application/json");
+      res.set_content(ErrorBody("proxy is shutting down", "proxy_error"), "application/json");
       return;
     }
 
@@ -208,10 +222,10 @@ struct Proxy::Impl {
       if (pipe->status == 0 && pipe->p_failed) {
         // P refused or failed its half: D's copy can only fail later; answer now, drop it.
         twins_aborted.fetch_add(1);
-        pipe->abandoned.store(true);
+        pipe->Abandon();
         res.status = pipe->p_status >= 400 && pipe->p_status < 600 ? pipe->p_status : 502;
         res.set_content(
-            ErrorJson("prefill " + p.url + " failed: " + pipe->p_error, "prefill_error").dump(),
+            ErrorBody("prefill " + p.url + " failed: " + pipe->p_error, "prefill_error"),
             "application/json");
         return;
       }
@@ -220,9 +234,9 @@ struct Proxy::Impl {
         decode_failed.fetch_add(1);
         res.status = 502;
         const std::string why = pipe->error.empty() ? "no answer from decode" : pipe->error;
-        res.set_content(ErrorJson("decode " + d_url + ": " + why, "proxy_error").dump(),
+        res.set_content(ErrorBody("decode " + d_url + ": " + why, "proxy_error"),
                         "application/json");
-        pipe->abandoned.store(true);
+        pipe->Abandon();
         return;
       }
       res.status = pipe->status;
@@ -240,11 +254,10 @@ struct Proxy::Impl {
         if (!pipe->finished || !pipe->error.empty()) {
           if (pipe->status == 200) decode_failed.fetch_add(1);
           res.status = 502;
-          body = ErrorJson("decode " + d_url + ": " +
-                               (pipe->error.empty() ? "no complete answer" : pipe->error),
-                           "proxy_error")
-                     .dump();
-          pipe->abandoned.store(true);
+          body = ErrorBody(
+              "decode " + d_url + ": " + (pipe->error.empty() ? "no complete answer" : pipe->error),
+              "proxy_error");
+          pipe->Abandon();
         }
         res.set_content(
             body, pipe->content_type.empty() ? "application/json" : pipe->content_type.c_str());
@@ -255,16 +268,32 @@ struct Proxy::Impl {
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         content_type,
-        [this, pipe](std::size_t, httplib::DataSink& sink) {
+        [this, pipe, p_url = p.url](std::size_t, httplib::DataSink& sink) {
           std::unique_lock<std::mutex> lock(pipe->mu);
-          pipe->cv.wait_for(lock, std::chrono::milliseconds(500),
-                            [&] { return !pipe->chunks.empty() || pipe->finished; });
+          pipe->cv.wait_for(lock, std::chrono::milliseconds(500), [&] {
+            return !pipe->chunks.empty() || pipe->finished || pipe->p_failed;
+          });
+          if (pipe->p_failed && !pipe->finished) {
+            // D answered 200 at once (it streams) but P refused or failed its half: D's stream
+            // can only end in an error later. End it now with P's reason and drop D's copy.
+            twins_aborted.fetch_add(1);
+            const std::string ev =
+                "data: " +
+                ErrorBody("prefill " + p_url + " failed: " + pipe->p_error, "prefill_error") +
+                "\n\ndata: [DONE]\n\n";
+            pipe->finished = true;
+            lock.unlock();
+            pipe->Abandon();
+            sink.write(ev.data(), ev.size());
+            sink.done();
+            return true;
+          }
           while (!pipe->chunks.empty()) {
             std::string c = std::move(pipe->chunks.front());
             pipe->chunks.pop_front();
             lock.unlock();
             if (!sink.write(c.data(), c.size())) {
-              pipe->abandoned.store(true);
+              pipe->Abandon();
               return false;
             }
             lock.lock();
@@ -273,8 +302,8 @@ struct Proxy::Impl {
             if (!pipe->error.empty()) {
               decode_failed.fetch_add(1);
               const std::string ev =
-                  "data: " +
-                  ErrorJson("decode stream broke: " + pipe->error, "proxy_error").dump() + "\n\n";
+                  "data: " + ErrorBody("decode stream broke: " + pipe->error, "proxy_error") +
+                  "\n\n";
               lock.unlock();
               sink.write(ev.data(), ev.size());
             } else {
@@ -286,7 +315,7 @@ struct Proxy::Impl {
           if (cancel.cancelled()) return false;
           return true;
         },
-        [pipe](bool) { pipe->abandoned.store(true); });
+        [pipe](bool) { pipe->Abandon(); });
   }
 
   void ReadDecode(Pipe& pipe, const std::string& d_url, const std::string& d_body, bool stream) {
@@ -332,9 +361,15 @@ struct Proxy::Impl {
     };
     const std::uint64_t reg = cancel.Add([&cli] { cli.stop(); });
     if (reg == 0) return finish("proxy is shutting down");
+    const std::uint64_t dropped = pipe.d_cancel.Add([&cli] { cli.stop(); });
+    if (dropped == 0) {
+      cancel.Remove(reg);
+      return finish("client went away");
+    }
     httplib::Response res;
     httplib::Error err = httplib::Error::Success;
     const bool ok = cli.send(req, res, err);
+    pipe.d_cancel.Remove(dropped);
     cancel.Remove(reg);
     if (!ok) {
       if (pipe.abandoned.load()) return finish("client went away");
@@ -358,7 +393,7 @@ bool Proxy::Start(std::string* error) {
   m.svr.set_read_timeout(std::chrono::seconds(30));
   m.svr.set_write_timeout(std::chrono::seconds(30));
   m.svr.set_keep_alive_timeout(2);
-  m.svr.set_payload_max_length(m.o.max_body_bytes);
+  control::BoundRequestBodies(m.svr, m.o.max_body_bytes);
   m.svr.Post("/v1/completions",
              [&m](const httplib::Request& req, httplib::Response& res) { m.Handle(req, res); });
   m.svr.Get("/health", [](const httplib::Request&, httplib::Response& res) {
@@ -422,9 +457,9 @@ void Proxy::Stop() {
 }
 
 ProxyStats Proxy::stats() const {
-  return ProxyStats{impl_->requests.load(), impl_->prefill_failed.load(),
+  return ProxyStats{impl_->requests.load(),      impl_->prefill_failed.load(),
                     impl_->decode_failed.load(), impl_->in_flight.load(),
-                    impl_->twins_aborted.load()};
+                    impl_->twins_aborted.load(), impl_->prefill_cancelled.load()};
 }
 
 }  // namespace kvferry::harness

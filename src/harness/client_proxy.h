@@ -5,9 +5,11 @@
 // (SSE or JSON) back to the client. Several P and D instances are used round-robin.
 //
 // The two halves are paired: if P refuses or fails its copy before D answers, the client gets
-// P's error at once ("prefill <url> failed: ...") and D's copy is dropped; if D refuses or
-// fails its copy, P's copy is cancelled (P aborts the prefill, or frees what it held, instead
-// of keeping KV for nobody) and the client gets D's error.
+// P's error at once ("prefill <url> failed: ...", also as the error event of a stream D has
+// already begun) and D's copy is dropped (its connection closed); if D refuses or fails its
+// copy, P's copy is cancelled, so P aborts a prefill still running instead of finishing it for
+// nobody (once P has answered, its KV is D's to release, or the lease's), and the client gets
+// D's error.
 #pragma once
 
 #include <atomic>
@@ -45,6 +47,8 @@ struct ProxyStats {
   std::uint64_t decode_failed = 0;
   std::uint64_t in_flight = 0;
   std::uint64_t twins_aborted = 0;  // requests whose other half the proxy dropped
+  // prefill_failed counts P's own failures; these, P copies the proxy cancelled (D failed).
+  std::uint64_t prefill_cancelled = 0;
 };
 
 // What the proxy sends to P and to D for one client request (exposed for tests).

@@ -420,9 +420,12 @@ Result<std::shared_ptr<RequestStream>> ServingEngine::Submit(const CompletionSpe
       !spec.transfer_id.empty()) {
     // P will not prefill it: D's half must not wait abort_request_timeout for it. (An Admit
     // that found the transfer held or freed already changes nothing: Refuse leaves admitted
-    // entries alone, and a tombstone stays a tombstone.)
+    // entries alone, and a tombstone stays a tombstone.) The transfer id is spent here: a
+    // router retrying this P must use a new one, as vLLM's proxy does for every request. Not
+    // while shutting down: the ranks are going away (and their KV with them).
     const ErrorCode code = queued.error().code();
-    if (code != ErrorCode::kAlreadyExists && code != ErrorCode::kTombstoned) {
+    if (code != ErrorCode::kAlreadyExists && code != ErrorCode::kTombstoned &&
+        code != ErrorCode::kUnavailable) {
       const Status why(code,
                        "the prefill instance refused the request: " + queued.error().message());
       std::vector<std::future<Status>> acks;
@@ -433,8 +436,8 @@ Result<std::shared_ptr<RequestStream>> ServingEngine::Submit(const CompletionSpe
   if (!queued && queued.error().code() == ErrorCode::kInvalidArgument &&
       options_.role == Role::kDecode && spec.kind == RequestKind::kRemotePrefill) {
     // This instance can never serve it as sent: P must not prefill it and hold its KV for
-    // nobody. (A full queue or a shutdown is left alone: a router may retry elsewhere with the
-    // same transfer.)
+    // nobody. (A full queue or a shutdown is left alone: a router may retry another decoder
+    // with the same transfer, whose KV P still holds.)
     const runtime::RemoteSource source{spec.transfer_id, spec.remote_engine_id,
                                        spec.remote_bootstrap_addr};
     for (auto& worker : impl_->decode) worker->ReleaseTransfer(source);

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "client_http.h"
+#include "control/http_limits.h"
 #include "control/json_limits.h"
 
 namespace kvferry::harness {
@@ -215,7 +216,7 @@ Result<std::unique_ptr<HttpFront>> HttpFront::Start(HttpFrontOptions options,
   }
   const std::size_t threads = std::max<std::size_t>(4, impl.options.threads);
   impl.server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  impl.server.set_payload_max_length(impl.options.max_body_bytes);
+  control::BoundRequestBodies(impl.server, impl.options.max_body_bytes);
   impl.server.set_read_timeout(std::chrono::seconds(30));
   impl.server.set_write_timeout(std::chrono::seconds(30));
   impl.server.Post("/v1/completions", [&impl](const httplib::Request& req, httplib::Response& res) {

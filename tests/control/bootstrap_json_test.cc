@@ -130,7 +130,9 @@ TEST(BootstrapJson, DeeplyNestedBodyIsRefusedBeforeParsing) {
   EXPECT_NE(r.error().message().find("deeper than 32 levels"), std::string::npos)
       << r.error().message();
   auto q = DecodeEngine("{\"workers\":" + std::string(40, '[') + std::string(40, ']') + "}");
-  EXPECT_FALSE(q);
+  ASSERT_FALSE(q);
+  EXPECT_NE(q.error().message().find("deeper than 32 levels"), std::string::npos)
+      << q.error().message();
 }
 
 // The features a P reads travel with its registration and its query answer; a P that predates

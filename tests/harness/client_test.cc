@@ -26,6 +26,8 @@ class FakeServer {
  public:
   std::function<int(const json&)> fail_status = [](const json&) { return 0; };
   std::function<double(const json&, int)> delay_s = [](const json&, int) { return 0.0; };
+  // Streams: the 200 and its headers go out at once, the events only after this long.
+  double stream_delay_s = 0;
 
   FakeServer() {
     svr_.new_task_queue = [] { return new httplib::ThreadPool(64); };
@@ -55,19 +57,23 @@ class FakeServer {
                         "application/json");
         return;
       }
-      res.set_chunked_content_provider("text/event-stream", [tokens](std::size_t,
-                                                                     httplib::DataSink& sink) {
-        for (int i = 0; i < tokens; ++i) {
-          const std::string ev =
-              "data: " + json{{"choices", {{{"text", "t" + std::to_string(i)}}}}}.dump() + "\n\n";
-          // Split each event over two writes to exercise the SSE parser.
-          sink.write(ev.data(), 7);
-          sink.write(ev.data() + 7, ev.size() - 7);
-        }
-        sink.write("data: [DONE]\n\n", 14);
-        sink.done();
-        return true;
-      });
+      res.set_chunked_content_provider(
+          "text/event-stream", [this, tokens](std::size_t, httplib::DataSink& sink) {
+            if (stream_delay_s > 0) {
+              std::this_thread::sleep_for(std::chrono::duration<double>(stream_delay_s));
+            }
+            for (int i = 0; i < tokens; ++i) {
+              const std::string ev =
+                  "data: " + json{{"choices", {{{"text", "t" + std::to_string(i)}}}}}.dump() +
+                  "\n\n";
+              // Split each event over two writes to exercise the SSE parser.
+              sink.write(ev.data(), 7);
+              sink.write(ev.data() + 7, ev.size() - 7);
+            }
+            sink.write("data: [DONE]\n\n", 14);
+            sink.done();
+            return true;
+          });
     });
     svr_.Get("/metrics", [](const httplib::Request&, httplib::Response& res) {
       res.set_content(
@@ -253,6 +259,27 @@ TEST(Proxy, HostileBodiesAreRefusedAndTheProxyKeepsServing) {
   EXPECT_NE(stream_body.find("'stream'"), std::string::npos) << stream_body;
   auto [big_status, big_body] = post("{\"prompt\":\"" + std::string(2 << 20, 'a') + "\"}");
   EXPECT_EQ(big_status, 413) << big_body;
+  // A chunked body would dodge the size cap (cpp-httplib checks Content-Length only): refused
+  // before it is read (a large one just has its connection closed under it).
+  auto chunked_post = [&](std::size_t parts) {
+    httplib::Client c("127.0.0.1", proxy.port());
+    return c.Post(
+        "/v1/completions",
+        [parts](std::size_t, httplib::DataSink& sink) {
+          const std::string part(64 << 10, 'a');
+          for (std::size_t i = 0; i < parts; ++i) {
+            if (!sink.write(part.data(), part.size())) return false;
+          }
+          sink.done();
+          return true;
+        },
+        "application/json");
+  };
+  auto small_chunked = chunked_post(0);
+  ASSERT_TRUE(small_chunked);
+  EXPECT_EQ(small_chunked->status, 411) << small_chunked->body;
+  auto big_chunked = chunked_post(256);  // 16 MiB offered
+  EXPECT_TRUE(!big_chunked || big_chunked->status == 411);
   auto [garbage_status, garbage_body] = post("not json");
   EXPECT_EQ(garbage_status, 400) << garbage_body;
   EXPECT_TRUE(p.bodies().empty());
@@ -288,6 +315,29 @@ TEST(Proxy, PrefillFailureEndsTheRequestAtOnce) {
   EXPECT_EQ(proxy.stats().twins_aborted, 1u);
 }
 
+// A streaming client whose D has already answered 200 (kvferry serve streams at once): P's
+// failure still ends the request at once, as the stream's error event, and drops D's copy.
+TEST(Proxy, PrefillFailureEndsAStreamDecodeHasBegun) {
+  FakeServer p, d;
+  p.fail_status = [](const json&) { return 503; };
+  d.stream_delay_s = 3;
+  ProxyOptions o;
+  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
+  o.decodes = {d.url()};
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = PostCompletion({url, CompletionBody({1}, 2, true, true), true, 10, nullptr});
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_FALSE(r.ok);
+  EXPECT_TRUE(r.saw_done);
+  EXPECT_NE(r.error.find("prefill " + p.url() + " failed"), std::string::npos) << r.error;
+  EXPECT_LT(took, 2.0) << "the client waited for D's stream";
+  EXPECT_EQ(proxy.stats().twins_aborted, 1u);
+}
+
 // D refuses its half: the client gets D's error, and P's copy is cancelled at once instead of
 // prefilling (and holding KV) for nobody.
 TEST(Proxy, DecodeRefusalCancelsThePrefillCopy) {
@@ -305,7 +355,8 @@ TEST(Proxy, DecodeRefusalCancelsThePrefillCopy) {
   EXPECT_EQ(r.http_status, 400);
   EXPECT_EQ(proxy.stats().twins_aborted, 1u);
   // P's copy ends long before P would have answered (3 s): the proxy closed it.
-  EXPECT_TRUE(WaitFor([&] { return proxy.stats().prefill_failed == 1; }, 1.5));
+  EXPECT_TRUE(WaitFor([&] { return proxy.stats().prefill_cancelled == 1; }, 1.5));
+  EXPECT_EQ(proxy.stats().prefill_failed, 0u) << "a cancelled copy is not P's failure";
 }
 
 TEST(Proxy, BurstOfConnectionsDoesNotStall) {
