@@ -136,7 +136,9 @@ void DecodeSession::Untrack(const core::RequestId& request, bool release, TimePo
   }
   // Another request still names this transfer (a router sent it twice): it is still wanted.
   if (by_transfer_.count(t.transfer) != 0) return;
-  if (t.renewed) renewals_.Untrack(t.transfer);
+  // The last request of the transfer: whichever of them registered it with the scheduler, it
+  // goes now (Untrack of a transfer never tracked is a no-op).
+  renewals_.Untrack(t.transfer);
   if (!release || !options_.send_releases) return;
   EngineState& state = Engine(t.engine, "");
   if (state.releases_unsupported ||

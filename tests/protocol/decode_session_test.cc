@@ -720,6 +720,22 @@ TEST_F(DecodeSessionTest, FinishingOneOfTwoRequestsOfATransferReleasesNothing) {
   s().RequestFinished("r2", kT0 + 2s);
   s().OnTimeout(kT0 + 3s);
   EXPECT_EQ(ReleasesIn(s().TakeMessages()).size(), 1u);
+  EXPECT_EQ(s().stats().tracked, 0u) << "renewals end with the last request of the transfer";
+}
+
+// The same when only the first request registered the transfer for renewals (the second came
+// through StartLoad alone): the transfer's renewals still end with its last request.
+TEST_F(DecodeSessionTest, RenewalsOfASharedTransferEndWithItsLastRequest) {
+  Make(Options(30s));
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  ASSERT_TRUE(s().StartLoad("r2", Source("x1"), {1}, kT0).ok());
+  s().RequestFinished("r1", kT0);
+  EXPECT_EQ(s().stats().tracked, 1u);
+  for (wire::Pull& pull : Pulls()) {
+    s().OnPullResponse(last_endpoints_.back(), Finish(pull.id, {"r2"}), kT0 + 1ms);
+  }
+  EXPECT_EQ(s().stats().tracked, 0u);
 }
 
 // A refused request may name any engine at any address: no lookup, no state, nothing sent.
