@@ -267,6 +267,7 @@ Status ServingEngine::Impl::StartRanks() {
       o.num_senders = options.num_senders;
       o.bootstrap_address = options.bootstrap_address;
       o.incarnation = options.incarnation;
+      o.side_channel_endpoint = fmt::format("tcp://{}:0", options.side_channel_host);
       auto listed = [rank](const std::vector<std::uint32_t>& ranks) {
         return std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
       };

@@ -66,6 +66,8 @@ struct EngineOptions {
   // P: the hold (lease, abort_request_timeout) and where every rank registers.
   core::HoldConfig hold;
   std::string bootstrap_address;  // "host:port"
+  // P: the address every rank's side channel binds (D must reach it: the HTTP host).
+  std::string side_channel_host = "127.0.0.1";
   std::string incarnation;
   // Faults (SPEC §8 C): err_after_write_fraction applies to err_ranks, max_write_delay to
   // delay_ranks (other ranks write without faults).

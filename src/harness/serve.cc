@@ -128,6 +128,7 @@ int RunServe(const ServeOptions& options) {
     if (!port) return Fail("bootstrap service: " + port.error().ToString());
     bootstrap_port = *port;
     eo.bootstrap_address = fmt::format("{}:{}", options.host, bootstrap_port);
+    eo.side_channel_host = options.host;
   }
 
   auto engine = ServingEngine::Start(eo);

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Real processes on three test hosts (scripts/testhosts.sh): P on host 1, D on host 2, the proxy
+# and the load on host 3, the KV moving between hosts over UCX tcp on the veth links. Checks the
+# hosts are isolated from this machine, that requests succeed across hosts with every block
+# verified, that a partition of D shorter than the lease costs nothing, and that every process
+# and namespace is gone at the end (also when a check fails: the trap tears down).
+# Usage: hosts_test.sh KVFERRY_BINARY REPO_ROOT. Exit 77 (skipped) without network namespaces.
+set -euo pipefail
+
+bin=$1
+th="$2/scripts/testhosts.sh"
+if [ "$(id -u)" -ne 0 ] || ! "$th" supported; then
+  echo "SKIP: this machine cannot create network namespaces (needs root and CAP_SYS_ADMIN)"
+  exit 77
+fi
+
+name="kvh$$"
+out=$(mktemp -d)
+cleanup() {
+  "$th" down "$name"
+  rm -rf "$out"
+}
+trap cleanup EXIT
+fail() {
+  echo "FAIL: $*"
+  for f in "$out"/*.log; do
+    [ -f "$f" ] && { echo "---- $f"; tail -20 "$f"; }
+  done
+  exit 1
+}
+
+"$th" up "$name" 3
+p_addr=$("$th" addr 1)
+d_addr=$("$th" addr 2)
+
+# Isolation: the hosts' addresses exist only inside their namespaces (this machine's own
+# interfaces carry none of them), and host 1 reaches host 2 over the bridge.
+if [[ "$(ip -o addr show)" == *"inet ${p_addr%.*}."* ]]; then
+  fail "this machine has an address of the test hosts' range"
+fi
+[[ "$("$th" exec "$name" 1 ip -o addr show eth0)" == *"inet $p_addr/"* ]] ||
+  fail "host 1 has no $p_addr"
+reached=0
+for _ in $(seq 1 50); do  # the links take a moment to come up
+  answer=$("$th" exec "$name" 1 bash -c "exec 3<>/dev/tcp/$d_addr/9" 2>&1 || true)
+  if [[ "$answer" == *refused* ]]; then
+    reached=1
+    break
+  fi
+  sleep 0.1
+done
+[ "$reached" -eq 1 ] || fail "host 1 cannot reach host 2 (no RST from $d_addr)"
+
+lease='"kv_lease_duration":3'
+"$th" exec "$name" 1 "$bin" serve --role prefill --host "$p_addr" --port 8100 \
+  --num-blocks 1024 --ready-file "$out/p.json" --kv-transfer-config \
+  "{\"kv_role\":\"kv_producer\",\"kv_connector_extra_config\":{\"bootstrap_port\":8998,$lease}}" \
+  >"$out/p.log" 2>&1 &
+disown  # torn down by the trap, not waited for
+"$th" exec "$name" 2 "$bin" serve --role decode --host "$d_addr" --port 8200 \
+  --num-blocks 1024 --ready-file "$out/d.json" --kv-transfer-config \
+  "{\"kv_role\":\"kv_consumer\",\"kv_connector_extra_config\":{$lease}}" \
+  >"$out/d.log" 2>&1 &
+disown
+for _ in $(seq 1 150); do
+  [ -s "$out/p.json" ] && [ -s "$out/d.json" ] && break
+  sleep 0.1
+done
+[ -s "$out/p.json" ] && [ -s "$out/d.json" ] || fail "P or D did not start"
+engine=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["engine_id"])' "$out/p.json")
+
+"$th" exec "$name" 3 "$bin" proxy --port 8000 --prefill "http://$p_addr:8100" \
+  --prefill-bootstrap "$p_addr:8998" --prefill-engine-id "$engine" \
+  --decode "http://$d_addr:8200" >"$out/proxy.log" 2>&1 &
+disown
+for _ in $(seq 1 100); do
+  "$th" exec "$name" 3 bash -c 'exec 3<>/dev/tcp/127.0.0.1/8000' 2>/dev/null && break
+  sleep 0.1
+done
+
+load() {  # load REQUESTS MAX_TOKENS
+  "$th" exec "$name" 3 "$bin" load --url http://127.0.0.1:8000 --requests "$1" \
+    --prompt-tokens 256 --max-tokens "$2" --timeout 30 >>"$out/load.log" 2>&1
+}
+metric() {  # metric HOST ADDR PORT NAME: the value of NAME on that host's /metrics
+  "$th" exec "$name" "$1" bash -c "exec 3<>/dev/tcp/$2/$3; \
+    printf 'GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n' >&3; cat <&3" |
+    awk -v m="$4" '$1 == m { print $2 }'
+}
+
+load 32 8 || fail "requests across hosts failed"
+verified=$(metric 2 "$d_addr" 8200 kvferry_verified_blocks_total)
+corrupt=$(metric 2 "$d_addr" 8200 kvferry_corrupt_blocks_total)
+[ "${verified%.*}" -ge 512 ] || fail "D verified only ${verified:-no} blocks"
+[ "${corrupt%.*}" -eq 0 ] || fail "$corrupt corrupt blocks"
+echo "across hosts: 32/32 requests, $verified blocks verified on D, 0 corrupt"
+
+# D cut off for 1 s (a third of the lease) while its requests decode (500 tokens at 2 ms a step:
+# ~1 s each) and renew: nothing fails.
+load 32 500 &
+load_pid=$!
+sleep 0.3
+"$th" partition "$name" 2
+sleep 1
+"$th" heal "$name" 2
+wait "$load_pid" || fail "a partition shorter than the lease failed requests"
+echo "a 1 s partition of D under load (lease 3 s): 32/32 requests"
+
+used_p=$(metric 1 "$p_addr" 8100 kvferry_kv_blocks_used)
+for _ in $(seq 1 50); do
+  [ "${used_p%.*}" -eq 0 ] && break
+  sleep 0.1
+  used_p=$(metric 1 "$p_addr" 8100 kvferry_kv_blocks_used)
+done
+[ "${used_p%.*}" -eq 0 ] || fail "P still uses $used_p blocks"
+echo "PASS"
