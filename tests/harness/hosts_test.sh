@@ -2,8 +2,10 @@
 # Real processes on three test hosts (scripts/testhosts.sh): P on host 1, D on host 2, the proxy
 # and the load on host 3, the KV moving between hosts over UCX tcp on the veth links. Checks the
 # hosts are isolated from this machine, that requests succeed across hosts with every block
-# verified, that a partition of D shorter than the lease costs nothing, and that every process
-# and namespace is gone at the end (also when a check fails: the trap tears down).
+# verified, that a partition of D shorter than the lease costs nothing, that one longer than the
+# lease makes P free D's KV within lease + one pass and D's late pulls fail at once (nothing
+# corrupt once the link heals), and that every process and namespace is gone at the end (also
+# when a check fails: the trap tears down).
 # Usage: hosts_test.sh KVFERRY_BINARY REPO_ROOT. Exit 77 (skipped) without network namespaces.
 set -euo pipefail
 
@@ -52,13 +54,19 @@ done
 [ "$reached" -eq 1 ] || fail "host 1 cannot reach host 2 (no RST from $d_addr)"
 
 lease='"kv_lease_duration":3'
+# UCX's own keepalive (1 s by default in kvferry) declares a P->D endpoint dead during a
+# partition of a second or more, and a write that fails that way cannot be fenced from D's side,
+# so its request stays quarantined until pull_timeout: recovery from that is open work (issue
+# 12, docs/operations.md known limits). This test checks the protocol's own behaviour across
+# partitions, so UCX's keepalive is set above the longest partition here.
+export UCX_KEEPALIVE_INTERVAL=30s
 "$th" exec "$name" 1 "$bin" serve --role prefill --host "$p_addr" --port 8100 \
   --num-blocks 1024 --ready-file "$out/p.json" --kv-transfer-config \
   "{\"kv_role\":\"kv_producer\",\"kv_connector_extra_config\":{\"bootstrap_port\":8998,$lease}}" \
   >"$out/p.log" 2>&1 &
 disown  # torn down by the trap, not waited for
 "$th" exec "$name" 2 "$bin" serve --role decode --host "$d_addr" --port 8200 \
-  --num-blocks 1024 --ready-file "$out/d.json" --kv-transfer-config \
+  --num-blocks 1024 --max-running 4 --ready-file "$out/d.json" --kv-transfer-config \
   "{\"kv_role\":\"kv_consumer\",\"kv_connector_extra_config\":{$lease}}" \
   >"$out/d.log" 2>&1 &
 disown
@@ -97,14 +105,68 @@ echo "across hosts: 32/32 requests, $verified blocks verified on D, 0 corrupt"
 
 # D cut off for 1 s (a third of the lease) while its requests decode (500 tokens at 2 ms a step:
 # ~1 s each) and renew: nothing fails.
-load 32 500 &
+load 8 500 &
 load_pid=$!
 sleep 0.3
 "$th" partition "$name" 2
 sleep 1
 "$th" heal "$name" 2
 wait "$load_pid" || fail "a partition shorter than the lease failed requests"
-echo "a 1 s partition of D under load (lease 3 s): 32/32 requests"
+echo "a 1 s partition of D under load (lease 3 s): 8/8 requests"
+
+# D cut off for 6 s (twice the lease) while 8 requests queue on it (its 4 running slots busy)
+# with their KV held on P: P frees it within lease + one pass of D's last renewal, and once the
+# link heals D's pulls of it fail at once (TOMBSTONED), nothing corrupt. The 4 running requests
+# already have their KV: they finish once the link is back.
+load 4 1500 &
+running_pid=$!
+running=0
+for _ in $(seq 1 50); do
+  running=$(metric 2 "$d_addr" 8200 kvferry_requests_running)
+  [ "${running%.*}" -ge 4 ] && break
+  sleep 0.1
+done
+[ "${running%.*}" -ge 4 ] || fail "D runs only ${running:-no} requests"
+load 8 1000 &
+load_pid=$!
+held=0
+for _ in $(seq 1 50); do  # wait until P holds KV for the queued requests
+  held=$(metric 1 "$p_addr" 8100 'kvferry_held_blocks{state="ready"}')
+  [ "${held%.*}" -ge 64 ] && break
+  sleep 0.1
+done
+[ "${held%.*}" -ge 64 ] || fail "P held only ${held:-no} blocks for the queued requests"
+"$th" partition "$name" 2
+cut=$(date +%s.%N)
+freed=""
+for _ in $(seq 1 70); do
+  held=$(metric 1 "$p_addr" 8100 'kvferry_held_blocks{state="ready"}')
+  if [ "${held%.*}" -eq 0 ]; then
+    freed=$(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.2f}')" \
+      "$cut" "$(date +%s.%N)")
+    break
+  fi
+  sleep 0.1
+done
+sleep 1
+"$th" heal "$name" 2
+[ -n "$freed" ] || fail "P still held D's KV 7 s into a partition (lease 3 s)"
+# Renewals stop at the cut (at most lease/6 earlier): freed by lease + a pass + slack.
+python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) <= 5.0 else 1)" "$freed" ||
+  fail "P freed D's KV only ${freed} s into the partition (lease 3 s)"
+wait "$load_pid" && fail "no request failed although P freed their KV"
+wait "$running_pid" || fail "requests that had their KV failed across the partition"
+grep -qi "tombstoned\|late pull" "$out/load.log" || fail "the failures do not say TOMBSTONED"
+corrupt=$(metric 2 "$d_addr" 8200 kvferry_corrupt_blocks_total)
+[ "${corrupt%.*}" -eq 0 ] || fail "$corrupt corrupt blocks after the partition"
+used_d=$(metric 2 "$d_addr" 8200 kvferry_kv_blocks_used)
+for _ in $(seq 1 50); do
+  [ "${used_d%.*}" -eq 0 ] && break
+  sleep 0.1
+  used_d=$(metric 2 "$d_addr" 8200 kvferry_kv_blocks_used)
+done
+[ "${used_d%.*}" -eq 0 ] || fail "D still uses $used_d blocks"
+echo "a 6 s partition of D (lease 3 s): P freed its KV ${freed} s in; late pulls TOMBSTONED; 0 corrupt"
 
 used_p=$(metric 1 "$p_addr" 8100 kvferry_kv_blocks_used)
 for _ in $(seq 1 50); do
