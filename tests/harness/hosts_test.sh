@@ -95,6 +95,21 @@ metric() {  # metric HOST ADDR PORT NAME: the value of NAME on that host's /metr
     printf 'GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n' >&3; cat <&3" |
     awk -v m="$4" '$1 == m { print $2 }'
 }
+# wait_metric HOST ADDR PORT NAME OP VALUE: polls for 5 s until NAME's value OP VALUE (a test
+# operator: -eq, -ge). Prints the last value; fails if the condition never held.
+wait_metric() {
+  local v=""
+  for _ in $(seq 1 50); do
+    v=$(metric "$1" "$2" "$3" "$4")
+    if [ -n "$v" ] && [ "${v%.*}" "$5" "$6" ]; then
+      echo "$v"
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "${v:-none}"
+  return 1
+}
 
 load 32 8 || fail "requests across hosts failed"
 verified=$(metric 2 "$d_addr" 8200 kvferry_verified_blocks_total)
@@ -120,22 +135,12 @@ echo "a 1 s partition of D under load (lease 3 s): 8/8 requests"
 # already have their KV: they finish once the link is back.
 load 4 1500 &
 running_pid=$!
-running=0
-for _ in $(seq 1 50); do
-  running=$(metric 2 "$d_addr" 8200 kvferry_requests_running)
-  [ "${running%.*}" -ge 4 ] && break
-  sleep 0.1
-done
-[ "${running%.*}" -ge 4 ] || fail "D runs only ${running:-no} requests"
+running=$(wait_metric 2 "$d_addr" 8200 kvferry_requests_running -ge 4) ||
+  fail "D runs only $running requests"
 load 8 1000 &
 load_pid=$!
-held=0
-for _ in $(seq 1 50); do  # wait until P holds KV for the queued requests
-  held=$(metric 1 "$p_addr" 8100 'kvferry_held_blocks{state="ready"}')
-  [ "${held%.*}" -ge 64 ] && break
-  sleep 0.1
-done
-[ "${held%.*}" -ge 64 ] || fail "P held only ${held:-no} blocks for the queued requests"
+held=$(wait_metric 1 "$p_addr" 8100 'kvferry_held_blocks{state="ready"}' -ge 64) ||
+  fail "P held only $held blocks for the queued requests"
 "$th" partition "$name" 2
 cut=$(date +%s.%N)
 freed=""
@@ -159,20 +164,10 @@ wait "$running_pid" || fail "requests that had their KV failed across the partit
 grep -qi "tombstoned\|late pull" "$out/load.log" || fail "the failures do not say TOMBSTONED"
 corrupt=$(metric 2 "$d_addr" 8200 kvferry_corrupt_blocks_total)
 [ "${corrupt%.*}" -eq 0 ] || fail "$corrupt corrupt blocks after the partition"
-used_d=$(metric 2 "$d_addr" 8200 kvferry_kv_blocks_used)
-for _ in $(seq 1 50); do
-  [ "${used_d%.*}" -eq 0 ] && break
-  sleep 0.1
-  used_d=$(metric 2 "$d_addr" 8200 kvferry_kv_blocks_used)
-done
-[ "${used_d%.*}" -eq 0 ] || fail "D still uses $used_d blocks"
+used_d=$(wait_metric 2 "$d_addr" 8200 kvferry_kv_blocks_used -eq 0) ||
+  fail "D still uses $used_d blocks"
 echo "a 6 s partition of D (lease 3 s): P freed its KV ${freed} s in; late pulls TOMBSTONED; 0 corrupt"
 
-used_p=$(metric 1 "$p_addr" 8100 kvferry_kv_blocks_used)
-for _ in $(seq 1 50); do
-  [ "${used_p%.*}" -eq 0 ] && break
-  sleep 0.1
-  used_p=$(metric 1 "$p_addr" 8100 kvferry_kv_blocks_used)
-done
-[ "${used_p%.*}" -eq 0 ] || fail "P still uses $used_p blocks"
+used_p=$(wait_metric 1 "$p_addr" 8100 kvferry_kv_blocks_used -eq 0) ||
+  fail "P still uses $used_p blocks"
 echo "PASS"
