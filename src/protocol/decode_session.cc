@@ -96,13 +96,10 @@ void DecodeSession::OnNewRequest(const core::RequestId& request, const RemoteSou
                                  TimePoint now) {
   (void)now;
   Engine(source.engine_id, source.bootstrap_address);
-  auto [it, inserted] =
-      tracked_.try_emplace(request, Tracked{source.transfer_id, source.engine_id, false});
-  if (inserted) by_transfer_.emplace(source.transfer_id, request);
-  if (options_.lease.count() > 0 && !it->second.renewed) {
-    renewals_.Track(it->second.transfer, it->second.engine);
-    it->second.renewed = true;
+  if (tracked_.try_emplace(request, Tracked{source.transfer_id, source.engine_id}).second) {
+    by_transfer_.emplace(source.transfer_id, request);
   }
+  renewals_.Track(source.transfer_id, source.engine_id);  // idempotent; nothing without a lease
 }
 
 void DecodeSession::RequestFinished(const core::RequestId& request, TimePoint now) {
@@ -117,10 +114,7 @@ void DecodeSession::ReleaseTransfer(const RemoteSource& source, TimePoint now) {
       by_transfer_.count(source.transfer_id) != 0) {
     return;
   }
-  // Tracked under a name no engine request can have (engine ids never start with a NUL).
-  const core::RequestId name = std::string(1, '\0') + source.transfer_id;
-  OnNewRequest(name, source, now);
-  Untrack(name, /*release=*/true, now);
+  QueueRelease(source.engine_id, source.transfer_id, now);
 }
 
 void DecodeSession::Untrack(const core::RequestId& request, bool release, TimePoint now) {
@@ -136,17 +130,20 @@ void DecodeSession::Untrack(const core::RequestId& request, bool release, TimePo
   }
   // Another request still names this transfer (a router sent it twice): it is still wanted.
   if (by_transfer_.count(t.transfer) != 0) return;
-  // The last request of the transfer: whichever of them registered it with the scheduler, it
-  // goes now (Untrack of a transfer never tracked is a no-op).
-  renewals_.Untrack(t.transfer);
-  if (!release || !options_.send_releases) return;
-  EngineState& state = Engine(t.engine, "");
+  renewals_.Untrack(t.transfer);  // the transfer's last request (a no-op if never renewed)
+  if (release) QueueRelease(t.engine, t.transfer, now);
+}
+
+void DecodeSession::QueueRelease(const core::EngineId& engine, const core::TransferId& transfer,
+                                 TimePoint now) {
+  if (!options_.send_releases) return;
+  EngineState& state = Engine(engine, "");
   if (state.releases_unsupported ||
       (state.view && (state.view->features & wire::kFeatureRelease) == 0)) {
     ++counters_.releases_dropped;  // an older P: its lease (or timeout) frees it
     return;
   }
-  state.pending_releases.push_back(core::FingerprintOf(t.transfer));
+  state.pending_releases.push_back(core::FingerprintOf(transfer));
   if (options_.release_delay.count() == 0) {
     FlushReleases(now);
   } else {
@@ -182,7 +179,7 @@ Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSour
     }
   }
   loading_.insert(request);
-  if (tracked_.try_emplace(request, Tracked{source.transfer_id, source.engine_id, false}).second) {
+  if (tracked_.try_emplace(request, Tracked{source.transfer_id, source.engine_id}).second) {
     by_transfer_.emplace(source.transfer_id, request);  // to release it if the receive fails
   }
   Load load{request, source, std::move(blocks)};

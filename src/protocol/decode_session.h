@@ -321,7 +321,6 @@ class DecodeSession {
   struct Tracked {
     core::TransferId transfer;
     core::EngineId engine;
-    bool renewed = false;  // registered with the RenewalScheduler
   };
   // A ledger peer: one epoch of one P rank of one incarnation, reached through one endpoint.
   struct PeerKey {
@@ -344,8 +343,13 @@ class DecodeSession {
   void ForgetPull(EndpointId endpoint, std::map<std::uint64_t, PullOp>::iterator op);
   void SendRenewals(const core::EngineId& engine, const PeerEngine& view,
                     std::span<const core::Fingerprint> ids, core::TimePoint now);
-  // Stops tracking `request`; queues a release unless its receive succeeded.
+  // Stops tracking `request` and, once no tracked request names its transfer, renewing it;
+  // with `release`, queues a release of the transfer.
   void Untrack(const core::RequestId& request, bool release, core::TimePoint now);
+  // Batches a release of `transfer` to `engine` (unless releases are off or the engine cannot
+  // read them).
+  void QueueRelease(const core::EngineId& engine, const core::TransferId& transfer,
+                    core::TimePoint now);
   void FlushReleases(core::TimePoint now);
   void SendReleases(const core::EngineId& engine, const PeerEngine& view,
                     std::span<const core::Fingerprint> ids, core::TimePoint now);

@@ -142,6 +142,15 @@ TEST(ClientHttp, PrometheusSumsSeriesAndPercentiles) {
   EXPECT_EQ(RandomUuid().size(), 36u);
 }
 
+// A proxy in front of one fake P and one fake D.
+ProxyOptions PairOptions(const FakeServer& p, const FakeServer& d) {
+  ProxyOptions o;
+  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
+  o.decodes = {d.url()};
+  return o;
+}
+std::string UrlOf(const Proxy& proxy) { return "http://127.0.0.1:" + std::to_string(proxy.port()); }
+
 TEST(Proxy, SendsPrefillAndDecodeCopiesAndStreamsDecode) {
   FakeServer p, d;
   ProxyOptions o;
@@ -185,12 +194,9 @@ TEST(Proxy, SendsPrefillAndDecodeCopiesAndStreamsDecode) {
 TEST(Proxy, SendsDecodeAtOnceEvenWhilePrefillIsSlow) {
   FakeServer p, d;
   p.delay_s = [](const json&, int) { return 1.5; };
-  ProxyOptions o;
-  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
-  o.decodes = {d.url()};
-  Proxy proxy(o);
+  Proxy proxy(PairOptions(p, d));
   ASSERT_TRUE(proxy.Start(nullptr));
-  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  const std::string url = UrlOf(proxy);
   const CompletionOutcome r =
       PostCompletion({url, CompletionBody({1}, 2, true, true), true, 10, nullptr});
   ASSERT_TRUE(r.ok) << r.error;
@@ -238,9 +244,7 @@ TEST(Proxy, ForwardsDecodeErrorsAndRoundRobins) {
 // it), and "stream": "yes" got an empty 500.
 TEST(Proxy, HostileBodiesAreRefusedAndTheProxyKeepsServing) {
   FakeServer p, d;
-  ProxyOptions o;
-  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
-  o.decodes = {d.url()};
+  ProxyOptions o = PairOptions(p, d);
   o.max_body_bytes = 1 << 20;
   Proxy proxy(o);
   ASSERT_TRUE(proxy.Start(nullptr));
@@ -298,12 +302,9 @@ TEST(Proxy, PrefillFailureEndsTheRequestAtOnce) {
   FakeServer p, d;
   p.fail_status = [](const json&) { return 503; };
   d.delay_s = [](const json&, int) { return 3.0; };
-  ProxyOptions o;
-  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
-  o.decodes = {d.url()};
-  Proxy proxy(o);
+  Proxy proxy(PairOptions(p, d));
   ASSERT_TRUE(proxy.Start(nullptr));
-  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  const std::string url = UrlOf(proxy);
   const auto start = std::chrono::steady_clock::now();
   const auto r = PostCompletion({url, CompletionBody({1}, 2, false, true), false, 10, nullptr});
   const double took =
@@ -321,12 +322,9 @@ TEST(Proxy, PrefillFailureEndsAStreamDecodeHasBegun) {
   FakeServer p, d;
   p.fail_status = [](const json&) { return 503; };
   d.stream_delay_s = 3;
-  ProxyOptions o;
-  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
-  o.decodes = {d.url()};
-  Proxy proxy(o);
+  Proxy proxy(PairOptions(p, d));
   ASSERT_TRUE(proxy.Start(nullptr));
-  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  const std::string url = UrlOf(proxy);
   const auto start = std::chrono::steady_clock::now();
   const auto r = PostCompletion({url, CompletionBody({1}, 2, true, true), true, 10, nullptr});
   const double took =
@@ -344,12 +342,9 @@ TEST(Proxy, DecodeRefusalCancelsThePrefillCopy) {
   FakeServer p, d;
   d.fail_status = [](const json&) { return 400; };
   p.delay_s = [](const json&, int) { return 3.0; };
-  ProxyOptions o;
-  o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
-  o.decodes = {d.url()};
-  Proxy proxy(o);
+  Proxy proxy(PairOptions(p, d));
   ASSERT_TRUE(proxy.Start(nullptr));
-  const std::string url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  const std::string url = UrlOf(proxy);
   const auto r = PostCompletion({url, CompletionBody({1}, 2, false, true), false, 10, nullptr});
   EXPECT_FALSE(r.ok);
   EXPECT_EQ(r.http_status, 400);
