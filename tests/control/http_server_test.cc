@@ -1,0 +1,416 @@
+// HttpServer (control/http_server.h): routes, limits, blocking and streamed answers, and the
+// attacks it exists for — thousands of idle or half-sent connections, oversized and malformed
+// requests — against a real server on 127.0.0.1.
+#include "control/http_server.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace kvferry::control {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A raw client socket, for requests no well-behaved client library would send.
+class RawSocket {
+ public:
+  explicit RawSocket(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      ::close(fd_);
+      fd_ = -1;
+    }
+  }
+  ~RawSocket() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  RawSocket(RawSocket&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  RawSocket(const RawSocket&) = delete;
+  RawSocket& operator=(const RawSocket&) = delete;
+
+  bool ok() const { return fd_ >= 0; }
+  bool Send(std::string_view bytes) {
+    return ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL) ==
+           static_cast<ssize_t>(bytes.size());
+  }
+  // Everything until the peer closes or `timeout` passes.
+  std::string ReadAll(std::chrono::milliseconds timeout) {
+    std::string out;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return out;
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return out;
+      char buf[4096];
+      const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+      if (n <= 0) return out;
+      out.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+  // True once the peer has closed the connection (within `timeout`).
+  bool ClosedWithin(std::chrono::milliseconds timeout) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return false;
+    char buf[256];
+    while (true) {
+      const ssize_t n = ::recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n == 0) return true;
+      if (n < 0) return errno != EAGAIN;
+    }
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+int StatusOf(const std::string& raw) {
+  int code = 0;
+  if (std::sscanf(raw.c_str(), "HTTP/1.%*d %d", &code) != 1) return 0;
+  return code;
+}
+
+HttpServerOptions TestOptions() {
+  HttpServerOptions o;
+  o.name = "test";
+  o.max_body_bytes = 1024;
+  o.handler_threads = 4;
+  o.max_queued = 4;
+  o.drain_timeout = 500ms;
+  return o;
+}
+
+class HttpServerTest : public ::testing::Test {
+ protected:
+  void StartServer(HttpServerOptions options = TestOptions()) {
+    server_ = std::make_unique<HttpServer>(std::move(options));
+    server_->Route("GET", "/health", InlineHandler([](const HttpRequest&) {
+                     HttpResponse r;
+                     r.body = "{\"status\":\"ok\"}";
+                     return r;
+                   }));
+    server_->Route("POST", "/echo", BlockingHandler([](const HttpRequest& req, HttpExchange& ex) {
+                     HttpResponse r;
+                     r.body = req.body;
+                     r.content_type = "text/plain";
+                     const std::string* who = req.Param("who");
+                     r.headers.emplace_back("X-Who", who != nullptr ? *who : "-");
+                     ex.Reply(std::move(r));
+                   }));
+    server_->Route("GET", "/stream", BlockingHandler([](const HttpRequest&, HttpExchange& ex) {
+                     HttpResponse head;
+                     head.content_type = "text/event-stream";
+                     ASSERT_TRUE(ex.BeginStream(head));
+                     for (int i = 0; i < 5; ++i) {
+                       if (!ex.Write("data: " + std::to_string(i) + "\n\n")) return;
+                       std::this_thread::sleep_for(5ms);
+                     }
+                     ex.EndStream();
+                   }));
+    server_->Route("GET", "/silent", BlockingHandler([](const HttpRequest&, HttpExchange&) {}));
+    server_->Route("GET", "/block", BlockingHandler([this](const HttpRequest&, HttpExchange& ex) {
+                     ++blocked_;
+                     while (!release_ && !ex.client_gone()) std::this_thread::sleep_for(2ms);
+                     HttpResponse r;
+                     r.body = "{}";
+                     ex.Reply(r);
+                   }));
+    auto port = server_->Start("127.0.0.1", 0);
+    ASSERT_TRUE(port.has_value()) << port.error().ToString();
+    port_ = *port;
+  }
+
+  void TearDown() override {
+    release_ = true;
+    if (server_) server_->Stop();
+  }
+
+  // One GET /health on a fresh connection; its latency, or a negative duration on failure.
+  std::chrono::microseconds TimedHealth() {
+    const auto start = std::chrono::steady_clock::now();
+    httplib::Client cli("127.0.0.1", port_);
+    cli.set_connection_timeout(5);
+    cli.set_read_timeout(5);
+    auto res = cli.Get("/health");
+    if (!res || res->status != 200) return std::chrono::microseconds(-1);
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
+                                                                 start);
+  }
+
+  std::unique_ptr<HttpServer> server_;
+  int port_ = 0;
+  std::atomic<bool> release_{false};
+  std::atomic<int> blocked_{0};
+};
+
+TEST_F(HttpServerTest, InlineAndBlockingRoutesAnswerWithTheirHeadersAndParams) {
+  StartServer();
+  httplib::Client cli("127.0.0.1", port_);
+  auto health = cli.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(health->body, "{\"status\":\"ok\"}");
+  EXPECT_EQ(health->get_header_value("Content-Type"), "application/json");
+
+  auto echo = cli.Post("/echo?who=d%201", "hello", "text/plain");
+  ASSERT_TRUE(echo);
+  EXPECT_EQ(echo->status, 200);
+  EXPECT_EQ(echo->body, "hello");
+  EXPECT_EQ(echo->get_header_value("X-Who"), "d 1");
+}
+
+TEST_F(HttpServerTest, UnknownPathsAndMethodsGetAReasonInTheErrorShape) {
+  StartServer();
+  httplib::Client cli("127.0.0.1", port_);
+  auto missing = cli.Get("/nope");
+  ASSERT_TRUE(missing);
+  EXPECT_EQ(missing->status, 404);
+  EXPECT_NE(missing->body.find("no endpoint GET /nope"), std::string::npos) << missing->body;
+  auto wrong = cli.Post("/health", "x", "text/plain");
+  ASSERT_TRUE(wrong);
+  EXPECT_EQ(wrong->status, 405);
+}
+
+TEST_F(HttpServerTest, AStreamArrivesChunkByChunkAndEnds) {
+  StartServer();
+  httplib::Client cli("127.0.0.1", port_);
+  std::string body;
+  auto res = cli.Get("/stream", [&](const char* data, std::size_t n) {
+    body.append(data, n);
+    return true;
+  });
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(body, "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n");
+}
+
+TEST_F(HttpServerTest, AHandlerThatDoesNotAnswerGetsA500AndIsCounted) {
+  StartServer();
+  httplib::Client cli("127.0.0.1", port_);
+  auto res = cli.Get("/silent");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 500);
+  EXPECT_EQ(server_->stats().handler_errors, 1u);
+}
+
+TEST_F(HttpServerTest, OversizedChunkedAndMalformedBodiesAreRefusedBeforeBeingRead) {
+  StartServer();
+  {
+    RawSocket s(port_);
+    ASSERT_TRUE(s.Send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n"));
+    const std::string raw = s.ReadAll(2000ms);
+    EXPECT_EQ(StatusOf(raw), 413) << raw;
+    EXPECT_NE(raw.find("over the limit of 1024 bytes"), std::string::npos) << raw;
+  }
+  {
+    RawSocket s(port_);
+    ASSERT_TRUE(s.Send("POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       "5\r\nhello\r\n"));
+    EXPECT_EQ(StatusOf(s.ReadAll(2000ms)), 411);
+  }
+  {
+    RawSocket s(port_);
+    ASSERT_TRUE(s.Send("POST /echo HTTP/1.1\r\nHost: x\r\n\r\n"));
+    EXPECT_EQ(StatusOf(s.ReadAll(2000ms)), 411);
+  }
+  {
+    RawSocket s(port_);
+    ASSERT_TRUE(s.Send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"));
+    EXPECT_EQ(StatusOf(s.ReadAll(2000ms)), 400);
+  }
+  {
+    RawSocket s(port_);
+    ASSERT_TRUE(s.Send("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(40000, 'a') +
+                       "\r\n\r\n"));
+    EXPECT_EQ(StatusOf(s.ReadAll(2000ms)), 431);
+  }
+  EXPECT_GT(TimedHealth().count(), 0);
+  EXPECT_EQ(server_->stats().refused_limits, 3u);  // 413, 411, 411 (400 and 431: the library)
+}
+
+TEST_F(HttpServerTest, RequestsBeyondTheHandlerThreadsAndQueueGetA503AtOnce) {
+  HttpServerOptions options = TestOptions();
+  options.handler_threads = 1;
+  options.max_queued = 0;
+  StartServer(options);
+  auto blocked = std::async(std::launch::async, [this] {
+    httplib::Client cli("127.0.0.1", port_);
+    return cli.Get("/block");
+  });
+  while (blocked_ == 0) std::this_thread::sleep_for(1ms);
+  httplib::Client cli("127.0.0.1", port_);
+  auto refused = cli.Get("/block");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 503);
+  EXPECT_NE(refused->body.find("server busy"), std::string::npos);
+  EXPECT_GT(TimedHealth().count(), 0);  // inline routes never wait for handler threads
+  release_ = true;
+  auto first = blocked.get();
+  ASSERT_TRUE(first);
+  EXPECT_EQ(first->status, 200);
+  EXPECT_EQ(server_->stats().refused_busy, 1u);
+}
+
+TEST_F(HttpServerTest, AnIdleOrHalfSentConnectionIsClosedAfterTheIdleTimeout) {
+  HttpServerOptions options = TestOptions();
+  options.idle_timeout = 1s;
+  StartServer(options);
+  RawSocket idle(port_);
+  RawSocket half(port_);
+  ASSERT_TRUE(half.Send("GET /health HTTP/1.1\r\nHost:"));
+  EXPECT_TRUE(idle.ClosedWithin(4000ms));
+  EXPECT_TRUE(half.ClosedWithin(4000ms));
+}
+
+TEST_F(HttpServerTest, StopAnswersAHandlerThatOutlivesTheDrainTimeoutWith503) {
+  StartServer();
+  auto blocked = std::async(std::launch::async, [this] {
+    httplib::Client cli("127.0.0.1", port_);
+    cli.set_read_timeout(10);
+    return cli.Get("/block");
+  });
+  while (blocked_ == 0) std::this_thread::sleep_for(1ms);
+  const auto start = std::chrono::steady_clock::now();
+  server_->Stop();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  auto res = blocked.get();
+  // Either the 503 reached the client before the socket closed, or the connection was cut.
+  if (res) {
+    EXPECT_EQ(res->status, 503);
+  }
+}
+
+// A server in a child process (10,000 client sockets and 10,000 server sockets do not fit in one
+// process's descriptor limit). Serves /health and /stats ({"connections_open": N}) until the
+// parent closes the pipe.
+class ForkedServer {
+ public:
+  ForkedServer() {
+    int to_child[2];
+    int from_child[2];
+    if (::pipe(to_child) != 0 || ::pipe(from_child) != 0) return;
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::close(to_child[1]);
+      ::close(from_child[0]);
+      RaiseOpenFileLimit();
+      HttpServerOptions options = TestOptions();
+      HttpServer server(options);
+      server.Route("GET", "/health", InlineHandler([](const HttpRequest&) {
+                     HttpResponse r;
+                     r.body = "{\"status\":\"ok\"}";
+                     return r;
+                   }));
+      server.Route("GET", "/stats", InlineHandler([&server](const HttpRequest&) {
+                     HttpResponse r;
+                     r.body = std::to_string(server.stats().connections_open);
+                     return r;
+                   }));
+      auto port = server.Start("127.0.0.1", 0);
+      const int value = port ? *port : -1;
+      if (::write(from_child[1], &value, sizeof(value)) != sizeof(value)) ::_exit(1);
+      char byte;
+      while (::read(to_child[0], &byte, 1) > 0) {
+      }
+      server.Stop();
+      ::_exit(0);
+    }
+    ::close(to_child[0]);
+    ::close(from_child[1]);
+    control_ = to_child[1];
+    if (::read(from_child[0], &port_, sizeof(port_)) != sizeof(port_)) port_ = -1;
+    ::close(from_child[0]);
+  }
+  ~ForkedServer() {
+    if (control_ >= 0) ::close(control_);
+    if (pid_ > 0) ::waitpid(pid_, nullptr, 0);
+  }
+  int port() const { return port_; }
+
+ private:
+  pid_t pid_ = -1;
+  int control_ = -1;
+  int port_ = -1;
+};
+
+std::chrono::microseconds TimedGet(int port, const char* path, std::string* body = nullptr) {
+  const auto start = std::chrono::steady_clock::now();
+  httplib::Client cli("127.0.0.1", port);
+  cli.set_connection_timeout(5);
+  cli.set_read_timeout(5);
+  auto res = cli.Get(path);
+  if (!res || res->status != 200) return std::chrono::microseconds(-1);
+  if (body != nullptr) *body = res->body;
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
+                                                               start);
+}
+
+// The attack the server exists for (issue 11): with cpp-httplib, 600 idle connections froze
+// `kvferry serve` for 30 s. Here 10,000 connections — half idle, half stuck mid-header — are held
+// open while fresh /health requests keep being answered. The latency bound asserted is loose
+// (this is not a timing test: 2 s would only be exceeded by a server blocked on those
+// connections); the measured worst case is printed, and docs/performance.md records it.
+TEST(HttpServerAttack, TenThousandIdleAndHalfSentConnectionsDoNotStopHealth) {
+  const std::uint64_t fd_limit = RaiseOpenFileLimit();
+  constexpr int kConnections = 10000;
+  if (fd_limit < kConnections + 512) {
+    GTEST_SKIP() << "RLIMIT_NOFILE is " << fd_limit << ": too low to hold " << kConnections
+                 << " client sockets";
+  }
+  ForkedServer server;
+  ASSERT_GT(server.port(), 0);
+  std::vector<RawSocket> sockets;
+  sockets.reserve(kConnections);
+  std::chrono::microseconds worst{0};
+  for (int i = 0; i < kConnections; ++i) {
+    RawSocket s(server.port());
+    ASSERT_TRUE(s.ok()) << "connection " << i;
+    if (i % 2 == 1) {
+      ASSERT_TRUE(s.Send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Le"));
+    }
+    sockets.push_back(std::move(s));
+    if (i % 1000 == 999) {
+      const auto latency = TimedGet(server.port(), "/health");
+      ASSERT_GT(latency.count(), 0) << "health failed with " << i + 1 << " connections open";
+      worst = std::max(worst, latency);
+    }
+  }
+  // Every connection is held (none refused at the limit), and health still answers.
+  std::string open;
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (TimedGet(server.port(), "/stats", &open).count() > 0 && std::stoull(open) < kConnections &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_GE(std::stoull(open), static_cast<std::uint64_t>(kConnections));
+  for (int i = 0; i < 20; ++i) {
+    const auto latency = TimedGet(server.port(), "/health");
+    ASSERT_GT(latency.count(), 0);
+    worst = std::max(worst, latency);
+  }
+  std::printf("[ measured ] /health worst latency with %d connections open: %.2f ms\n",
+              kConnections, static_cast<double>(worst.count()) / 1000.0);
+  EXPECT_LT(worst, std::chrono::microseconds(2000000));
+}
+
+}  // namespace
+}  // namespace kvferry::control
