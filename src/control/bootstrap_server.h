@@ -8,9 +8,9 @@
 //   GET  /query              {"engines":[...]}       -> 200
 //   GET  /health             {"status":"ok"}         -> 200
 // Every 4xx/5xx answer is {"error": reason}. The registration rules are BootstrapRegistry's;
-// wire formats and limits are in docs/bootstrap.md.
-//
-// The HTTP library stays behind a pimpl: it is slow to compile and no includer needs it.
+// wire formats and limits are in docs/bootstrap.md. The HTTP side is control::HttpServer
+// (event-driven: idle or slow clients cannot stop lookups), every route answered inline from
+// memory; a body over kMaxBodyBytes gets 413 before it is read, a chunked one 411.
 #pragma once
 
 #include <functional>
@@ -45,9 +45,7 @@ class BootstrapServer {
   // serves the same registry again.
   [[nodiscard]] Result<int> Start(const std::string& host, int port);
 
-  // Stops accepting, lets in-flight requests finish and joins every server thread. Bounded:
-  // idle keep-alive connections are dropped within about a second and slow clients by the
-  // read timeout. Idempotent.
+  // Stops accepting, closes every connection and joins the server's thread. Idempotent.
   void Stop();
 
   bool running() const;

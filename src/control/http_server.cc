@@ -79,7 +79,11 @@ class Exchange final : public HttpExchange {
  public:
   Exchange(MHD_Connection* connection, std::size_t max_buffered,
            std::chrono::milliseconds write_timeout)
-      : connection_(connection), max_buffered_(max_buffered), write_timeout_(write_timeout) {}
+      : connection_(connection), max_buffered_(max_buffered), write_timeout_(write_timeout) {
+    if (const auto* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD)) {
+      fd_ = info->connect_fd;
+    }
+  }
 
   enum class Answer : std::uint8_t { kNone, kWhole, kStream };
 
@@ -113,7 +117,7 @@ class Exchange final : public HttpExchange {
         return false;
       }
     }
-    if (gone_ || closed_) return false;
+    if (gone_ || closed_ || PeerClosedLocked()) return false;
     pending_.append(bytes);
     ResumeLocked();
     return true;
@@ -126,9 +130,9 @@ class Exchange final : public HttpExchange {
     ResumeLocked();
   }
 
-  bool client_gone() const override {
+  bool client_gone() override {
     std::lock_guard<std::mutex> lock(mu_);
-    return gone_ || closed_;
+    return gone_ || closed_ || PeerClosedLocked();
   }
 
   void set_self(const std::shared_ptr<Exchange>& self) { self_ = self; }
@@ -198,6 +202,23 @@ class Exchange final : public HttpExchange {
   ssize_t Read(char* buf, std::size_t max);
 
  private:
+  // A suspended connection is not watched by the event loop, so a client that hung up is only
+  // seen at the second write after it left (the first one only draws a reset). Peek instead:
+  // EOF means the client closed (HTTP clients do not half-close while awaiting an answer). Safe
+  // while suspended: the library does not touch a suspended connection's socket, and only this
+  // exchange can resume it.
+  bool PeerClosedLocked() {
+    if (gone_ || !suspended_ || closed_ || fd_ < 0) return gone_;
+    char byte;
+    const ssize_t n = ::recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      gone_ = true;
+      // Resumed, the connection meets its end in the event loop (the stream ends in error).
+      ResumeLocked();
+    }
+    return gone_;
+  }
+
   void ResumeLocked() {
     cv_.notify_all();
     if (suspended_ && !closed_) {
@@ -221,6 +242,7 @@ class Exchange final : public HttpExchange {
   bool suspended_ = false;
   bool closed_ = false;
   bool gone_ = false;
+  int fd_ = -1;
   bool queued_ = false;
 };
 
@@ -637,15 +659,16 @@ Result<int> HttpServer::Start(const std::string& host, int port) {
   errno = 0;
   m.daemon = MHD_start_daemon(
       flags, static_cast<std::uint16_t>(port), nullptr, nullptr,
-      static_cast<MHD_AccessHandlerCallback>(on_access), &m, MHD_OPTION_SOCK_ADDR,
+      static_cast<MHD_AccessHandlerCallback>(on_access), &m,
+      // The logger first: the library logs to stderr until it is set.
+      MHD_OPTION_EXTERNAL_LOGGER, static_cast<MHD_LogCallback>(logger), &m, MHD_OPTION_SOCK_ADDR,
       reinterpret_cast<sockaddr*>(&addr), MHD_OPTION_CONNECTION_LIMIT,
       static_cast<unsigned int>(m.options.max_connections), MHD_OPTION_CONNECTION_TIMEOUT,
       static_cast<unsigned int>(std::max<std::int64_t>(1, m.options.idle_timeout.count())),
       MHD_OPTION_CONNECTION_MEMORY_LIMIT, memory, MHD_OPTION_LISTEN_BACKLOG_SIZE, 4096u,
       MHD_OPTION_NOTIFY_COMPLETED, static_cast<MHD_RequestCompletedCallback>(on_completed),
       &m, MHD_OPTION_NOTIFY_CONNECTION,
-      static_cast<MHD_NotifyConnectionCallback>(on_connection), &m,
-      MHD_OPTION_EXTERNAL_LOGGER, static_cast<MHD_LogCallback>(logger), &m, MHD_OPTION_END);
+      static_cast<MHD_NotifyConnectionCallback>(on_connection), &m, MHD_OPTION_END);
   if (m.daemon == nullptr) {
     const int err = errno;
     m.pool.reset();

@@ -80,9 +80,9 @@ class HttpExchange {
   [[nodiscard]] virtual bool Write(std::string_view bytes) = 0;
   // Ends a streamed response (idempotent).
   virtual void EndStream() = 0;
-  // The client closed the connection or the server is stopping. Only known while a streamed
-  // response is being written (a suspended connection is not watched by the event loop).
-  [[nodiscard]] virtual bool client_gone() const = 0;
+  // The client closed the connection, a write timed out or the server is stopping. While the
+  // handler works the event loop does not watch the connection; this call looks at the socket.
+  [[nodiscard]] virtual bool client_gone() = 0;
 };
 
 // Runs on the event thread; must not block.

@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "client_http.h"
-#include "control/http_limits.h"
+#include "control/http_server.h"
 #include "control/json_limits.h"
 
 namespace kvferry::harness {
@@ -33,6 +33,13 @@ json ErrorJson(const std::string& message, const std::string& type) {
 // Error bodies carry backend text that may not be valid UTF-8: never throw while answering.
 std::string ErrorBody(const std::string& message, const std::string& type) {
   return ErrorJson(message, type).dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+control::HttpResponse JsonAnswer(int status, std::string body) {
+  control::HttpResponse r;
+  r.status = status;
+  r.body = std::move(body);
+  return r;
 }
 
 // D's response travelling from the thread that reads it to the client's connection.
@@ -88,8 +95,7 @@ std::string BuildDecodeBody(const std::string& client_body, const std::string& t
 
 struct Proxy::Impl {
   ProxyOptions o;
-  httplib::Server svr;
-  std::thread listener;
+  std::unique_ptr<control::HttpServer> svr;
   int bound_port = 0;
   CancelGroup cancel;
   ConnectGate gate;
@@ -128,17 +134,14 @@ struct Proxy::Impl {
     return true;
   }
 
-  void Handle(const httplib::Request& req, httplib::Response& res) {
+  void Handle(const control::HttpRequest& req, control::HttpExchange& ex) {
     requests.fetch_add(1);
     if (o.prefills.empty() || o.decodes.empty()) {
-      res.status = 503;
-      res.set_content(ErrorBody("proxy has no prefill or decode instance", "proxy_error"),
-                      "application/json");
+      ex.Reply(JsonAnswer(503, ErrorBody("proxy has no prefill or decode instance", "proxy_error")));
       return;
     }
-    auto refuse = [&res](const std::string& why) {
-      res.status = 400;
-      res.set_content(ErrorBody(why, "invalid_request"), "application/json");
+    auto refuse = [&ex](const std::string& why) {
+      ex.Reply(JsonAnswer(400, ErrorBody(why, "invalid_request")));
     };
     // Bounded before parsing: the bodies are re-serialized for P and D, and serializing
     // recurses once per level (a 70,000-deep body used to crash the proxy).
@@ -167,8 +170,7 @@ struct Proxy::Impl {
       p_body = BuildPrefillBody(req.body, transfer_id);
       d_body = BuildDecodeBody(req.body, transfer_id, p);
     } catch (const std::exception& e) {
-      res.status = 400;
-      res.set_content(ErrorBody(e.what(), "invalid_request"), "application/json");
+      refuse(e.what());
       return;
     }
 
@@ -195,8 +197,7 @@ struct Proxy::Impl {
       pipe->cv.notify_all();
     });
     if (!spawned) {
-      res.status = 503;
-      res.set_content(ErrorBody("proxy is shutting down", "proxy_error"), "application/json");
+      ex.Reply(JsonAnswer(503, ErrorBody("proxy is shutting down", "proxy_error")));
       return;
     }
 
@@ -207,8 +208,7 @@ struct Proxy::Impl {
           in_flight.fetch_sub(1);
         })) {
       in_flight.fetch_sub(1);
-      res.status = 503;
-      res.set_content(ErrorBody("proxy is shutting down", "proxy_error"), "application/json");
+      ex.Reply(JsonAnswer(503, ErrorBody("proxy is shutting down", "proxy_error")));
       return;
     }
 
@@ -223,23 +223,19 @@ struct Proxy::Impl {
         // P refused or failed its half: D's copy can only fail later; answer now, drop it.
         twins_aborted.fetch_add(1);
         pipe->Abandon();
-        res.status = pipe->p_status >= 400 && pipe->p_status < 600 ? pipe->p_status : 502;
-        res.set_content(
-            ErrorBody("prefill " + p.url + " failed: " + pipe->p_error, "prefill_error"),
-            "application/json");
+        ex.Reply(JsonAnswer(pipe->p_status >= 400 && pipe->p_status < 600 ? pipe->p_status : 502,
+                            ErrorBody("prefill " + p.url + " failed: " + pipe->p_error,
+                                      "prefill_error")));
         return;
       }
       if (pipe->status == 0) {
         pipe->p_cancel.CancelAll();
         decode_failed.fetch_add(1);
-        res.status = 502;
         const std::string why = pipe->error.empty() ? "no answer from decode" : pipe->error;
-        res.set_content(ErrorBody("decode " + d_url + ": " + why, "proxy_error"),
-                        "application/json");
+        ex.Reply(JsonAnswer(502, ErrorBody("decode " + d_url + ": " + why, "proxy_error")));
         pipe->Abandon();
         return;
       }
-      res.status = pipe->status;
       if (pipe->status != 200) {
         // D refused or failed its half: P must not go on prefilling (or hold KV) for nobody.
         decode_failed.fetch_add(1);
@@ -249,73 +245,70 @@ struct Proxy::Impl {
       if (pipe->status != 200 || !stream) {
         // Not a stream: wait for the whole body.
         pipe->cv.wait_until(lock, deadline, [&] { return pipe->finished; });
-        std::string body;
-        for (auto& c : pipe->chunks) body += c;
+        control::HttpResponse answer;
+        answer.status = pipe->status;
+        for (auto& c : pipe->chunks) answer.body += c;
         if (!pipe->finished || !pipe->error.empty()) {
           if (pipe->status == 200) decode_failed.fetch_add(1);
-          res.status = 502;
-          body = ErrorBody(
+          answer.status = 502;
+          answer.body = ErrorBody(
               "decode " + d_url + ": " + (pipe->error.empty() ? "no complete answer" : pipe->error),
               "proxy_error");
           pipe->Abandon();
+        } else if (!pipe->content_type.empty()) {
+          answer.content_type = pipe->content_type;
         }
-        res.set_content(
-            body, pipe->content_type.empty() ? "application/json" : pipe->content_type.c_str());
+        ex.Reply(std::move(answer));
         return;
       }
     }
-    const std::string content_type = "text/event-stream";
-    res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider(
-        content_type,
-        [this, pipe, p_url = p.url](std::size_t, httplib::DataSink& sink) {
-          std::unique_lock<std::mutex> lock(pipe->mu);
-          pipe->cv.wait_for(lock, std::chrono::milliseconds(500), [&] {
-            return !pipe->chunks.empty() || pipe->finished || pipe->p_failed;
-          });
-          if (pipe->p_failed && !pipe->finished) {
-            // D answered 200 at once (it streams) but P refused or failed its half: D's stream
-            // can only end in an error later. End it now with P's reason and drop D's copy.
-            twins_aborted.fetch_add(1);
-            const std::string ev =
-                "data: " +
-                ErrorBody("prefill " + p_url + " failed: " + pipe->p_error, "prefill_error") +
-                "\n\ndata: [DONE]\n\n";
-            pipe->finished = true;
-            lock.unlock();
-            pipe->Abandon();
-            sink.write(ev.data(), ev.size());
-            sink.done();
-            return true;
-          }
-          while (!pipe->chunks.empty()) {
-            std::string c = std::move(pipe->chunks.front());
-            pipe->chunks.pop_front();
-            lock.unlock();
-            if (!sink.write(c.data(), c.size())) {
-              pipe->Abandon();
-              return false;
-            }
-            lock.lock();
-          }
-          if (pipe->finished) {
-            if (!pipe->error.empty()) {
-              decode_failed.fetch_add(1);
-              const std::string ev =
-                  "data: " + ErrorBody("decode stream broke: " + pipe->error, "proxy_error") +
-                  "\n\n";
-              lock.unlock();
-              sink.write(ev.data(), ev.size());
-            } else {
-              lock.unlock();
-            }
-            sink.done();
-            return true;
-          }
-          if (cancel.cancelled()) return false;
-          return true;
-        },
-        [pipe](bool) { pipe->Abandon(); });
+    Stream(*pipe, p.url, ex);
+    pipe->Abandon();  // D's copy is done or no longer wanted
+  }
+
+  // Relays D's stream to the client chunk by chunk, until D ends it, P's half fails, the client
+  // leaves or the proxy stops.
+  void Stream(Pipe& pipe, const std::string& p_url, control::HttpExchange& ex) {
+    control::HttpResponse head;
+    head.content_type = "text/event-stream";
+    head.headers.emplace_back("Cache-Control", "no-cache");
+    ex.BeginStream(std::move(head));
+    std::unique_lock<std::mutex> lock(pipe.mu);
+    for (;;) {
+      pipe.cv.wait_for(lock, std::chrono::milliseconds(500), [&] {
+        return !pipe.chunks.empty() || pipe.finished || pipe.p_failed;
+      });
+      if (pipe.p_failed && !pipe.finished) {
+        // D answered 200 at once (it streams) but P refused or failed its half: D's stream
+        // can only end in an error later. End it now with P's reason and drop D's copy.
+        twins_aborted.fetch_add(1);
+        pipe.finished = true;
+        const std::string reason = pipe.p_error;
+        lock.unlock();
+        (void)ex.Write("data: " +
+                       ErrorBody("prefill " + p_url + " failed: " + reason, "prefill_error") +
+                       "\n\ndata: [DONE]\n\n");
+        return;
+      }
+      while (!pipe.chunks.empty()) {
+        std::string c = std::move(pipe.chunks.front());
+        pipe.chunks.pop_front();
+        lock.unlock();
+        if (!ex.Write(c)) return;  // the client left
+        lock.lock();
+      }
+      if (pipe.finished) {
+        if (!pipe.error.empty()) {
+          decode_failed.fetch_add(1);
+          const std::string error = pipe.error;
+          lock.unlock();
+          (void)ex.Write("data: " + ErrorBody("decode stream broke: " + error, "proxy_error") +
+                         "\n\n");
+        }
+        return;
+      }
+      if (cancel.cancelled() || ex.client_gone()) return;
+    }
   }
 
   void ReadDecode(Pipe& pipe, const std::string& d_url, const std::string& d_body, bool stream) {
@@ -386,20 +379,26 @@ Proxy::~Proxy() { Stop(); }
 
 bool Proxy::Start(std::string* error) {
   Impl& m = *impl_;
-  const int threads = m.o.threads > 0 ? m.o.threads : 512;
-  m.svr.new_task_queue = [threads] {
-    return new httplib::ThreadPool(static_cast<std::size_t>(threads));
+  control::HttpServerOptions http;
+  http.name = "proxy";
+  http.handler_threads = m.o.threads > 0 ? static_cast<std::size_t>(m.o.threads) : 512;
+  http.max_body_bytes = m.o.max_body_bytes;
+  http.error_format = [](int status, const std::string& reason) {
+    return JsonAnswer(status, ErrorBody(reason, status < 500 ? "invalid_request" : "proxy_error"));
   };
-  m.svr.set_read_timeout(std::chrono::seconds(30));
-  m.svr.set_write_timeout(std::chrono::seconds(30));
-  m.svr.set_keep_alive_timeout(2);
-  control::BoundRequestBodies(m.svr, m.o.max_body_bytes);
-  m.svr.Post("/v1/completions",
-             [&m](const httplib::Request& req, httplib::Response& res) { m.Handle(req, res); });
-  m.svr.Get("/health", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content("{\"status\":\"ok\"}", "application/json");
-  });
-  m.svr.Get("/metrics", [&m](const httplib::Request&, httplib::Response& res) {
+  http.log = [](std::string_view line) {
+    std::fprintf(stderr, "[proxy] %.*s\n", static_cast<int>(line.size()), line.data());
+  };
+  m.svr = std::make_unique<control::HttpServer>(std::move(http));
+  m.svr->Route("POST", "/v1/completions",
+               control::BlockingHandler(
+                   [&m](const control::HttpRequest& req, control::HttpExchange& ex) {
+                     m.Handle(req, ex);
+                   }));
+  m.svr->Route("GET", "/health", control::InlineHandler([](const control::HttpRequest&) {
+                 return JsonAnswer(200, "{\"status\":\"ok\"}");
+               }));
+  m.svr->Route("GET", "/metrics", control::InlineHandler([&m](const control::HttpRequest&) {
     std::string t;
     t += "# TYPE kvferry_proxy_requests_total counter\nkvferry_proxy_requests_total " +
          std::to_string(m.requests.load()) + "\n";
@@ -411,28 +410,18 @@ bool Proxy::Start(std::string* error) {
          std::to_string(m.twins_aborted.load()) + "\n";
     t += "# TYPE kvferry_proxy_in_flight gauge\nkvferry_proxy_in_flight " +
          std::to_string(m.in_flight.load()) + "\n";
-    res.set_content(t, "text/plain; version=0.0.4");
-  });
-  if (m.o.port == 0) {
-    m.bound_port = m.svr.bind_to_any_port(m.o.host);
-    if (m.bound_port <= 0) {
-      if (error) *error = "cannot bind " + m.o.host + ":0";
-      return false;
-    }
-  } else {
-    if (!m.svr.bind_to_port(m.o.host, m.o.port)) {
-      if (error) *error = "cannot bind " + m.o.host + ":" + std::to_string(m.o.port);
-      return false;
-    }
-    m.bound_port = m.o.port;
+    control::HttpResponse r;
+    r.content_type = "text/plain; version=0.0.4";
+    r.body = std::move(t);
+    return r;
+  }));
+  auto bound = m.svr->Start(m.o.host, m.o.port);
+  if (!bound) {
+    if (error) *error = bound.error().message();
+    m.svr.reset();
+    return false;
   }
-  if (!RaiseListenBacklog(m.bound_port)) {
-    std::fprintf(stderr,
-                 "[proxy] warning: could not raise the listen backlog of port %d; "
-                 "bursts of connections may stall\n",
-                 m.bound_port);
-  }
-  m.listener = std::thread([&m] { m.svr.listen_after_bind(); });
+  m.bound_port = *bound;
   return true;
 }
 
@@ -445,9 +434,8 @@ void Proxy::Stop() {
     if (m.stopped) return;
     m.stopped = true;
   }
-  m.cancel.CancelAll();
-  m.svr.stop();
-  if (m.listener.joinable()) m.listener.join();
+  m.cancel.CancelAll();  // every upstream call returns, so every handler does
+  if (m.svr) m.svr->Stop();
   std::list<Impl::Task> tasks;
   {
     std::lock_guard<std::mutex> lock(m.threads_mu);

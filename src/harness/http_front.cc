@@ -1,17 +1,15 @@
 #include "harness/http_front.h"
 
 #include <fmt/format.h>
-#include <httplib.h>
 #include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <ctime>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <thread>
 
 #include "client_http.h"
-#include "control/http_limits.h"
+#include "control/http_server.h"
 #include "control/json_limits.h"
 
 namespace kvferry::harness {
@@ -80,13 +78,14 @@ json ErrorObject(int status, const std::string& message) {
           {"code", status}};
 }
 
-void ReplyError(httplib::Response& res, int status, const std::string& message) {
-  res.status = status;
-  res.set_content(ErrorObject(status, message).dump(-1, ' ', false, json::error_handler_t::replace),
-                  "application/json");
-}
-
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+control::HttpResponse ErrorResponse(int status, const std::string& message) {
+  control::HttpResponse r;
+  r.status = status;
+  r.body = Dump(ErrorObject(status, message));
+  return r;
+}
 
 std::string TokenText(std::uint32_t token) { return fmt::format(" t{}", token); }
 
@@ -189,20 +188,18 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, Role rol
 struct HttpFront::Impl {
   HttpFrontOptions options;
   ServingEngine* engine = nullptr;
-  httplib::Server server;
-  std::thread thread;
-  int port = 0;
+  std::unique_ptr<control::HttpServer> server;
   std::atomic<bool> stopping{false};
   std::atomic<std::uint64_t> next_id{1};
 
-  void Completions(const httplib::Request& req, httplib::Response& res);
-  void Stream(std::shared_ptr<RequestStream> stream, const CompletionRequest& request,
-              std::string id, httplib::Response& res);
+  void Completions(const control::HttpRequest& req, control::HttpExchange& ex);
+  void Stream(const std::shared_ptr<RequestStream>& stream, const CompletionRequest& request,
+              const std::string& id, control::HttpExchange& ex);
 };
 
 HttpFront::HttpFront() : impl_(std::make_unique<Impl>()) {}
 HttpFront::~HttpFront() { Stop(); }
-int HttpFront::port() const { return impl_->port; }
+int HttpFront::port() const { return impl_->server ? impl_->server->port() : 0; }
 
 Result<std::unique_ptr<HttpFront>> HttpFront::Start(HttpFrontOptions options,
                                                     ServingEngine* engine) {
@@ -214,80 +211,65 @@ Result<std::unique_ptr<HttpFront>> HttpFront::Start(HttpFrontOptions options,
   if (!health_extra.is_object()) {
     return Err(ErrorCode::kInvalidArgument, "health_json must be a JSON object");
   }
-  const std::size_t threads = std::max<std::size_t>(4, impl.options.threads);
-  impl.server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  control::BoundRequestBodies(impl.server, impl.options.max_body_bytes);
-  impl.server.set_read_timeout(std::chrono::seconds(30));
-  impl.server.set_write_timeout(std::chrono::seconds(30));
-  impl.server.Post("/v1/completions", [&impl](const httplib::Request& req, httplib::Response& res) {
-    impl.Completions(req, res);
-  });
-  impl.server.Get("/metrics", [&impl](const httplib::Request&, httplib::Response& res) {
-    res.set_content(impl.engine->RenderMetrics(), "text/plain; version=0.0.4");
-  });
-  impl.server.Get("/health",
-                  [&impl, health_extra](const httplib::Request&, httplib::Response& res) {
-                    json body = health_extra;
-                    body["status"] = impl.stopping ? "stopping" : "ok";
-                    res.status = impl.stopping ? 503 : 200;
-                    res.set_content(Dump(body), "application/json");
-                  });
-  impl.server.set_exception_handler(
-      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
-        ReplyError(res, 500, "internal error");
-      });
-  impl.port =
-      impl.options.port == 0
-          ? impl.server.bind_to_any_port(impl.options.host)
-          : (impl.server.bind_to_port(impl.options.host, impl.options.port) ? impl.options.port
-                                                                            : -1);
-  if (impl.port <= 0) {
-    return Err(ErrorCode::kUnavailable,
-               fmt::format("cannot bind {}:{}", impl.options.host, impl.options.port));
-  }
-  impl.thread = std::thread([&impl] { impl.server.listen_after_bind(); });
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  while (!impl.server.is_running()) {
-    if (Clock::now() > deadline) {
-      front->Stop();
-      return Err(ErrorCode::kTimeout, "HTTP server did not start");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  // Debian's httplib listens with a backlog of 5: a burst of clients connecting at once (the
-  // seed's load sends 128 requests together) would overflow the accept queue and stall.
-  if (!RaiseListenBacklog(impl.port)) {
-    spdlog::warn("HTTP {}:{}: could not raise the listen backlog", impl.options.host, impl.port);
-  }
+  control::HttpServerOptions http;
+  http.name = "serve";
+  http.max_body_bytes = impl.options.max_body_bytes;
+  http.handler_threads = std::max<std::size_t>(4, impl.options.threads);
+  http.max_connections = impl.options.max_connections;
+  http.idle_timeout = impl.options.idle_timeout;
+  http.error_format = ErrorResponse;
+  http.log = [](std::string_view line) { spdlog::warn("{}", line); };
+  impl.server = std::make_unique<control::HttpServer>(std::move(http));
+  impl.server->Route("POST", "/v1/completions",
+                     control::BlockingHandler(
+                         [&impl](const control::HttpRequest& req, control::HttpExchange& ex) {
+                           impl.Completions(req, ex);
+                         }));
+  impl.server->Route("GET", "/metrics", control::InlineHandler([&impl](const control::HttpRequest&) {
+                       control::HttpResponse r;
+                       r.content_type = "text/plain; version=0.0.4";
+                       r.body = impl.engine->RenderMetrics();
+                       return r;
+                     }));
+  impl.server->Route("GET", "/health",
+                     control::InlineHandler([&impl, health_extra](const control::HttpRequest&) {
+                       json body = health_extra;
+                       body["status"] = impl.stopping ? "stopping" : "ok";
+                       control::HttpResponse r;
+                       r.status = impl.stopping ? 503 : 200;
+                       r.body = Dump(body);
+                       return r;
+                     }));
+  auto bound = impl.server->Start(impl.options.host, impl.options.port);
+  if (!bound) return tl::unexpected(bound.error());
   return front;
 }
 
 void HttpFront::Stop() {
-  if (!impl_) return;
+  if (!impl_ || !impl_->server) return;
   impl_->stopping = true;
-  impl_->server.stop();
-  if (impl_->thread.joinable()) impl_->thread.join();
+  impl_->server->Stop();
 }
 
-void HttpFront::Impl::Completions(const httplib::Request& req, httplib::Response& res) {
+void HttpFront::Impl::Completions(const control::HttpRequest& req, control::HttpExchange& ex) {
   if (stopping) {
-    ReplyError(res, 503, "the server is shutting down");
+    ex.Reply(ErrorResponse(503, "the server is shutting down"));
     return;
   }
   auto parsed = ParseCompletionRequest(req.body, engine->options().role, options.max_model_len);
   if (!parsed) {
-    ReplyError(res, 400, parsed.error().message());
+    ex.Reply(ErrorResponse(400, parsed.error().message()));
     return;
   }
   auto submitted = engine->Submit(parsed->spec);
   if (!submitted) {
-    ReplyError(res, HttpStatusOf(submitted.error()), submitted.error().ToString());
+    ex.Reply(ErrorResponse(HttpStatusOf(submitted.error()), submitted.error().ToString()));
     return;
   }
   std::shared_ptr<RequestStream> stream = *submitted;
   std::string id = fmt::format("cmpl-{}-{}", engine->options().engine_id, next_id.fetch_add(1));
   if (parsed->stream) {
-    Stream(stream, *parsed, std::move(id), res);
+    Stream(stream, *parsed, id, ex);
     return;
   }
   // Non-streaming: collect until the terminal event.
@@ -298,8 +280,8 @@ void HttpFront::Impl::Completions(const httplib::Request& req, httplib::Response
   while (true) {
     if (stopping || Clock::now() >= deadline) {
       engine->Abort(stream->handle());
-      ReplyError(res, stopping ? 503 : 504,
-                 stopping ? "the server is shutting down" : "request timed out");
+      ex.Reply(ErrorResponse(stopping ? 503 : 504,
+                             stopping ? "the server is shutting down" : "request timed out"));
       return;
     }
     bool terminal = false;
@@ -309,7 +291,7 @@ void HttpFront::Impl::Completions(const httplib::Request& req, httplib::Response
         text += TokenText(e.token);
         if (!e.finish_reason.empty()) finish_reason = e.finish_reason;
       } else if (e.kind == StreamEvent::Kind::kError) {
-        ReplyError(res, e.http_status >= 400 ? e.http_status : 500, e.message);
+        ex.Reply(ErrorResponse(e.http_status >= 400 ? e.http_status : 500, e.message));
         return;
       } else {
         terminal = true;
@@ -334,104 +316,89 @@ void HttpFront::Impl::Completions(const httplib::Request& req, httplib::Response
         {"total_tokens", parsed->spec.prompt_tokens + tokens.size()}}},
       {"kv_transfer_params", nullptr},
   };
-  res.set_content(Dump(body), "application/json");
+  control::HttpResponse r;
+  r.body = Dump(body);
+  ex.Reply(std::move(r));
 }
 
-void HttpFront::Impl::Stream(std::shared_ptr<RequestStream> stream,
-                             const CompletionRequest& request, std::string id,
-                             httplib::Response& res) {
-  struct State {
-    std::shared_ptr<RequestStream> stream;
-    std::string id;
-    std::string model;
-    std::int64_t created;
-    std::uint32_t prompt_tokens;
-    std::uint32_t completion_tokens = 0;
-    Clock::time_point deadline;
-    bool done = false;  // the terminal event was written
+void HttpFront::Impl::Stream(const std::shared_ptr<RequestStream>& stream,
+                             const CompletionRequest& request, const std::string& id,
+                             control::HttpExchange& ex) {
+  const std::string model = request.model.empty() ? options.served_model : request.model;
+  const auto created = static_cast<std::int64_t>(std::time(nullptr));
+  const std::uint32_t prompt_tokens = request.spec.prompt_tokens;
+  std::uint32_t completion_tokens = 0;
+  const auto deadline = Clock::now() + options.request_timeout;
+  control::HttpResponse head;
+  head.content_type = "text/event-stream";
+  ex.BeginStream(std::move(head));
+  auto finish_with_error = [&](int status, const std::string& message) {
+    engine->Abort(stream->handle());
+    (void)ex.Write("data: " + Dump({{"error", ErrorObject(status, message)}}) +
+                   "\n\ndata: [DONE]\n\n");
   };
-  auto state = std::make_shared<State>();
-  state->stream = std::move(stream);
-  state->id = std::move(id);
-  state->model = request.model.empty() ? options.served_model : request.model;
-  state->created = static_cast<std::int64_t>(std::time(nullptr));
-  state->prompt_tokens = request.spec.prompt_tokens;
-  state->deadline = Clock::now() + options.request_timeout;
-  ServingEngine* eng = engine;
-  std::atomic<bool>* front_stopping = &stopping;
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [state, eng, front_stopping](std::size_t, httplib::DataSink& sink) {
-        if (state->done) return false;
-        auto finish_with_error = [&](int status, const std::string& message) {
-          const std::string out =
-              "data: " + Dump({{"error", ErrorObject(status, message)}}) + "\n\ndata: [DONE]\n\n";
-          state->done = true;
-          eng->Abort(state->stream->handle());
-          if (!sink.write(out.data(), out.size())) return false;
-          sink.done();
-          return true;
+  for (;;) {
+    if (stopping) return finish_with_error(503, "the server is shutting down");
+    const auto now = Clock::now();
+    if (now >= deadline) return finish_with_error(504, "request timed out");
+    std::vector<StreamEvent> events = stream->Wait(std::min(deadline, now + kKeepalive));
+    std::string out;
+    bool done = false;
+    if (events.empty()) {
+      // An SSE comment: clients ignore it; a client that went away fails the write.
+      out = ": keepalive\n\n";
+    }
+    for (StreamEvent& e : events) {
+      if (e.kind == StreamEvent::Kind::kToken) {
+        ++completion_tokens;
+        json chunk = {
+            {"id", id},
+            {"object", "text_completion"},
+            {"created", created},
+            {"model", model},
+            {"choices",
+             json::array({{{"index", 0},
+                           {"text", TokenText(e.token)},
+                           {"logprobs", nullptr},
+                           {"finish_reason",
+                            e.finish_reason.empty() ? json(nullptr) : json(e.finish_reason)},
+                           {"stop_reason", nullptr},
+                           {"token_ids", json::array({e.token})}}})},
         };
-        if (*front_stopping) return finish_with_error(503, "the server is shutting down");
-        const auto now = Clock::now();
-        if (now >= state->deadline) return finish_with_error(504, "request timed out");
-        std::vector<StreamEvent> events =
-            state->stream->Wait(std::min(state->deadline, now + kKeepalive));
-        if (events.empty()) {
-          // An SSE comment: clients ignore it; a closed connection fails the write.
-          static constexpr char kPing[] = ": keepalive\n\n";
-          return sink.write(kPing, sizeof(kPing) - 1);
-        }
-        std::string out;
-        for (StreamEvent& e : events) {
-          if (e.kind == StreamEvent::Kind::kToken) {
-            ++state->completion_tokens;
-            json chunk = {
-                {"id", state->id},
-                {"object", "text_completion"},
-                {"created", state->created},
-                {"model", state->model},
-                {"choices",
-                 json::array({{{"index", 0},
-                               {"text", TokenText(e.token)},
-                               {"logprobs", nullptr},
-                               {"finish_reason",
-                                e.finish_reason.empty() ? json(nullptr) : json(e.finish_reason)},
-                               {"stop_reason", nullptr},
-                               {"token_ids", json::array({e.token})}}})},
-            };
-            out += "data: " + Dump(chunk) + "\n\n";
-          } else if (e.kind == StreamEvent::Kind::kError) {
-            out += "data: " +
-                   Dump({{"error",
-                          ErrorObject(e.http_status >= 400 ? e.http_status : 500, e.message)}}) +
-                   "\n\ndata: [DONE]\n\n";
-            state->done = true;
-          } else {
-            json usage = {
-                {"id", state->id},
-                {"object", "text_completion"},
-                {"created", state->created},
-                {"model", state->model},
-                {"choices", json::array()},
-                {"usage",
-                 {{"prompt_tokens", state->prompt_tokens},
-                  {"completion_tokens", state->completion_tokens},
-                  {"total_tokens", state->prompt_tokens + state->completion_tokens}}},
-            };
-            out += "data: " + Dump(usage) + "\n\ndata: [DONE]\n\n";
-            state->done = true;
-          }
-          if (state->done) break;
-        }
-        if (!sink.write(out.data(), out.size())) return false;
-        if (state->done) sink.done();
-        return true;
-      },
-      [state, eng](bool /*success*/) {
-        // The connection ended; if the request was still open the client went away.
-        if (!state->done) eng->Abort(state->stream->handle());
-      });
+        out += "data: " + Dump(chunk) + "\n\n";
+      } else if (e.kind == StreamEvent::Kind::kError) {
+        out += "data: " +
+               Dump({{"error",
+                      ErrorObject(e.http_status >= 400 ? e.http_status : 500, e.message)}}) +
+               "\n\ndata: [DONE]\n\n";
+        done = true;
+      } else {
+        json usage = {
+            {"id", id},
+            {"object", "text_completion"},
+            {"created", created},
+            {"model", model},
+            {"choices", json::array()},
+            {"usage",
+             {{"prompt_tokens", prompt_tokens},
+              {"completion_tokens", completion_tokens},
+              {"total_tokens", prompt_tokens + completion_tokens}}},
+        };
+        out += "data: " + Dump(usage) + "\n\ndata: [DONE]\n\n";
+        done = true;
+      }
+      if (done) break;
+    }
+    if (!ex.Write(out)) {
+      // The client went away (or is too slow to read): free what the request holds.
+      if (!done) engine->Abort(stream->handle());
+      return;
+    }
+    if (done) {
+      ex.EndStream();
+      return;
+    }
+  }
 }
 
 }  // namespace kvferry::harness

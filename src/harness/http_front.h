@@ -1,4 +1,5 @@
-// HttpFront: the OpenAI-style HTTP face of `kvferry serve` (cpp-httplib, pimpl'd).
+// HttpFront: the OpenAI-style HTTP face of `kvferry serve`, on control::HttpServer (event-driven:
+// idle and slow clients hold no thread; completions run on handler threads).
 //
 //   POST /v1/completions  {model, prompt: [token ids] | "text", max_tokens, stream, ignore_eos,
 //                          kv_transfer_params} → a completion JSON, or SSE chunks (one token
@@ -27,7 +28,9 @@ namespace kvferry::harness {
 struct HttpFrontOptions {
   std::string host = "127.0.0.1";
   int port = 8000;            // 0: any free port (see HttpFront::port)
-  std::size_t threads = 512;  // one per open connection: streaming requests hold theirs
+  std::size_t threads = 512;  // handler threads: one per completion in progress
+  std::size_t max_connections = 16384;
+  std::chrono::seconds idle_timeout{30};  // a connection silent this long is closed
   std::size_t max_body_bytes = 8 << 20;
   std::uint32_t max_model_len = 8192;  // prompt + max_tokens
   std::string served_model = "kvferry-synthetic";
@@ -55,8 +58,8 @@ class HttpFront {
   HttpFront& operator=(const HttpFront&) = delete;
 
   int port() const;
-  // Stops accepting and joins the server threads. Handlers still waiting on the engine return
-  // once the engine answers them (ServingEngine::Shutdown answers every open request). Idempotent.
+  // Stops accepting; requests in progress end with 503 (or an in-stream error), since every
+  // handler checks the stopping flag at least once a second. Idempotent.
   void Stop();
 
  private:

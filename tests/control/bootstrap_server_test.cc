@@ -193,7 +193,7 @@ TEST_F(BootstrapServerTest, RestartWithNewIncarnationReplacesWorkersAndDirectory
   EXPECT_EQ(directory.queries_sent(), 3u);
 }
 
-TEST_F(BootstrapServerTest, MalformedBodiesAre400AndChangeNothing) {
+TEST_F(BootstrapServerTest, MalformedBodiesAre400OversizedOnes413AndNeitherChangesAnything) {
   ASSERT_TRUE(client_->Register(MakeWorker("p0", 0), kTimeout).ok());
   const std::string before = Snapshot();
 
@@ -217,7 +217,6 @@ TEST_F(BootstrapServerTest, MalformedBodiesAre400AndChangeNothing) {
       {missing, "missing field incarnation"},
       {EncodeRegistration(long_string), "data_plane"},
       {big_rank, "not below 1024"},
-      {oversized, "65536"},
   };
   for (const auto& [body, reason] : cases) {
     auto res = RawPost(body);
@@ -226,6 +225,11 @@ TEST_F(BootstrapServerTest, MalformedBodiesAre400AndChangeNothing) {
     EXPECT_NE(DecodeError(res->body).find(reason), std::string::npos)
         << reason << " / " << res->body;
   }
+  // A body over the limit is refused before it is read: 413, naming the limit.
+  auto too_big = RawPost(oversized);
+  ASSERT_TRUE(too_big);
+  EXPECT_EQ(too_big->status, 413);
+  EXPECT_NE(DecodeError(too_big->body).find("65536"), std::string::npos) << too_big->body;
   // The client refuses an invalid registration before sending it.
   EXPECT_EQ(client_->Register(long_string, kTimeout).code(), ErrorCode::kInvalidArgument);
 
