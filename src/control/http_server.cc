@@ -16,6 +16,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
@@ -59,6 +60,9 @@ std::string ToAddress(const struct sockaddr* sa) {
 
 // Only body-carrying methods need a declared length: without one HTTP/1.1 has no body, and a
 // chunked body could only be bounded after reading it.
+// How much of a body over the limit is read and dropped so that its client hears the 413.
+constexpr std::uint64_t kMaxDiscardedBodyBytes = 16 << 20;
+
 bool CarriesBody(const std::string& method) {
   return method == "POST" || method == "PUT" || method == "PATCH";
 }
@@ -340,12 +344,6 @@ class HandlerPool {
     cv_.notify_one();
   }
 
-  // Waits until nothing runs or waits, or until `deadline`. True if idle.
-  bool WaitIdle(std::chrono::steady_clock::time_point deadline) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return idle_cv_.wait_until(lock, deadline, [this] { return queue_.empty() && busy_ == 0; });
-  }
-
   void Join() {
     std::vector<std::thread> threads;
     {
@@ -405,6 +403,7 @@ struct HttpServer::Impl {
     HttpRequest request;
     const RouteEntry* route = nullptr;
     std::shared_ptr<Exchange> exchange;  // set once handed to a handler thread
+    std::optional<HttpResponse> refusal;  // answered once the (dropped) body has arrived
   };
 
   HttpResponse Error(int status, const std::string& reason) const {
@@ -431,8 +430,11 @@ struct HttpServer::Impl {
   std::unique_ptr<HandlerPool> pool;
   std::atomic<bool> stopping{false};
 
+  // Exchanges from dispatch until the library is done with their request (answer sent, or the
+  // connection gone): Stop() waits for them, then fails what is left.
   std::mutex live_mu;
-  std::set<std::shared_ptr<Exchange>> live;  // exchanges whose handler has not returned
+  std::condition_variable live_cv;
+  std::set<std::shared_ptr<Exchange>> live;
 
   std::atomic<std::uint64_t> connections_open{0};
   std::atomic<std::uint64_t> requests{0};
@@ -500,9 +502,15 @@ MHD_Result HttpServer::Impl::OnHeaders(MHD_Connection* c, RequestState& st) {
   }
   if (std::stoull(*length) > options.max_body_bytes) {
     ++refused_limits;
-    return QueueResponse(c, Error(413, fmt::format("request body of {} bytes is over the limit "
-                                                   "of {} bytes",
-                                                   *length, options.max_body_bytes)));
+    st.refusal = Error(413, fmt::format("request body of {} bytes is over the limit of {} bytes",
+                                        *length, options.max_body_bytes));
+    // Answering before the body is read makes the library close the connection under a client
+    // still sending, which then sees a reset instead of the 413. A moderate excess is read and
+    // dropped (no memory kept) so the client hears why; a huge one is cut off at once.
+    if (std::stoull(*length) - options.max_body_bytes > kMaxDiscardedBodyBytes) {
+      return QueueResponse(c, *st.refusal);
+    }
+    return MHD_YES;
   }
   req.body.reserve(std::stoull(*length));
   return MHD_YES;
@@ -521,12 +529,17 @@ MHD_Result HttpServer::Impl::OnAccess(MHD_Connection* c, const char* url, const 
     return OnHeaders(c, *st);
   }
   if (*upload_size != 0) {  // a piece of the body; its total was checked against the limit
+    if (st->refusal) {
+      *upload_size = 0;  // dropped: the request is refused anyway
+      return MHD_YES;
+    }
     if (st->request.body.size() + *upload_size > options.max_body_bytes) return MHD_NO;
     st->request.body.append(upload_data, *upload_size);
     *upload_size = 0;
     return MHD_YES;
   }
   if (st->exchange) return st->exchange->QueueOrSuspend(c);  // back from a handler thread
+  if (st->refusal) return QueueResponse(c, *st->refusal);
   return Dispatch(c, *st);
 }
 
@@ -569,8 +582,6 @@ MHD_Result HttpServer::Impl::Dispatch(MHD_Connection* c, RequestState& st) {
       bool error = false;
       ex->Finish(&error);
       if (error) ++handler_errors;
-      std::lock_guard<std::mutex> lock(live_mu);
-      live.erase(ex);
     });
   });
   return MHD_YES;
@@ -622,10 +633,17 @@ Result<int> HttpServer::Start(const std::string& host, int port) {
                       void** state) -> MHD_Result {
     return static_cast<Impl*>(cls)->OnAccess(c, url, method, upload_data, upload_size, state);
   };
-  auto on_completed = [](void*, MHD_Connection*, void** state, MHD_RequestTerminationCode toe) {
+  auto on_completed = [](void* cls, MHD_Connection*, void** state,
+                         MHD_RequestTerminationCode toe) {
     auto* st = static_cast<Impl::RequestState*>(*state);
     if (st == nullptr) return;
-    if (st->exchange) st->exchange->Closed(toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
+    if (st->exchange) {
+      st->exchange->Closed(toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
+      auto* impl = static_cast<Impl*>(cls);
+      std::lock_guard<std::mutex> lock(impl->live_mu);
+      impl->live.erase(st->exchange);
+      impl->live_cv.notify_all();
+    }
     delete st;
     *state = nullptr;
   };
@@ -687,11 +705,13 @@ void HttpServer::Stop() {
   m.stopping = true;
   // Stop accepting; the listening socket is ours to close from here on.
   m.listen_fd = MHD_quiesce_daemon(m.daemon);
-  m.pool->WaitIdle(std::chrono::steady_clock::now() + m.options.drain_timeout);
   {
-    // Handlers still running: their clients get a 503 or the end of their stream now, and
-    // every connection they suspended is resumed (the library must not stop with one suspended).
-    std::lock_guard<std::mutex> lock(m.live_mu);
+    // Requests in progress may finish and their answers go out. Then those still running get a
+    // 503 or the end of their stream, and every connection they suspended is resumed (the
+    // library must not stop with one suspended).
+    std::unique_lock<std::mutex> lock(m.live_mu);
+    m.live_cv.wait_until(lock, std::chrono::steady_clock::now() + m.options.drain_timeout,
+                         [&m] { return m.live.empty(); });
     for (const auto& ex : m.live) ex->Fail();
   }
   m.pool->Join();  // handlers return: Write fails from here on, each honours its own deadline

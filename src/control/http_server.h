@@ -13,8 +13,9 @@
 //   - `idle_timeout`: a connection that sends and receives nothing for this long is closed, at
 //     any stage (before its first byte, mid-header, mid-body, between keep-alive requests);
 //   - request line + headers: at most `max_header_bytes` (431 from the library);
-//   - bodies: a declared Content-Length above `max_body_bytes` gets 413 before a byte of it is
-//     read; a chunked or length-less POST/PUT/PATCH body gets 411 (a length is required so the
+//   - bodies: a declared Content-Length above `max_body_bytes` gets 413 and nothing of it is
+//     kept (up to 16 MiB over the limit is read and dropped, so the client hears the 413; beyond
+//     that the connection is closed after the 413 without reading on); a chunked or length-less POST/PUT/PATCH body gets 411 (a length is required so the
 //     limit holds before reading); a malformed Content-Length gets 400 from the library;
 //   - handler work: at most `handler_threads` blocking handlers run and `max_queued` wait; a
 //     request beyond that gets 503 at once;

@@ -216,10 +216,18 @@ TEST_F(HttpServerTest, OversizedChunkedAndMalformedBodiesAreRefusedBeforeBeingRe
   StartServer();
   {
     RawSocket s(port_);
-    ASSERT_TRUE(s.Send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n"));
+    // Somewhat over the limit: read, dropped, and answered once it is in.
+    ASSERT_TRUE(s.Send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n" +
+                       std::string(2000, 'x')));
     const std::string raw = s.ReadAll(2000ms);
     EXPECT_EQ(StatusOf(raw), 413) << raw;
     EXPECT_NE(raw.find("over the limit of 1024 bytes"), std::string::npos) << raw;
+  }
+  {
+    // Far over it: answered at once, nothing read.
+    RawSocket s(port_);
+    ASSERT_TRUE(s.Send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n"));
+    EXPECT_EQ(StatusOf(s.ReadAll(2000ms)), 413);
   }
   {
     RawSocket s(port_);
@@ -244,7 +252,7 @@ TEST_F(HttpServerTest, OversizedChunkedAndMalformedBodiesAreRefusedBeforeBeingRe
     EXPECT_EQ(StatusOf(s.ReadAll(2000ms)), 431);
   }
   EXPECT_GT(TimedHealth().count(), 0);
-  EXPECT_EQ(server_->stats().refused_limits, 3u);  // 413, 411, 411 (400 and 431: the library)
+  EXPECT_EQ(server_->stats().refused_limits, 4u);  // 413, 413, 411, 411 (400, 431: the library)
 }
 
 TEST_F(HttpServerTest, RequestsBeyondTheHandlerThreadsAndQueueGetA503AtOnce) {
