@@ -486,6 +486,13 @@ MHD_Result HttpServer::Impl::OnHeaders(MHD_Connection* c, RequestState& st) {
                                        "Content-Length"));
   }
   const std::string* length = req.Header("content-length");
+  for (const auto& [name, value] : req.headers) {
+    // Two lengths that disagree frame the body two ways (request smuggling): RFC 9112 §6.3.
+    if (name == "content-length" && value != *length) {
+      ++refused_limits;
+      return QueueResponse(c, Error(400, "conflicting Content-Length headers"));
+    }
+  }
   if (length == nullptr) {
     if (CarriesBody(req.method)) {
       ++refused_limits;

@@ -159,6 +159,19 @@ struct Proxy::Impl {
       refuse("field 'stream' must be a boolean");
       return;
     }
+    // Fields P's copy does not carry as sent (max_tokens becomes 1) are checked here: only D
+    // would refuse them, after P prefilled and began holding KV for nobody.
+    const auto max_tokens = client.find("max_tokens");
+    if (max_tokens != client.end() && !max_tokens->is_null() &&
+        !(max_tokens->is_number_unsigned() && max_tokens->get<std::uint64_t>() > 0)) {
+      refuse("field 'max_tokens' must be a positive integer");
+      return;
+    }
+    const auto prompt = client.find("prompt");
+    if (prompt == client.end() || !(prompt->is_string() || prompt->is_array())) {
+      refuse("field 'prompt' must be a string or an array of token ids");
+      return;
+    }
     const bool stream =
         stream_field != client.end() && stream_field->is_boolean() && stream_field->get<bool>();
     const std::uint64_t n = next.fetch_add(1);
