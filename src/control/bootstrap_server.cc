@@ -183,6 +183,10 @@ bool BootstrapServer::running() const { return impl_->http != nullptr; }
 
 int BootstrapServer::port() const { return impl_->http ? impl_->http->port() : 0; }
 
+HttpServerStats BootstrapServer::http_stats() const {
+  return impl_->http ? impl_->http->stats() : HttpServerStats{};
+}
+
 std::vector<EngineInfo> BootstrapServer::Engines() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->registry.QueryAll();

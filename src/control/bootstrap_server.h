@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "control/bootstrap_types.h"
+#include "control/http_server.h"
 #include "kvferry/status.h"
 
 namespace kvferry::control {
@@ -51,6 +52,9 @@ class BootstrapServer {
   bool running() const;
   // The bound port while running, else 0.
   int port() const;
+
+  // The HTTP server's counters (zero while stopped), for the embedding process's /metrics.
+  [[nodiscard]] HttpServerStats http_stats() const;
 
   // Snapshot of the registry, for the embedding process (metrics, tests).
   [[nodiscard]] std::vector<EngineInfo> Engines() const;

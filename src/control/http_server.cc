@@ -742,6 +742,34 @@ HttpServerStats HttpServer::stats() const {
   return s;
 }
 
+std::string RenderHttpMetrics(
+    const std::vector<std::pair<std::string, HttpServerStats>>& servers) {
+  std::string out;
+  auto family = [&](const char* name, const char* type, const char* help, auto value,
+                    const char* extra_label = "") {
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+    for (const auto& [server, stats] : servers) {
+      out += fmt::format("{}{{server=\"{}\"{}}} {}\n", name, server, extra_label, value(stats));
+    }
+  };
+  family("kvferry_http_connections_open", "gauge", "Open HTTP connections.",
+         [](const HttpServerStats& s) { return s.connections_open; });
+  family("kvferry_http_requests_total", "counter", "HTTP requests whose headers arrived.",
+         [](const HttpServerStats& s) { return s.requests; });
+  out += "# HELP kvferry_http_refusals_total Requests refused: busy (503) or over a limit "
+         "(411/413/400).\n# TYPE kvferry_http_refusals_total counter\n";
+  for (const auto& [server, stats] : servers) {
+    out += fmt::format("kvferry_http_refusals_total{{server=\"{}\",reason=\"busy\"}} {}\n",
+                       server, stats.refused_busy);
+    out += fmt::format("kvferry_http_refusals_total{{server=\"{}\",reason=\"limits\"}} {}\n",
+                       server, stats.refused_limits);
+  }
+  family("kvferry_http_handler_errors_total", "counter",
+         "Handlers that threw or returned without answering (answered 500).",
+         [](const HttpServerStats& s) { return s.handler_errors; });
+  return out;
+}
+
 std::uint64_t RaiseOpenFileLimit() {
   rlimit limit{};
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;

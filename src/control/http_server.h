@@ -146,6 +146,12 @@ class HttpServer {
   std::unique_ptr<Impl> impl_;
 };
 
+// Prometheus text for the servers of one process, labelled server="<name>":
+// kvferry_http_connections_open, kvferry_http_requests_total,
+// kvferry_http_refusals_total{reason="busy"|"limits"}, kvferry_http_handler_errors_total.
+[[nodiscard]] std::string RenderHttpMetrics(
+    const std::vector<std::pair<std::string, HttpServerStats>>& servers);
+
 // Raises this process's soft RLIMIT_NOFILE to its hard limit (a server holding 16,384
 // connections needs that many descriptors; Linux starts processes at a soft limit of 1,024).
 // Returns the soft limit now in force.

@@ -423,6 +423,7 @@ bool Proxy::Start(std::string* error) {
          std::to_string(m.twins_aborted.load()) + "\n";
     t += "# TYPE kvferry_proxy_in_flight gauge\nkvferry_proxy_in_flight " +
          std::to_string(m.in_flight.load()) + "\n";
+    t += control::RenderHttpMetrics({{"proxy", m.svr->stats()}});
     control::HttpResponse r;
     r.content_type = "text/plain; version=0.0.4";
     r.body = std::move(t);

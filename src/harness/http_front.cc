@@ -228,7 +228,12 @@ Result<std::unique_ptr<HttpFront>> HttpFront::Start(HttpFrontOptions options,
   impl.server->Route("GET", "/metrics", control::InlineHandler([&impl](const control::HttpRequest&) {
                        control::HttpResponse r;
                        r.content_type = "text/plain; version=0.0.4";
-                       r.body = impl.engine->RenderMetrics();
+                       std::vector<std::pair<std::string, control::HttpServerStats>> servers = {
+                           {"serve", impl.server->stats()}};
+                       if (impl.options.more_http_stats) {
+                         for (auto& more : impl.options.more_http_stats()) servers.push_back(more);
+                       }
+                       r.body = impl.engine->RenderMetrics() + control::RenderHttpMetrics(servers);
                        return r;
                      }));
   impl.server->Route("GET", "/health",

@@ -16,10 +16,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 
+#include "control/http_server.h"
 #include "harness/engine.h"
 #include "kvferry/status.h"
 
@@ -36,6 +38,8 @@ struct HttpFrontOptions {
   std::string served_model = "kvferry-synthetic";
   std::chrono::seconds request_timeout{3600};  // a request still open then is aborted (504)
   std::string health_json = "{}";              // extra fields merged into /health (a JSON object)
+  // More HTTP servers of this process to list in /metrics (P's bootstrap service). May be empty.
+  std::function<std::vector<std::pair<std::string, control::HttpServerStats>>()> more_http_stats;
 };
 
 // A parsed /v1/completions body (exposed for tests).

@@ -156,6 +156,13 @@ int RunServe(const ServeOptions& options) {
   ho.served_model = options.served_model;
   ho.request_timeout = std::chrono::seconds(static_cast<std::int64_t>(options.request_timeout_s));
   ho.health_json = info.dump();
+  if (bootstrap) {
+    control::BootstrapServer* server = bootstrap.get();
+    ho.more_http_stats = [server] {
+      return std::vector<std::pair<std::string, control::HttpServerStats>>{
+          {"bootstrap", server->http_stats()}};
+    };
+  }
   auto http = HttpFront::Start(ho, engine->get());
   if (!http) {
     (*engine)->Shutdown();

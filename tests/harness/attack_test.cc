@@ -237,8 +237,7 @@ class FrontDoorAttack : public ::testing::Test {
   // Every server answers, a real request completes through the proxy, and both pools are idle.
   void ExpectStillServingAndNothingLeaked() {
     for (const Target& t : targets_) {
-      const std::string path = t.name == "P bootstrap" ? "/health" : "/health";
-      EXPECT_GT(TimedHealth(t.port, path).count(), 0) << t.name << " stopped answering";
+      EXPECT_GT(TimedHealth(t.port, "/health").count(), 0) << t.name << " stopped answering";
     }
     HttpResult r = Post(proxy_->port(), {{"model", "m"},
                                          {"prompt", Prompt(40)},
@@ -317,6 +316,14 @@ TEST_F(FrontDoorAttack, NegativeMalformedAndChunkedLengthsGetA4xx) {
         << t.name;
     EXPECT_EQ(RawExchange(t.port, start + "\r\n").first, 411) << t.name;
   }
+  // Refusals are counted where operators look: P's /metrics lists its bootstrap service too.
+  const std::string p_metrics = Get(p_->port(), "/metrics");
+  EXPECT_GE(Metric(p_metrics, R"(kvferry_http_refusals_total{server="serve",reason="limits"})"), 2);
+  EXPECT_GE(Metric(p_metrics, R"(kvferry_http_refusals_total{server="bootstrap",reason="limits"})"),
+            2);
+  EXPECT_GE(Metric(Get(proxy_->port(), "/metrics"),
+                   R"(kvferry_http_refusals_total{server="proxy",reason="limits"})"),
+            2);
   ExpectStillServingAndNothingLeaked();
 }
 
