@@ -1,5 +1,5 @@
-// `kvferry bench transfer`: data-plane bandwidth beside ucx_perftest, memcpy and iperf3
-// (docs/performance.md). The core's micro-benchmarks are Google Benchmark binaries
+// `kvferry bench transfer`: data-plane bandwidth beside ucx_perftest, memcpy and iperf3, and
+// `kvferry bench http`: the front doors beside idle connections (docs/performance.md). The core's micro-benchmarks are Google Benchmark binaries
 // (build/bench/bench_core, build/bench/bench_wire).
 #include <CLI/CLI.hpp>
 #include <memory>
@@ -30,6 +30,7 @@ void AddBenchCommand(CLI::App& app, int& exit_code) {
     options->baselines = !*no_baselines;
     exit_code = transport::RunTransferBench(*options);
   });
+  AddHttpBenchCommand(*bench, exit_code);
 }
 
 }  // namespace kvferry::tools

@@ -12,6 +12,8 @@ namespace kvferry::tools {
 // the process exit code in `exit_code`.
 void AddSimCommand(CLI::App& app, int& exit_code);
 void AddBenchCommand(CLI::App& app, int& exit_code);
+// `kvferry bench http`, a subcommand of `bench` (bench_http.cc).
+void AddHttpBenchCommand(CLI::App& bench, int& exit_code);
 void AddDemoCommand(CLI::App& app, int& exit_code);
 void AddProxyCommand(CLI::App& app, int& exit_code);
 void AddLoadCommand(CLI::App& app, int& exit_code);
