@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 
+#include "control/bootstrap_auth.h"
 #include "control/bootstrap_json.h"
 #include "control/bootstrap_registry.h"
 
@@ -66,7 +67,9 @@ bool IsValidEngineId(const std::string& id) {
 
 struct BootstrapServer::Impl {
   explicit Impl(BootstrapServerOptions opts)
-      : options(std::move(opts)), registry(options.max_workers) {}
+      : options(std::move(opts)),
+        registry(options.max_workers, options.own_engine),
+        auth(options.cluster_secret) {}
 
   void Log(std::string_view line) const {
     if (options.log) options.log(line);
@@ -80,6 +83,7 @@ struct BootstrapServer::Impl {
 
   mutable std::mutex mu;  // guards registry; held only for in-memory work, never for I/O
   BootstrapRegistry registry;
+  BootstrapAuth auth;  // thread-safe
 
   // Owned by the thread calling Start/Stop.
   std::unique_ptr<httplib::Server> http;
@@ -94,6 +98,10 @@ void BootstrapServer::Impl::InstallRoutes(httplib::Server& server) {
   });
   server.Get("/query", [this](const httplib::Request& req, httplib::Response& res) {
     HandleQuery(req, res);
+    // Every answer, errors included, so D can tell it came from a cluster member. httplib
+    // leaves the status at -1 until after the handler when it is 200.
+    std::string signature = auth.SignAnswer(res.status < 0 ? 200 : res.status, req.path, res.body);
+    if (!signature.empty()) res.set_header(std::string(kSignatureHeader), signature);
   });
   server.Get("/health", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(EncodeObject({{"status", "ok"}}), kJson);
@@ -157,6 +165,14 @@ void BootstrapServer::Impl::InstallRoutes(httplib::Server& server) {
 }
 
 void BootstrapServer::Impl::HandleRegister(const httplib::Request& req, httplib::Response& res) {
+  if (Status authn =
+          auth.CheckRequest(req.get_header_value("Authorization"), req.method, req.path, req.body);
+      !authn.ok()) {
+    Log(fmt::format("bootstrap: refused registration from {}: {}", req.remote_addr,
+                    authn.message()));
+    ReplyError(res, 401, authn.message());
+    return;
+  }
   auto reg = DecodeRegistration(req.body);
   if (!reg) {
     Log(fmt::format("bootstrap: rejected registration from {}: {}", req.remote_addr,
@@ -288,7 +304,9 @@ std::vector<EngineInfo> BootstrapServer::Engines() const {
   return impl_->registry.QueryAll();
 }
 
-int RunBootstrapServer(const std::string& host, int port) {
+std::uint64_t BootstrapServer::auth_refusals() const { return impl_->auth.refusals(); }
+
+int RunBootstrapServer(const std::string& host, int port, BootstrapServerOptions options) {
   sigset_t signals;
   sigset_t previous;
   sigemptyset(&signals);
@@ -298,10 +316,11 @@ int RunBootstrapServer(const std::string& host, int port) {
   // sees the signals.
   pthread_sigmask(SIG_BLOCK, &signals, &previous);
 
-  BootstrapServerOptions options;
-  options.log = [](std::string_view line) {
-    std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
-  };
+  if (!options.log) {
+    options.log = [](std::string_view line) {
+      std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+    };
+  }
   int rc = 0;
   {
     BootstrapServer server(std::move(options));
