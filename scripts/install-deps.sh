@@ -5,7 +5,8 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config ccache git
-  libzmq3-dev cppzmq-dev libmsgpack-cxx-dev nlohmann-json3-dev libcpp-httplib-dev libmicrohttpd-dev
+  libzmq3-dev cppzmq-dev libsodium-dev libmsgpack-cxx-dev nlohmann-json3-dev libcpp-httplib-dev
+  libmicrohttpd-dev
   libucx-dev ucx-utils
   libspdlog-dev libfmt-dev libcli11-dev libexpected-dev
   libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev

@@ -27,6 +27,10 @@ enum class ErrorCode : std::uint8_t {
   kResourceExhausted,  // a bounded structure is full
   kCancelled,          // shut down or aborted before completion
   kInternal,           // a bug: an invariant failed
+  // The caller could not prove it belongs to the cluster (docs/security.md): a missing, forged,
+  // stale or malformed signature. Never on the side channel (authentication happens in its
+  // ZeroMQ handshake), so wire::kMaxErrorCode stays kInternal and the wire values are unchanged.
+  kUnauthenticated,
 };
 
 constexpr std::string_view ToString(ErrorCode code) {
@@ -59,6 +63,8 @@ constexpr std::string_view ToString(ErrorCode code) {
       return "CANCELLED";
     case ErrorCode::kInternal:
       return "INTERNAL";
+    case ErrorCode::kUnauthenticated:
+      return "UNAUTHENTICATED";
   }
   return "UNKNOWN";
 }

@@ -106,13 +106,15 @@ class Watchdog {
 struct HttpReply {
   int status = 0;
   std::string body;
+  std::string signature;  // X-Kvferry-Signature, empty when absent
 };
 
-// One HTTP exchange with a hard deadline and an answer size cap. Errors: kTimeout (deadline),
-// kUnavailable (transport), kProtocol (answer too large).
+// One HTTP exchange with a hard deadline and an answer size cap. `authorization`, when not
+// empty, is sent as the Authorization header. Errors: kTimeout (deadline), kUnavailable
+// (transport), kProtocol (answer too large).
 Result<HttpReply> Call(const BootstrapAddress& address, const char* method, const std::string& path,
-                       const std::string* body, Clock::time_point deadline,
-                       std::size_t max_answer) {
+                       const std::string* body, Clock::time_point deadline, std::size_t max_answer,
+                       const std::string& authorization = {}) {
   const std::string what = fmt::format("bootstrap {} {} {}", address.ToString(), method, path);
   const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
   if (left.count() <= 0) return Err(ErrorCode::kTimeout, what + ": deadline already passed");
@@ -134,6 +136,7 @@ Result<HttpReply> Call(const BootstrapAddress& address, const char* method, cons
     req.body = *body;
     req.set_header("Content-Type", "application/json");
   }
+  if (!authorization.empty()) req.set_header("Authorization", authorization);
   std::string answer;
   bool too_large = false;
   req.content_receiver = [&](const char* data, std::size_t n, std::uint64_t, std::uint64_t) {
@@ -163,7 +166,32 @@ Result<HttpReply> Call(const BootstrapAddress& address, const char* method, cons
     }
     return Err(ErrorCode::kUnavailable, fmt::format("{}: {}", what, httplib::to_string(error)));
   }
-  return HttpReply{res.status, std::move(answer)};
+  // Bounded like the answer: a signature longer than its format allows is not one.
+  std::string signature = res.get_header_value(std::string(kSignatureHeader));
+  if (signature.size() > 256) signature.resize(256);
+  return HttpReply{res.status, std::move(answer), std::move(signature)};
+}
+
+// Whether `reply` to GET `path` may be believed (BootstrapClient's class comment).
+Status CheckAnswer(const std::shared_ptr<const ClusterSecret>& secret, const HttpReply& reply,
+                   std::string_view path, std::string_view what, bool refuse_signed_if_open) {
+  if (!secret) {
+    if (refuse_signed_if_open && !reply.signature.empty()) {
+      return Status(ErrorCode::kUnauthenticated,
+                    fmt::format("{}: the bootstrap service signs its answers (its cluster "
+                                "requires authentication) but this process has no cluster secret "
+                                "(kv_connector_extra_config.cluster_secret_file)",
+                                what));
+    }
+    return Status::Ok();
+  }
+  Status verified =
+      VerifyResponse(*secret, reply.signature, reply.status, path, reply.body, UnixNowSeconds());
+  if (!verified.ok()) {
+    return Status(ErrorCode::kUnauthenticated,
+                  fmt::format("{}: HTTP {} {}", what, reply.status, verified.message()));
+  }
+  return Status::Ok();
 }
 
 // The reason a non-200 answer gives, for error messages (bounded: it came from the network).
@@ -179,6 +207,9 @@ Status StatusForAnswer(const HttpReply& reply, std::string_view what) {
   switch (reply.status) {
     case 400:
       code = ErrorCode::kInvalidArgument;
+      break;
+    case 401:
+      code = ErrorCode::kUnauthenticated;
       break;
     case 404:
       code = ErrorCode::kNotFound;
@@ -258,10 +289,11 @@ Result<BootstrapAddress> ParseBootstrapAddress(std::string_view address) {
   return out;
 }
 
-Result<BootstrapClient> BootstrapClient::Create(std::string_view address) {
+Result<BootstrapClient> BootstrapClient::Create(std::string_view address,
+                                                std::shared_ptr<const ClusterSecret> secret) {
   auto parsed = ParseBootstrapAddress(address);
   if (!parsed) return tl::unexpected(parsed.error());
-  return BootstrapClient(std::move(*parsed));
+  return BootstrapClient(std::move(*parsed), std::move(secret));
 }
 
 Status BootstrapClient::Register(const WorkerRegistration& registration, Timeout timeout,
@@ -282,7 +314,12 @@ Status BootstrapClient::Register(const WorkerRegistration& registration, Timeout
   while (true) {
     ++attempts;
     const auto attempt_deadline = std::min(deadline, Clock::now() + retry.attempt_timeout);
-    auto reply = Call(address_, "POST", "/register", &body, attempt_deadline, kMaxSmallAnswer);
+    // Signed per attempt: a retry after a long backoff still carries a fresh timestamp.
+    const std::string authorization =
+        secret_ ? SignRequest(*secret_, "POST", "/register", body, UnixNowSeconds())
+                : std::string();
+    auto reply = Call(address_, "POST", "/register", &body, attempt_deadline, kMaxSmallAnswer,
+                      authorization);
     if (reply) {
       if (reply->status == 200) return Status::Ok();
       Status answer = StatusForAnswer(*reply, what);
@@ -315,6 +352,10 @@ Result<EngineInfo> BootstrapClient::Query(const std::string& engine_id, Timeout 
   if (!reply) return tl::unexpected(reply.error());
   const std::string what =
       fmt::format("querying engine {} at bootstrap {}", engine_id, address_.ToString());
+  if (Status s = CheckAnswer(secret_, *reply, "/query", what, /*refuse_signed_if_open=*/true);
+      !s.ok()) {
+    return tl::unexpected(std::move(s));
+  }
   if (reply->status != 200) return tl::unexpected(StatusForAnswer(*reply, what));
   auto info = DecodeEngine(reply->body);
   if (!info) {
@@ -331,6 +372,10 @@ Result<std::vector<EngineInfo>> BootstrapClient::QueryAll(Timeout timeout) const
   auto reply = Call(address_, "GET", "/query", nullptr, Clock::now() + timeout, kMaxListAnswer);
   if (!reply) return tl::unexpected(reply.error());
   const std::string what = fmt::format("listing engines at bootstrap {}", address_.ToString());
+  if (Status s = CheckAnswer(secret_, *reply, "/query", what, /*refuse_signed_if_open=*/false);
+      !s.ok()) {
+    return tl::unexpected(std::move(s));
+  }
   if (reply->status != 200) return tl::unexpected(StatusForAnswer(*reply, what));
   auto engines = DecodeEngines(reply->body);
   if (!engines) {
@@ -385,7 +430,7 @@ Result<EngineLookup> EngineDirectory::Lookup(const std::string& engine_id,
   lock.unlock();
 
   Result<EngineInfo> answer = [&]() -> Result<EngineInfo> {
-    auto client = BootstrapClient::Create(bootstrap_addr);
+    auto client = BootstrapClient::Create(bootstrap_addr, secret_);
     if (!client) return tl::unexpected(client.error());
     const auto left = std::chrono::duration_cast<Timeout>(deadline - Clock::now());
     return client->Query(engine_id, left);

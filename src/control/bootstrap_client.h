@@ -5,6 +5,10 @@
 // bounded by the time left, and a watchdog aborts a call that is still running when the time is
 // up (a server that trickles bytes cannot stretch it). Answers are size-limited and validated
 // (ValidateEngineInfo) before anyone sees them.
+//
+// Cluster authentication (docs/security.md): a client with a ClusterSecret signs its
+// registrations and accepts only /query answers signed with the same secret.
+
 #pragma once
 
 #include <chrono>
@@ -18,6 +22,7 @@
 #include <vector>
 
 #include "control/bootstrap_types.h"
+#include "control/cluster_auth.h"
 #include "kvferry/status.h"
 
 namespace kvferry::control {
@@ -42,26 +47,39 @@ struct RetryPolicy {
   Timeout max_backoff{1000};
 };
 
-// Stateless apart from its address: safe to use from many threads at once. Each call opens its
-// own connection (bootstrap traffic is a handful of calls per engine lifetime).
+// Stateless apart from its address and secret: safe to use from many threads at once. Each
+// call opens its own connection (bootstrap traffic is a handful of calls per engine lifetime).
+//
+// With a `secret`, Register signs each attempt (Authorization: kvferry-hmac ...) and Query /
+// QueryAll accept only answers whose X-Kvferry-Signature verifies (kUnauthenticated otherwise:
+// unsigned, forged, or older than kMaxClockSkewSeconds). Without one, nothing is signed, and a
+// Query answer that is signed is refused with kUnauthenticated too: the service belongs to an
+// authenticated cluster whose side channels would refuse this process anyway, so the pairing
+// fails now, with the reason, instead of as pull timeouts later.
 class BootstrapClient {
  public:
-  explicit BootstrapClient(BootstrapAddress address) : address_(std::move(address)) {}
+  explicit BootstrapClient(BootstrapAddress address,
+                           std::shared_ptr<const ClusterSecret> secret = nullptr)
+      : address_(std::move(address)), secret_(std::move(secret)) {}
   // kInvalidArgument if `address` does not parse.
-  [[nodiscard]] static Result<BootstrapClient> Create(std::string_view address);
+  [[nodiscard]] static Result<BootstrapClient> Create(
+      std::string_view address, std::shared_ptr<const ClusterSecret> secret = nullptr);
 
   // Registers one worker, retrying transport failures and 5xx answers (other than "registry
   // full") with backoff until `timeout` has passed; safe because an identical re-registration
   // is idempotent. Returns OK, kInvalidArgument (the registration is invalid: checked here
   // before any I/O, or the server said 400), kAlreadyExists (409: a conflict, with the server's
-  // reason), kResourceExhausted (the registry is full), or kTimeout / kUnavailable (the service
-  // did not answer in time / could not be reached; the message counts the attempts).
+  // reason), kResourceExhausted (the registry is full), kUnauthenticated (401: the service
+  // requires a signature this client lacks or the server could not verify), or kTimeout /
+  // kUnavailable (the service did not answer in time / could not be reached; the message counts
+  // the attempts).
   [[nodiscard]] Status Register(const WorkerRegistration& registration, Timeout timeout,
                                 const RetryPolicy& retry = {}) const;
 
   // The engine's current registration; one attempt. kNotFound for an unknown engine,
   // kInvalidArgument for an id the server refuses, kProtocol for a malformed answer (or an
-  // answer about another engine), kTimeout / kUnavailable for transport failures.
+  // answer about another engine), kUnauthenticated for an answer whose signature is missing or
+  // wrong (see the class comment), kTimeout / kUnavailable for transport failures.
   [[nodiscard]] Result<EngineInfo> Query(const std::string& engine_id, Timeout timeout) const;
   // Every engine the service knows, sorted by engine_id.
   [[nodiscard]] Result<std::vector<EngineInfo>> QueryAll(Timeout timeout) const;
@@ -72,6 +90,7 @@ class BootstrapClient {
 
  private:
   BootstrapAddress address_;
+  std::shared_ptr<const ClusterSecret> secret_;  // null: an open cluster
 };
 
 // What EngineDirectory::Lookup returns.
@@ -90,7 +109,10 @@ struct EngineLookup {
 // address share one query.
 class EngineDirectory {
  public:
-  EngineDirectory() = default;
+  // `secret`: the cluster secret every query answer must be signed with (BootstrapClient);
+  // null for an open cluster.
+  explicit EngineDirectory(std::shared_ptr<const ClusterSecret> secret = nullptr)
+      : secret_(std::move(secret)) {}
   EngineDirectory(const EngineDirectory&) = delete;
   EngineDirectory& operator=(const EngineDirectory&) = delete;
 
@@ -124,6 +146,7 @@ class EngineDirectory {
     std::shared_ptr<Flight> flight;
   };
 
+  const std::shared_ptr<const ClusterSecret> secret_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, Entry> entries_;
   std::uint64_t queries_sent_ = 0;

@@ -75,6 +75,14 @@ const char* ToString(BootstrapRegistry::Outcome outcome) {
 Result<BootstrapRegistry::Outcome> BootstrapRegistry::Register(const WorkerRegistration& r) {
   if (Status s = Validate(r); !s.ok()) return tl::unexpected(std::move(s));
 
+  if (own_engine_ && r.engine_id == own_engine_->engine_id &&
+      r.incarnation != own_engine_->incarnation) {
+    return Err(ErrorCode::kAlreadyExists,
+               fmt::format("engine {} is served by this process, incarnation {}; a new "
+                           "incarnation cannot register while it runs (this one says {})",
+                           r.engine_id, own_engine_->incarnation, r.incarnation));
+  }
+
   if (auto owner = dp_owner_.find(r.dp_rank);
       owner != dp_owner_.end() && owner->second != r.engine_id) {
     return Err(ErrorCode::kAlreadyExists, fmt::format("dp_rank {} belongs to engine {}, not {}",

@@ -3,16 +3,19 @@
 //
 // Rules for Register(r), in order:
 //   1. r must pass Validate()                                              -> kInvalidArgument
-//   2. dp_rank is owned by one engine: another engine_id on it             -> kAlreadyExists
-//   3. r.engine_id unknown: a new engine with this one worker              -> kAdded
-//   4. same incarnation as the engine's current one:
+//   2. r names the engine that embeds this registry (`own_engine`) with another incarnation:
+//      a P restart restarts its embedded bootstrap, so while this one runs, that engine's
+//      incarnation is fixed and any other is forged or misconfigured       -> kAlreadyExists
+//   3. dp_rank is owned by one engine: another engine_id on it             -> kAlreadyExists
+//   4. r.engine_id unknown: a new engine with this one worker              -> kAdded
+//   5. same incarnation as the engine's current one:
 //        engine fields (dp_rank, tp_size, pp_size, lease, version) differ  -> kAlreadyExists
 //        (tp_rank, pp_rank) registered with the same addresses           -> kUnchanged (retry)
 //        (tp_rank, pp_rank) registered with other addresses              -> kAlreadyExists
 //        otherwise the worker is added                                     -> kAdded
-//   5. an incarnation this engine had before (a late retry from a P process that has since
+//   6. an incarnation this engine had before (a late retry from a P process that has since
 //      been replaced; accepting it would flip D back to a dead peer)    -> kAlreadyExists
-//   6. a new incarnation: P restarted. The old incarnation's workers are dropped, the engine
+//   7. a new incarnation: P restarted. The old incarnation's workers are dropped, the engine
 //      takes r's fields and has r as its only worker until the other ranks re-register
 //                                                                          -> kNewIncarnation
 // Capacity: at most `max_workers` workers in total, else kResourceExhausted. A rejected call
@@ -22,7 +25,9 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "control/bootstrap_types.h"
@@ -34,10 +39,14 @@ class BootstrapRegistry {
  public:
   enum class Outcome : std::uint8_t { kAdded, kUnchanged, kNewIncarnation };
 
-  // Retired incarnations remembered per engine (rule 5); older ones are forgotten.
+  // Retired incarnations remembered per engine (rule 6); older ones are forgotten.
   static constexpr std::size_t kRetiredIncarnations = 8;
 
-  explicit BootstrapRegistry(std::size_t max_workers = 16384) : max_workers_(max_workers) {}
+  // `own_engine`: the P engine incarnation of the process this registry runs in (rule 2);
+  // none for a standalone bootstrap service.
+  explicit BootstrapRegistry(std::size_t max_workers = 16384,
+                             std::optional<EngineIncarnation> own_engine = std::nullopt)
+      : max_workers_(max_workers), own_engine_(std::move(own_engine)) {}
 
   [[nodiscard]] Result<Outcome> Register(const WorkerRegistration& r);
 
@@ -56,6 +65,7 @@ class BootstrapRegistry {
   };
 
   std::size_t max_workers_;
+  std::optional<EngineIncarnation> own_engine_;
   std::size_t worker_count_ = 0;
   std::map<std::string, Engine> engines_;          // ordered: QueryAll is sorted for free
   std::map<std::uint32_t, std::string> dp_owner_;  // dp_rank -> engine_id

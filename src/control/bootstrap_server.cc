@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <mutex>
 
+#include "control/bootstrap_auth.h"
 #include "control/bootstrap_json.h"
 #include "control/bootstrap_registry.h"
 #include "control/http_server.h"
@@ -64,7 +65,9 @@ bool IsValidEngineId(const std::string& id) {
 
 struct BootstrapServer::Impl {
   explicit Impl(BootstrapServerOptions opts)
-      : options(std::move(opts)), registry(options.max_workers) {}
+      : options(std::move(opts)),
+        registry(options.max_workers, options.own_engine),
+        auth(options.cluster_secret) {}
 
   void Log(std::string_view line) const {
     if (options.log) options.log(line);
@@ -78,6 +81,7 @@ struct BootstrapServer::Impl {
 
   mutable std::mutex mu;  // guards registry; held only for in-memory work, never for I/O
   BootstrapRegistry registry;
+  BootstrapAuth auth;  // thread-safe
 
   // Owned by the thread calling Start/Stop.
   std::unique_ptr<HttpServer> http;
@@ -87,14 +91,29 @@ void BootstrapServer::Impl::InstallRoutes(HttpServer& server) {
   // Every route is an in-memory lookup: inline on the event thread, never behind a pool.
   server.Route("POST", "/register",
                InlineHandler([this](const HttpRequest& req) { return HandleRegister(req); }));
-  server.Route("GET", "/query",
-               InlineHandler([this](const HttpRequest& req) { return HandleQuery(req); }));
+  server.Route("GET", "/query", InlineHandler([this](const HttpRequest& req) {
+                 HttpResponse res = HandleQuery(req);
+                 // Every answer, errors included, so D can tell it came from a cluster member.
+                 std::string signature = auth.SignAnswer(res.status, req.path, res.body);
+                 if (!signature.empty()) {
+                   res.headers.emplace_back(std::string(kSignatureHeader), std::move(signature));
+                 }
+                 return res;
+               }));
   server.Route("GET", "/health", InlineHandler([](const HttpRequest&) {
                  return JsonResponse(EncodeObject({{"status", "ok"}}));
                }));
 }
 
 HttpResponse BootstrapServer::Impl::HandleRegister(const HttpRequest& req) {
+  const std::string* authorization = req.Header("authorization");
+  if (Status authn = auth.CheckRequest(authorization != nullptr ? *authorization : "", req.method,
+                                       req.path, req.body);
+      !authn.ok()) {
+    Log(fmt::format("bootstrap: refused registration from {}: {}", req.remote_addr,
+                    authn.message()));
+    return ErrorResponse(401, authn.message());
+  }
   auto reg = DecodeRegistration(req.body);
   if (!reg) {
     Log(fmt::format("bootstrap: rejected registration from {}: {}", req.remote_addr,
@@ -192,7 +211,9 @@ std::vector<EngineInfo> BootstrapServer::Engines() const {
   return impl_->registry.QueryAll();
 }
 
-int RunBootstrapServer(const std::string& host, int port) {
+std::uint64_t BootstrapServer::auth_refusals() const { return impl_->auth.refusals(); }
+
+int RunBootstrapServer(const std::string& host, int port, BootstrapServerOptions options) {
   sigset_t signals;
   sigset_t previous;
   sigemptyset(&signals);
@@ -202,10 +223,11 @@ int RunBootstrapServer(const std::string& host, int port) {
   // sees the signals.
   pthread_sigmask(SIG_BLOCK, &signals, &previous);
 
-  BootstrapServerOptions options;
-  options.log = [](std::string_view line) {
-    std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
-  };
+  if (!options.log) {
+    options.log = [](std::string_view line) {
+      std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+    };
+  }
   int rc = 0;
   {
     BootstrapServer server(std::move(options));

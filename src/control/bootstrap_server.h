@@ -3,24 +3,29 @@
 // standalone with RunBootstrapServer (the `kvferry bootstrap` subcommand).
 //
 //   POST /register           a WorkerRegistration   -> 200 {"status":"ok","outcome":...}
-//                                                      400 malformed, 409 conflict, 503 full
+//                                                      400 malformed, 409 conflict, 503 full,
+//                                                      401 unsigned/forged (with a secret)
 //   GET  /query?engine_id=X  one engine (EngineInfo) -> 200, 400 bad id, 404 unknown engine
 //   GET  /query              {"engines":[...]}       -> 200
 //   GET  /health             {"status":"ok"}         -> 200
 // Every 4xx/5xx answer is {"error": reason}. The registration rules are BootstrapRegistry's;
 // wire formats and limits are in docs/bootstrap.md. The HTTP side is control::HttpServer
 // (event-driven: idle or slow clients cannot stop lookups), every route answered inline from
-// memory; a body over kMaxBodyBytes gets 413 before it is read, a chunked one 411.
+// memory; a body over kMaxBodyBytes gets 413, a chunked one 411. With a cluster secret,
+// registrations must be signed and /query answers are signed (BootstrapAuth; docs/security.md).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "control/bootstrap_types.h"
 #include "control/http_server.h"
+#include "control/cluster_auth.h"
 #include "kvferry/status.h"
 
 namespace kvferry::control {
@@ -31,6 +36,13 @@ struct BootstrapServerOptions {
   // Called, from a server thread, with one line per state change (a new engine, a P restart)
   // and per rejected registration, for the embedding process's log. May be empty.
   std::function<void(std::string_view line)> log;
+  // Cluster authentication (docs/security.md). With a secret, POST /register must carry a valid
+  // Authorization signature (else 401 {"error": reason}, counted in auth_refusals()) and every
+  // /query answer carries X-Kvferry-Signature. Null: the service is open, as before.
+  std::shared_ptr<const ClusterSecret> cluster_secret;
+  // The P engine incarnation of the process that embeds this server: no other incarnation of
+  // that engine may register while it runs (BootstrapRegistry rule 2). None when standalone.
+  std::optional<EngineIncarnation> own_engine;
 };
 
 class BootstrapServer {
@@ -59,6 +71,9 @@ class BootstrapServer {
   // Snapshot of the registry, for the embedding process (metrics, tests).
   [[nodiscard]] std::vector<EngineInfo> Engines() const;
 
+  // Registrations refused for authentication (401) since construction.
+  std::uint64_t auth_refusals() const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
@@ -68,6 +83,7 @@ class BootstrapServer {
 // returns 0 (1 if it could not start; the reason goes to stderr). Prints the bound address and
 // state changes to stderr. Call it from the main thread before any other thread starts: it
 // blocks both signals in the calling thread (server threads inherit that mask) and sigwait()s.
-int RunBootstrapServer(const std::string& host, int port);
+// `options.log` defaults to stderr.
+int RunBootstrapServer(const std::string& host, int port, BootstrapServerOptions options = {});
 
 }  // namespace kvferry::control

@@ -55,6 +55,14 @@ struct WorkerRegistration {
 // kMaxLeaseSeconds. `data_plane` may be empty (a P without a data plane of its own yet).
 [[nodiscard]] Status Validate(const WorkerRegistration& r);
 
+// One P process's identity: the engine it serves and the incarnation it registers with.
+struct EngineIncarnation {
+  std::string engine_id;
+  std::string incarnation;
+
+  friend bool operator==(const EngineIncarnation&, const EngineIncarnation&) = default;
+};
+
 // One worker as D sees it in a query answer.
 struct WorkerAddress {
   std::uint32_t dp_rank = 0;

@@ -48,6 +48,12 @@ class DecodeChannel::Impl {
     socket_.set(zmq::sockopt::rcvhwm, options.receive_hwm);
     // A reply can never be larger than the protocol's limit; a bigger frame is hostile.
     socket_.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(wire::kMaxFrameBytes));
+    if (options.cluster_secret) {
+      const ClusterSecret& secret = *options.cluster_secret;
+      socket_.set(zmq::sockopt::curve_serverkey, secret.curve_server().public_z85);
+      socket_.set(zmq::sockopt::curve_publickey, secret.curve_client().public_z85);
+      socket_.set(zmq::sockopt::curve_secretkey, secret.curve_client().secret_z85);
+    }
   }
 
   Status Connect(const std::string& endpoint) {
@@ -167,6 +173,10 @@ class DecodeChannel::Impl {
 Result<std::unique_ptr<DecodeChannel>> DecodeChannel::Connect(
     std::shared_ptr<SideChannelContext> context, std::string endpoint, ChannelOptions options) {
   if (context == nullptr) return Err(ErrorCode::kInvalidArgument, "SideChannelContext is null");
+  if (options.cluster_secret && !CurveAvailable()) {
+    return Err(ErrorCode::kInvalidArgument,
+               "a cluster secret needs CURVE, and this libzmq was built without it");
+  }
   auto impl = std::make_unique<Impl>(std::move(context), options);
   Status status = impl->Connect(endpoint);
   if (!status.ok()) return tl::unexpected<Status>(std::move(status));

@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "control/cluster_auth.h"
 #include "kvferry/core/ids.h"
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"
@@ -50,6 +51,10 @@ struct ChannelOptions {
   std::chrono::milliseconds linger{500};
   int send_hwm = 1000;
   int receive_hwm = 1000;
+  // Null: connect without authentication (an open P). Otherwise the DEALER is a CURVE client
+  // with the cluster's keys (cluster_auth.h); a P with another secret, or none, never completes
+  // the handshake, so every call ends in kTimeout.
+  std::shared_ptr<const ClusterSecret> cluster_secret;
 };
 
 struct ChannelStats {

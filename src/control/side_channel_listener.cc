@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -24,6 +26,29 @@ namespace {
 
 using core::Clock;
 using core::TimePoint;
+
+// ZeroMQ's fixed ZAP endpoint (RFC 27), per context: each listener has its own context.
+constexpr const char* kZapEndpoint = "inproc://zeromq.zap.01";
+constexpr const char* kMonitorEndpoint = "inproc://kvferry-side-channel-monitor";
+// The handshake verdicts counted as authentication refusals. A connection that merely ends
+// mid-handshake (HANDSHAKE_FAILED_NO_DETAIL: a port probe, a peer that closed) is not one.
+constexpr int kRefusalEvents =
+    ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+
+// Why a handshake failed, in words for the log.
+std::string RefusalReason(std::uint16_t event, std::uint32_t value) {
+  if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+    return fmt::format("ZAP refused its CURVE client key (status {}): not the cluster's", value);
+  }
+  switch (value) {
+    case ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+      return "it did not use CURVE: a decoder without the cluster secret?";
+    case ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+      return "its CURVE keys are not the cluster's: another cluster secret?";
+    default:
+      return fmt::format("handshake protocol error {:#x}", value);
+  }
+}
 
 protocol::PrefillSessionOptions SessionOptions(const ListenerOptions& o) {
   protocol::PrefillSessionOptions s;
@@ -88,6 +113,9 @@ class PrefillListener::Impl {
       router_.set(zmq::sockopt::maxmsgsize,
                   static_cast<std::int64_t>(wire::kMaxFrameBytes + (std::size_t{1} << 20)));
       router_.set(zmq::sockopt::linger, static_cast<int>(options_.linger.count()));
+      if (options_.cluster_secret) {
+        if (Status s = SecureRouter(*options_.cluster_secret); !s.ok()) return s;
+      }
       router_.bind(options_.endpoint);
       endpoint_ = router_.get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {
@@ -102,6 +130,42 @@ class PrefillListener::Impl {
   }
 
   const std::string& endpoint() const { return endpoint_; }
+
+  // Makes the ROUTER a CURVE server behind this listener's ZAP handler, and monitors its
+  // handshakes. Called by Init before the bind, so no peer ever connects unauthenticated.
+  Status SecureRouter(const ClusterSecret& secret) {
+    if (!CurveAvailable()) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "a cluster secret needs CURVE, and this libzmq was built without it");
+    }
+    if (zmq_z85_decode(cluster_client_key_.data(), secret.curve_client().public_z85.c_str()) ==
+        nullptr) {
+      return Status(ErrorCode::kInternal, "derived CURVE client key is not Z85");
+    }
+    try {
+      // The ZAP handler must serve before the first handshake.
+      zap_ = zmq::socket_t(ctx_, zmq::socket_type::rep);
+      zap_.set(zmq::sockopt::linger, 0);
+      zap_.bind(kZapEndpoint);
+      if (zmq_socket_monitor(router_.handle(), kMonitorEndpoint, kRefusalEvents) != 0) {
+        throw zmq::error_t();
+      }
+      monitor_ = zmq::socket_t(ctx_, zmq::socket_type::pair);
+      monitor_.set(zmq::sockopt::linger, 0);
+      // Unbounded toward us (an inproc pipe is unbounded when the connecting side's receive
+      // limit is 0): libzmq's I/O thread sends monitor events blocking, so a bounded pipe the
+      // listener is slow to drain (say while Stop() waits for writes) could stall it.
+      monitor_.set(zmq::sockopt::rcvhwm, 0);
+      monitor_.connect(kMonitorEndpoint);
+      router_.set(zmq::sockopt::curve_server, true);
+      router_.set(zmq::sockopt::curve_secretkey, secret.curve_server().secret_z85);
+      router_.set(zmq::sockopt::zap_domain, std::string(kZapDomain));
+    } catch (const zmq::error_t& e) {
+      return Status(ErrorCode::kInternal,
+                    fmt::format("side channel: cannot set up CURVE authentication: {}", e.what()));
+    }
+    return Status::Ok();
+  }
 
   std::future<Status> PostEngineCommand(Command::Kind kind, const core::TransferId& id,
                                         std::uint64_t handle, std::uint32_t num_blocks,
@@ -121,6 +185,8 @@ class PrefillListener::Impl {
   void ListenerMain();
   int PollTimeoutMs(TimePoint now) const;
   bool ReadMessage();
+  void ReadMonitor();      // counts refused handshakes
+  void ServeZap();         // answers ZAP requests: only the cluster's client key passes
   bool ProcessCommands();  // true once kStop was seen
   // Carries out what the session decided: replies, writes, hold events.
   void Pump();
@@ -156,9 +222,13 @@ class PrefillListener::Impl {
   // Listener thread only.
   zmq::context_t ctx_{1};
   zmq::socket_t router_;
+  zmq::socket_t zap_;      // with a cluster secret: the ZAP handler (REP)
+  zmq::socket_t monitor_;  // with a cluster secret: the ROUTER's handshake events (PAIR)
+  std::array<std::uint8_t, 32> cluster_client_key_{};
   protocol::PrefillSession session_;
   std::uint64_t responses_sent_ = 0;
   std::uint64_t replies_dropped_ = 0;
+  std::uint64_t auth_refusals_ = 0;
   Status drain_result_;
 
   std::vector<std::thread> senders_;
@@ -302,16 +372,21 @@ void PrefillListener::Impl::SenderMain() {
 
 void PrefillListener::Impl::ListenerMain() {
   bool stop = false;
+  const bool secured = zap_.handle() != nullptr;
   while (!stop) {
     zmq::pollitem_t items[] = {
         {router_.handle(), 0, ZMQ_POLLIN, 0},
         {nullptr, wake_fd_, ZMQ_POLLIN, 0},
+        {zap_.handle(), 0, ZMQ_POLLIN, 0},
+        {monitor_.handle(), 0, ZMQ_POLLIN, 0},
     };
     try {
-      zmq::poll(items, 2, std::chrono::milliseconds(PollTimeoutMs(Clock::now())));
+      zmq::poll(items, secured ? 4 : 2, std::chrono::milliseconds(PollTimeoutMs(Clock::now())));
     } catch (const zmq::error_t& e) {
       if (e.num() != EINTR) spdlog::error("side channel {}: poll failed: {}", endpoint_, e.what());
     }
+    if (secured && (items[2].revents & ZMQ_POLLIN)) ServeZap();
+    if (secured && (items[3].revents & ZMQ_POLLIN)) ReadMonitor();
     if (items[0].revents & ZMQ_POLLIN) {
       // Bounded so engine commands and the expiry pass are not starved by a flood.
       for (int i = 0; i < 64 && ReadMessage(); ++i) {
@@ -380,6 +455,77 @@ bool PrefillListener::Impl::ReadMessage() {
   }
   Pump();  // renewals are answered before the next message is read
   return true;
+}
+
+void PrefillListener::Impl::ServeZap() {
+  // ZAP (RFC 27) request: version, request id, domain, address, routing id, mechanism,
+  // credentials (CURVE: the client's 32-byte public key).
+  for (;;) {
+    std::vector<zmq::message_t> parts;
+    try {
+      zmq::message_t part;
+      if (!zap_.recv(part, zmq::recv_flags::dontwait)) return;
+      bool more = part.more();
+      parts.push_back(std::move(part));
+      while (more) {  // a REP socket must read the whole request before it may reply
+        zmq::message_t next;
+        if (!zap_.recv(next, zmq::recv_flags::dontwait)) break;
+        more = next.more();
+        parts.push_back(std::move(next));
+      }
+    } catch (const zmq::error_t& e) {
+      spdlog::error("side channel {}: ZAP receive failed: {}", endpoint_, e.what());
+      return;
+    }
+    auto text = [&](std::size_t i) {
+      return i < parts.size() ? parts[i].to_string_view() : std::string_view();
+    };
+    const bool member =
+        parts.size() == 7 && text(0) == "1.0" && text(2) == kZapDomain && text(5) == "CURVE" &&
+        parts[6].size() == cluster_client_key_.size() &&
+        std::memcmp(parts[6].data(), cluster_client_key_.data(), cluster_client_key_.size()) == 0;
+    const std::string request_id(text(1));
+    try {
+      zap_.send(zmq::buffer(std::string_view("1.0")), zmq::send_flags::sndmore);
+      zap_.send(zmq::buffer(request_id), zmq::send_flags::sndmore);
+      zap_.send(zmq::buffer(std::string_view(member ? "200" : "400")), zmq::send_flags::sndmore);
+      zap_.send(zmq::buffer(std::string_view(member ? "OK" : "not a cluster member")),
+                zmq::send_flags::sndmore);
+      zap_.send(zmq::buffer(std::string_view(member ? "kvferry-cluster" : "")),
+                zmq::send_flags::sndmore);
+      zap_.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::none);
+    } catch (const zmq::error_t& e) {
+      spdlog::error("side channel {}: ZAP reply failed: {}", endpoint_, e.what());
+    }
+  }
+}
+
+void PrefillListener::Impl::ReadMonitor() {
+  for (;;) {
+    zmq::message_t event_frame;
+    zmq::message_t address_frame;
+    try {
+      if (!monitor_.recv(event_frame, zmq::recv_flags::dontwait)) return;
+      if (event_frame.more()) (void)monitor_.recv(address_frame);
+    } catch (const zmq::error_t&) {
+      return;
+    }
+    if (event_frame.size() < 6) continue;
+    std::uint16_t event = 0;
+    std::uint32_t value = 0;
+    std::memcpy(&event, event_frame.data(), sizeof(event));
+    std::memcpy(&value, static_cast<const char*>(event_frame.data()) + sizeof(event),
+                sizeof(value));
+    if ((event & kRefusalEvents) == 0) continue;
+    ++auth_refusals_;
+    // Loud at 1, 10, 100, ... refusals: a misconfigured D reconnects every 100 ms.
+    std::uint64_t n = auth_refusals_;
+    while (n % 10 == 0) n /= 10;
+    if (n == 1) {
+      spdlog::warn("side channel {}: refused an unauthenticated peer ({}); {} refusal(s) so far",
+                   endpoint_, RefusalReason(event, value), auth_refusals_);
+    }
+  }
 }
 
 void PrefillListener::Impl::Pump() {
@@ -463,6 +609,7 @@ ListenerStats PrefillListener::Impl::Snapshot() const {
   static_cast<protocol::PrefillStats&>(s) = session_.stats();
   s.responses_sent = responses_sent_;
   s.replies_dropped = replies_dropped_;
+  s.auth_refusals = auth_refusals_;
   return s;
 }
 
@@ -503,7 +650,10 @@ void PrefillListener::Impl::Drain() {
                                        "unanswered so D quarantines the blocks",
                                        session_.writes_in_flight()));
   }
-  router_.close();  // linger (set at bind) lets the last replies go out
+  router_.close();  // linger (set at bind) lets the last replies go out (stops the monitor)
+  if (monitor_.handle() != nullptr) ReadMonitor();
+  monitor_.close();
+  zap_.close();
 }
 
 void PrefillListener::Impl::WaitForWrites(TimePoint deadline) {

@@ -18,6 +18,16 @@
 // Wire framing (docs/protocol.md §1): a message arrives as [identity][payload] and each reply
 // goes out as [identity][payload] with the request's wire `id` copied into it, which is how D
 // matches replies to requests. Any other frame count is answered with ERROR and not served.
+//
+// Cluster authentication (ListenerOptions::cluster_secret; docs/security.md): with a secret the
+// ROUTER is a CURVE server (so every frame is encrypted and authenticated), and the listener
+// thread also serves, in the same poll set and the same ZeroMQ context as the ROUTER,
+//  - the ZAP handler (inproc://zeromq.zap.01), which admits only the cluster's CURVE client
+//    key, and
+//  - a monitor of the ROUTER's handshakes: each failed one (a peer without CURVE, with another
+//    secret's keys, or refused by ZAP) counts in ListenerStats::auth_refusals. Such a peer
+//    never gets a message through, so nothing is served to it.
+// Both sockets belong to the listener thread and close with the ROUTER; nothing extra to stop.
 #pragma once
 
 #include <chrono>
@@ -28,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "control/cluster_auth.h"
 #include "kvferry/core/hold_table.h"
 #include "kvferry/core/ids.h"
 #include "kvferry/core/time.h"
@@ -79,12 +90,19 @@ struct ListenerOptions {
   std::size_t max_cached_descriptors = 4096;
   std::size_t max_pulls_in_progress = 16384;
   std::size_t max_parked_requests = 65536;
+  // Null: an open side channel (anyone who reaches the port is served). Otherwise only D
+  // peers holding the same secret can connect (CURVE + ZAP, see above); Start fails with
+  // kInvalidArgument if this libzmq lacks CURVE.
+  std::shared_ptr<const ClusterSecret> cluster_secret;
 };
 
 // A snapshot of the listener's counters: the session's, and what the socket did with its replies.
 struct ListenerStats : protocol::PrefillStats {
   std::uint64_t responses_sent = 0;   // replies and notices sent
   std::uint64_t replies_dropped = 0;  // peer gone or its queue full (ROUTER_MANDATORY)
+  // With a cluster secret: handshakes refused (no CURVE, wrong keys, denied by ZAP). A peer
+  // that keeps reconnecting counts once per attempt. Always 0 without a secret.
+  std::uint64_t auth_refusals = 0;
 };
 
 class PrefillListener {

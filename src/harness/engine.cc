@@ -267,6 +267,7 @@ Status ServingEngine::Impl::StartRanks() {
       o.num_senders = options.num_senders;
       o.bootstrap_address = options.bootstrap_address;
       o.incarnation = options.incarnation;
+      o.cluster_secret = options.cluster_secret;
       o.side_channel_endpoint = fmt::format("tcp://{}:0", options.side_channel_host);
       auto listed = [rank](const std::vector<std::uint32_t>& ranks) {
         return std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
@@ -353,6 +354,7 @@ Status ServingEngine::Impl::StartRanks() {
       o.write_bound = options.write_bound;
       o.pull_timeout = options.pull_timeout;
       o.send_releases = options.send_releases;
+      o.cluster_secret = options.cluster_secret;
       auto warn = [this, rank](std::string_view message) {
         spdlog::warn("[{} r{}] {}", options.engine_id, rank, message);
       };
@@ -1077,7 +1079,7 @@ std::string ServingEngine::RenderMetrics() {
     std::uint64_t renew_acc = 0, renew_rej = 0, renew_ext = 0, renew_unknown = 0, late = 0,
                   hits = 0, tombstones = 0, pulls = 0, pull_errors = 0, writes_failed = 0,
                   writes_started = 0, malformed = 0, mismatches = 0, bytes = 0, in_flight = 0,
-                  writes_unsettled = 0, notices = 0;
+                  writes_unsettled = 0, notices = 0, auth_refusals = 0;
     std::map<std::string, std::uint64_t> releases;  // released fingerprints by outcome
     // Refusals of what a peer pushed against P's limits, by kind (hostile or broken D).
     std::map<std::string, std::uint64_t> refused;
@@ -1099,6 +1101,7 @@ std::string ServingEngine::RenderMetrics() {
       writes_failed += ls.writes_failed;
       writes_started += ls.writes_started;
       malformed += ls.messages_malformed;
+      auth_refusals += ls.auth_refusals;
       mismatches += ls.lease_mismatches;
       in_flight += ls.writes_in_flight;
       writes_unsettled += ls.writes_unsettled;
@@ -1172,6 +1175,16 @@ std::string ServingEngine::RenderMetrics() {
              static_cast<double>(pull_errors));
     w.Single("kvferry_side_channel_malformed_total", "counter", "Malformed side-channel messages",
              static_cast<double>(malformed));
+    w.Single("kvferry_side_channel_auth_refusals_total", "counter",
+             "Side-channel handshakes refused: no CURVE, another cluster secret, or denied by ZAP "
+             "(0 in an open cluster)",
+             static_cast<double>(auth_refusals));
+    if (o.bootstrap_auth_refusals) {
+      w.Single("kvferry_bootstrap_auth_refusals_total", "counter",
+               "Registrations the embedded bootstrap service refused with 401 (unsigned, forged "
+               "or stale)",
+               static_cast<double>(o.bootstrap_auth_refusals()));
+    }
     w.Single("kvferry_lease_mismatches_total", "counter", "Requests failed: P and D lease differ",
              static_cast<double>(mismatches));
     w.Single("kvferry_writes_started_total", "counter", "KV WRITE batches started",

@@ -37,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "control/cluster_auth.h"
 #include "harness/fault_writer.h"
 #include "harness/kv_pattern.h"
 #include "harness/serve_config.h"
@@ -85,6 +86,12 @@ struct EngineOptions {
   std::shared_ptr<TraceFile> trace;
   // UCX: how ranks name their workers in UCX logs.
   std::string ucx_name = "kvferry-serve";
+  // Cluster authentication (docs/security.md), null for an open cluster: P's listeners and
+  // registrations, D's side channels and lookups use it.
+  std::shared_ptr<const control::ClusterSecret> cluster_secret;
+  // P: the registrations its embedded bootstrap service refused for authentication, for
+  // /metrics (kvferry_bootstrap_auth_refusals_total); empty when it embeds none.
+  std::function<std::uint64_t()> bootstrap_auth_refusals;
 };
 
 enum class RequestKind : std::uint8_t { kLocal, kRemoteDecode, kRemotePrefill };

@@ -81,8 +81,24 @@ int RunServe(const ServeOptions& options) {
     }
   }
 
+  // Cluster authentication: opt-in, and said once either way (docs/security.md).
+  std::shared_ptr<const control::ClusterSecret> secret;
+  if (!config->cluster_secret_file.empty()) {
+    auto loaded = control::LoadClusterSecret(config->cluster_secret_file);
+    if (!loaded) return Fail(loaded.error().ToString());
+    secret = std::make_shared<const control::ClusterSecret>(std::move(*loaded));
+    spdlog::info("cluster authentication on: secret file {} (fingerprint {})",
+                 config->cluster_secret_file, secret->fingerprint());
+  } else {
+    spdlog::warn(
+        "cluster authentication is off, the cluster is open: anyone who reaches a bootstrap or "
+        "side-channel port can register engines, renew, pull or release transfers. Set "
+        "kv_connector_extra_config.cluster_secret_file on every P and D (docs/security.md)");
+  }
+
   EngineOptions eo;
   eo.role = options.role;
+  eo.cluster_secret = secret;
   eo.engine_id = !config->engine_id.empty() ? config->engine_id
                  : options.port != 0 ? fmt::format("{}-{}", ToString(options.role), options.port)
                                      : fmt::format("{}-{}", ToString(options.role), getpid());
@@ -123,12 +139,17 @@ int RunServe(const ServeOptions& options) {
   if (options.role == Role::kPrefill) {
     control::BootstrapServerOptions bo;
     bo.log = [](std::string_view line) { spdlog::info("bootstrap: {}", line); };
+    bo.cluster_secret = secret;
+    // This process is the engine's only incarnation while its bootstrap runs.
+    bo.own_engine = control::EngineIncarnation{eo.engine_id, eo.incarnation};
     bootstrap = std::make_unique<control::BootstrapServer>(bo);
     auto port = bootstrap->Start(options.host, config->bootstrap_port);
     if (!port) return Fail("bootstrap service: " + port.error().ToString());
     bootstrap_port = *port;
     eo.bootstrap_address = fmt::format("{}:{}", options.host, bootstrap_port);
     eo.side_channel_host = options.host;
+    // `bootstrap` outlives the engine (declared first), whose /metrics read this.
+    eo.bootstrap_auth_refusals = [server = bootstrap.get()] { return server->auth_refusals(); };
   }
 
   auto engine = ServingEngine::Start(eo);

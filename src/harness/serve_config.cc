@@ -93,6 +93,13 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view text,
             return Err(ErrorCode::kInvalidArgument, "kv_release must be true or false");
           }
           config.release = extra.get<bool>();
+        } else if (extra_key == "cluster_secret_file") {
+          if (!extra.is_string() || extra.get<std::string>().empty() ||
+              extra.get<std::string>().size() > 4096) {
+            return Err(ErrorCode::kInvalidArgument,
+                       "cluster_secret_file must be a path of 1..4096 bytes");
+          }
+          config.cluster_secret_file = extra.get<std::string>();
         } else if (extra_key == "bootstrap_port") {
           if (!extra.is_number_integer() || extra.get<std::int64_t>() < 0 ||
               extra.get<std::int64_t>() > 65535) {

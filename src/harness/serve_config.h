@@ -4,7 +4,8 @@
 //   {"kv_connector": "...", "kv_role": "kv_producer" | "kv_consumer", "engine_id": "...",
 //    "kv_load_failure_policy": "fail",
 //    "kv_connector_extra_config": {"kv_lease_duration": 30, "abort_request_timeout": 480,
-//                                  "bootstrap_port": 8998, "kv_release": true}}
+//                                  "bootstrap_port": 8998, "kv_release": true,
+//                                  "cluster_secret_file": "/etc/kvferry/secret"}}
 //
 // Unknown keys are accepted and reported as warnings (vLLM's configs carry many keys the harness
 // has no use for); malformed JSON, wrong types and out-of-range values are errors.
@@ -34,6 +35,10 @@ struct KvTransferConfig {
   // D: release a transfer to P as soon as its request no longer needs it (wire::Release).
   // false only to measure what that saves; the lease (or timeout) still frees P's KV.
   bool release = true;
+  // Cluster authentication (docs/security.md): the secret file every P, D and bootstrap of
+  // the cluster shares. Empty: the cluster is open (the default, as in vLLM). Only the path is
+  // parsed here; RunServe loads and checks the file.
+  std::string cluster_secret_file;
   std::string kv_load_failure_policy = "fail";
   std::vector<std::string> warnings;  // one line per ignored key
 };

@@ -60,7 +60,10 @@ protocol::DecodeSessionOptions SessionOptions(const DecodeWorkerOptions& o,
 class DecodeWorker::Impl {
  public:
   Impl(DecodeWorkerOptions options, std::shared_ptr<transport::Engine> engine, WarningSink warn)
-      : options_(std::move(options)), engine_(std::move(engine)), warn_(std::move(warn)) {}
+      : options_(std::move(options)),
+        engine_(std::move(engine)),
+        warn_(std::move(warn)),
+        directory_(options_.cluster_secret) {}
 
   ~Impl() { Stop(); }
 
@@ -255,6 +258,13 @@ class DecodeWorker::Impl {
     socket.set(zmq::sockopt::sndhwm, kSendHighWaterMark);
     // A reply can never be larger than the protocol's limit; a bigger frame is hostile.
     socket.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(wire::kMaxFrameBytes));
+    if (options_.cluster_secret) {
+      // A CURVE client that knows P's server key: an authenticated, encrypted channel.
+      const control::ClusterSecret& secret = *options_.cluster_secret;
+      socket.set(zmq::sockopt::curve_serverkey, secret.curve_server().public_z85);
+      socket.set(zmq::sockopt::curve_publickey, secret.curve_client().public_z85);
+      socket.set(zmq::sockopt::curve_secretkey, secret.curve_client().secret_z85);
+    }
     try {
       socket.connect(address);
     } catch (const zmq::error_t& e) {
@@ -410,6 +420,10 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::Start(DecodeWorkerOptions op
                                                           std::shared_ptr<transport::Engine> engine,
                                                           WarningSink warn) {
   if (engine == nullptr) return Err(ErrorCode::kInvalidArgument, "decode worker: no transport");
+  if (options.cluster_secret && !control::CurveAvailable()) {
+    return Err(ErrorCode::kInvalidArgument,
+               "decode worker: a cluster secret needs CURVE, and this libzmq was built without it");
+  }
   if (Status valid = protocol::DecodeSession::ValidateOptions(SessionOptions(options, {}));
       !valid.ok()) {
     return Err(ErrorCode::kInvalidArgument, "decode worker: " + valid.message());

@@ -6,7 +6,8 @@
 //    session says (never blocking: a message that cannot be queued is reported failed), feeds
 //    it every reply and wakes it at its NextDeadline. Many pulls share one socket (wire ids),
 //    so a dead P delays nothing else;
-//  - `lookup_threads` threads run the bootstrap lookups the session asks for;
+//  - `lookup_threads` threads run the bootstrap lookups the session asks for (with a cluster
+//    secret, a lookup believes only answers signed with it);
 //  - engine calls run the session directly (under its mutex) and wake the I/O thread.
 // Fences: the data-plane interface cannot yet fence a sender from the receiving side, so every
 // fence is answered "not supported" and quarantined blocks wait for the P worker's late answer,
@@ -33,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "control/cluster_auth.h"
 #include "control/side_channel_client.h"
 #include "kvferry/core/ids.h"
 #include "kvferry/core/time.h"
@@ -66,6 +68,10 @@ struct DecodeWorkerOptions {
   std::size_t lookup_threads = 16;
   // Release transfers to P as soon as they are not needed (protocol::DecodeSessionOptions).
   bool send_releases = true;
+  // Cluster authentication (docs/security.md): null for an open cluster. Otherwise every
+  // DEALER is a CURVE client with the cluster's keys and every bootstrap answer must be signed
+  // with this secret (control::BootstrapClient); Start fails if libzmq lacks CURVE.
+  std::shared_ptr<const control::ClusterSecret> cluster_secret;
 };
 
 // One remote-prefill request as the router describes it (vLLM's kv_transfer_params).

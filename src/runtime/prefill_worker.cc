@@ -202,6 +202,7 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   listener_options.p_tp_size = options.tp_size;
   listener_options.p_tp_rank = options.tp_rank;
   listener_options.num_senders = options.num_senders;
+  listener_options.cluster_secret = options.cluster_secret;
   std::shared_ptr<control::KvWriter> writer = worker->writer_;
   if (options.decorate_writer) writer = options.decorate_writer(std::move(writer));
   auto listener = control::PrefillListener::Start(listener_options, std::move(writer),
@@ -210,7 +211,8 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   worker->listener_ = std::move(*listener);
 
   if (!options.bootstrap_address.empty()) {
-    auto client = control::BootstrapClient::Create(options.bootstrap_address);
+    auto client =
+        control::BootstrapClient::Create(options.bootstrap_address, options.cluster_secret);
     if (!client) return tl::unexpected(client.error());
     control::WorkerRegistration reg;
     reg.engine_id = options.engine_id;

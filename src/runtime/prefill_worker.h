@@ -97,6 +97,9 @@ struct PrefillWorkerOptions {
   // way, so the worker carries none); the worker keeps the undecorated writer for its metrics.
   std::function<std::shared_ptr<control::KvWriter>(std::shared_ptr<control::KvWriter>)>
       decorate_writer;
+  // Cluster authentication (docs/security.md): null for an open cluster. Otherwise the
+  // listener admits only CURVE peers with the cluster's keys, and the registration is signed.
+  std::shared_ptr<const control::ClusterSecret> cluster_secret;
 };
 
 class PrefillWorker {

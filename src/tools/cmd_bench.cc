@@ -1,19 +1,27 @@
-// `kvferry bench transfer`: data-plane bandwidth beside ucx_perftest, memcpy and iperf3, and
-// `kvferry bench http`: the front doors beside idle connections (docs/performance.md). The core's micro-benchmarks are Google Benchmark binaries
+// `kvferry bench transfer`: data-plane bandwidth beside ucx_perftest, memcpy and iperf3;
+// `kvferry bench http`: the front doors beside idle connections, old server and new;
+// `kvferry bench sidechannel`: side-channel round trips with and without cluster authentication
+// (docs/performance.md). The core's micro-benchmarks are Google Benchmark binaries
 // (build/bench/bench_core, build/bench/bench_wire).
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "bench_transfer.h"
 #include "commands.h"
+#ifdef KVFERRY_HAVE_TRANSFER_BENCH
+#include "bench_transfer.h"
+#endif
+#ifdef KVFERRY_HAVE_SIDECHANNEL_BENCH
+#include "control/bench_side_channel.h"
+#endif
 
 namespace kvferry::tools {
 
 void AddBenchCommand(CLI::App& app, int& exit_code) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that compare against baselines");
   bench->require_subcommand(1);
+#ifdef KVFERRY_HAVE_TRANSFER_BENCH
   auto options = std::make_shared<transport::BenchOptions>();
   auto transports = std::make_shared<std::vector<std::string>>();
   CLI::App* transfer = bench->add_subcommand(
@@ -30,7 +38,24 @@ void AddBenchCommand(CLI::App& app, int& exit_code) {
     options->baselines = !*no_baselines;
     exit_code = transport::RunTransferBench(*options);
   });
+#endif
   AddHttpBenchCommand(*bench, exit_code);
+#ifdef KVFERRY_HAVE_SIDECHANNEL_BENCH
+  auto side = std::make_shared<control::SideChannelBenchOptions>();
+  CLI::App* sidechannel = bench->add_subcommand(
+      "sidechannel",
+      "Renewal, pull and connect round trips over loopback: CURVE + ZAP beside an open channel");
+  sidechannel->add_option("--round-trips", side->round_trips, "Per kind and mode")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 24));
+  sidechannel->add_option("--new-channels", side->new_channels, "Connect samples per mode")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20));
+  sidechannel->add_option("--batch", side->batch, "Round trips per turn before switching mode")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20));
+  sidechannel->callback([side, &exit_code] { exit_code = control::RunSideChannelBench(*side); });
+#endif
 }
 
 }  // namespace kvferry::tools

@@ -32,7 +32,7 @@ void AddServeCommand(CLI::App& app, int& exit_code) {
   cmd->add_option("--kv-transfer-config", o.kv_transfer_config,
                   "vLLM-style JSON: kv_role, engine_id, kv_load_failure_policy, "
                   "kv_connector_extra_config.{kv_lease_duration,abort_request_timeout,"
-                  "bootstrap_port}")
+                  "bootstrap_port,kv_release,cluster_secret_file}")
       ->capture_default_str();
   cmd->add_option("--tp", o.tp, "tensor-parallel ranks (threads)")
       ->capture_default_str()

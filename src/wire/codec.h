@@ -25,9 +25,11 @@
 
 namespace kvferry::wire::internal {
 
+// kUnauthenticated (after kInternal) never travels: authentication happens in the ZeroMQ
+// handshake, below the protocol, so the wire's codes end at kInternal (docs/protocol.md §5).
 inline constexpr std::uint8_t kMaxErrorCode = static_cast<std::uint8_t>(ErrorCode::kInternal);
 
-// A `code` that may travel as an error: a known ErrorCode other than kOk.
+// A `code` that may travel as an error: a known ErrorCode other than kOk or kUnauthenticated.
 inline bool IsErrorCode(std::uint64_t v) { return v >= 1 && v <= kMaxErrorCode; }
 
 // ---------------------------------------------------------------------------------------------

@@ -129,6 +129,34 @@ TEST(BootstrapRegistry, NewIncarnationMayMoveToAFreeDpRank) {
   EXPECT_EQ(reg.Register(MakeWorker("p2", 0, 1, "inc-y", 0)), Outcome::kAdded);
 }
 
+TEST(BootstrapRegistry, AnotherIncarnationOfTheEmbeddingEngineIsRefusedWhileItRuns) {
+  BootstrapRegistry reg(16384, EngineIncarnation{"p0", "inc-a"});
+  ASSERT_EQ(reg.Register(MakeWorker("p0", 0)), Outcome::kAdded);
+  // Before and after its own registration: nothing else may speak for the embedding engine.
+  for (const char* incarnation : {"inc-b", "inc-z"}) {
+    auto r = reg.Register(MakeWorker("p0", 1, 2, incarnation));
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.error().code(), ErrorCode::kAlreadyExists);
+    EXPECT_NE(r.error().message().find(
+                  "engine p0 is served by this process, incarnation inc-a; a new incarnation "
+                  "cannot register while it runs"),
+              std::string::npos)
+        << r.error().message();
+  }
+  BootstrapRegistry fresh(16384, EngineIncarnation{"p0", "inc-a"});
+  EXPECT_EQ(fresh.Register(MakeWorker("p0", 0, 2, "inc-b")).error().code(),
+            ErrorCode::kAlreadyExists);
+  EXPECT_EQ(fresh.engine_count(), 0u);
+  // The embedding engine's own ranks and other engines register as usual.
+  auto info = reg.Query("p0");
+  ASSERT_TRUE(info);
+  EXPECT_EQ(info->incarnation, "inc-a");
+  EXPECT_EQ(info->workers.size(), 1u);
+  EXPECT_EQ(reg.Register(MakeWorker("p0", 1)), Outcome::kAdded);
+  EXPECT_EQ(reg.Register(MakeWorker("p1", 0, 1, "inc-x", 1)), Outcome::kAdded);
+  EXPECT_EQ(reg.Register(MakeWorker("p1", 0, 1, "inc-y", 1)), Outcome::kNewIncarnation);
+}
+
 TEST(BootstrapRegistry, InvalidRegistrationChangesNothing) {
   BootstrapRegistry reg;
   auto bad = MakeWorker("p0", 2);  // tp_rank 2 of tp_size 2

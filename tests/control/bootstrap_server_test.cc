@@ -9,7 +9,10 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <thread>
+#include <vector>
 
 #include "bootstrap_test_util.h"
 #include "control/bootstrap_client.h"
@@ -371,6 +374,155 @@ TEST(BootstrapServer, StandaloneRunsUntilSigterm) {
   std::fclose(child_err);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// ---- Cluster authentication (docs/security.md) ----
+
+std::shared_ptr<const ClusterSecret> TestSecret(char fill) {
+  auto secret = ClusterSecret::FromBytes(std::string(48, fill));
+  EXPECT_TRUE(secret.has_value());
+  return std::make_shared<const ClusterSecret>(std::move(*secret));
+}
+
+class AuthenticatedBootstrapTest : public ::testing::Test {
+ protected:
+  void StartServer(std::optional<EngineIncarnation> own_engine = std::nullopt) {
+    BootstrapServerOptions options;
+    options.cluster_secret = secret_;
+    options.own_engine = std::move(own_engine);
+    server_ = std::make_unique<BootstrapServer>(options);
+    auto port = server_->Start("127.0.0.1", 0);
+    ASSERT_TRUE(port) << port.error().ToString();
+    port_ = *port;
+  }
+  void TearDown() override {
+    if (server_) server_->Stop();
+  }
+
+  BootstrapClient Client(std::shared_ptr<const ClusterSecret> secret) const {
+    return BootstrapClient({"127.0.0.1", port_}, std::move(secret));
+  }
+  httplib::Result RawPost(const std::string& body, const std::string& authorization) {
+    httplib::Client raw("127.0.0.1", port_);
+    raw.set_connection_timeout(2s);
+    raw.set_read_timeout(2s);
+    httplib::Headers headers;
+    if (!authorization.empty()) headers.emplace("Authorization", authorization);
+    return raw.Post("/register", headers, body, "application/json");
+  }
+
+  std::shared_ptr<const ClusterSecret> secret_ = TestSecret('a');
+  std::unique_ptr<BootstrapServer> server_;
+  int port_ = 0;
+};
+
+TEST_F(AuthenticatedBootstrapTest, UnsignedOrForgedRegistrationIs401AndChangesNothing) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  ASSERT_TRUE(Client(secret_).Register(MakeWorker("p0", 0), kTimeout).ok());
+  const std::vector<EngineInfo> before = server_->Engines();
+  ASSERT_EQ(before.size(), 1u);
+
+  const std::string body = EncodeRegistration(MakeWorker("p0", 1, 2, "inc-forged"));
+  const std::int64_t now = UnixNowSeconds();
+  struct Case {
+    std::string name;
+    std::string authorization;
+    std::string reason;  // part of the 401's {"error"}
+  };
+  const std::vector<Case> cases = {
+      {"unsigned", "", "not signed"},
+      {"another secret", SignRequest(*TestSecret('b'), "POST", "/register", body, now),
+       "does not match"},
+      {"signature of another body",
+       SignRequest(*secret_, "POST", "/register", EncodeRegistration(MakeWorker("p0", 1)), now),
+       "does not match"},
+      {"replayed after the window", SignRequest(*secret_, "POST", "/register", body, now - 120),
+       "a replay"},
+      {"malformed", "kvferry-hmac t=1,sig=zz", "malformed"},
+  };
+  for (const Case& c : cases) {
+    auto res = RawPost(body, c.authorization);
+    ASSERT_TRUE(res) << c.name;
+    EXPECT_EQ(res->status, 401) << c.name;
+    EXPECT_NE(DecodeError(res->body).find(c.reason), std::string::npos)
+        << c.name << ": " << res->body;
+  }
+  // BootstrapClient reports a 401 at once, as kUnauthenticated, without retrying.
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(Client(nullptr).Register(MakeWorker("p0", 1), kTimeout).code(),
+            ErrorCode::kUnauthenticated);
+  EXPECT_EQ(Client(TestSecret('b')).Register(MakeWorker("p0", 1), kTimeout).code(),
+            ErrorCode::kUnauthenticated);
+  EXPECT_LT(ElapsedSince(start), 1000ms);
+
+  EXPECT_EQ(server_->Engines(), before);
+  EXPECT_EQ(server_->auth_refusals(), cases.size() + 2);
+}
+
+TEST_F(AuthenticatedBootstrapTest, QueryAnswersAreSignedAndOnlyTheClusterBelievesThem) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  ASSERT_TRUE(Client(secret_).Register(MakeWorker("p0", 0, 1), kTimeout).ok());
+
+  auto info = Client(secret_).Query("p0", kTimeout);
+  ASSERT_TRUE(info) << info.error().ToString();
+  EXPECT_EQ(info->engine_id, "p0");
+  ASSERT_TRUE(Client(secret_).QueryAll(kTimeout));
+  // Errors are signed too: an unknown engine is kNotFound, not an authentication failure.
+  EXPECT_EQ(Client(secret_).Query("nobody", kTimeout).error().code(), ErrorCode::kNotFound);
+
+  // The raw answer carries a signature over its status, path and body.
+  httplib::Client raw("127.0.0.1", port_);
+  auto res = raw.Get("/query?engine_id=p0");
+  ASSERT_TRUE(res);
+  const std::string signature = res->get_header_value(std::string(kSignatureHeader));
+  EXPECT_TRUE(VerifyResponse(*secret_, signature, 200, "/query", res->body, UnixNowSeconds()).ok());
+  EXPECT_FALSE(
+      VerifyResponse(*secret_, signature, 200, "/query", res->body + " ", UnixNowSeconds()).ok());
+
+  // Another secret cannot verify it; a process without a secret refuses a signed answer
+  // rather than pair with a cluster whose side channels would refuse it.
+  auto other = Client(TestSecret('b')).Query("p0", kTimeout);
+  ASSERT_FALSE(other);
+  EXPECT_EQ(other.error().code(), ErrorCode::kUnauthenticated);
+  EXPECT_NE(other.error().message().find("does not match"), std::string::npos);
+  auto open = Client(nullptr).Query("p0", kTimeout);
+  ASSERT_FALSE(open);
+  EXPECT_EQ(open.error().code(), ErrorCode::kUnauthenticated);
+  EXPECT_NE(open.error().message().find("has no cluster secret"), std::string::npos);
+}
+
+TEST_F(AuthenticatedBootstrapTest, UnsignedAnswerOfAnOpenServiceIsRefusedByAMember) {
+  BootstrapServer open_server;
+  auto port = open_server.Start("127.0.0.1", 0);
+  ASSERT_TRUE(port);
+  BootstrapClient member({"127.0.0.1", *port}, secret_);
+  // An open service ignores the signature, but its answers prove nothing.
+  ASSERT_TRUE(member.Register(MakeWorker("p0", 0, 1), kTimeout).ok());
+  auto info = member.Query("p0", kTimeout);
+  ASSERT_FALSE(info);
+  EXPECT_EQ(info.error().code(), ErrorCode::kUnauthenticated);
+  EXPECT_NE(info.error().message().find("not signed"), std::string::npos);
+  EngineDirectory directory(secret_);
+  auto lookup = directory.Lookup("p0", "127.0.0.1:" + std::to_string(*port), kTimeout);
+  ASSERT_FALSE(lookup);
+  EXPECT_EQ(lookup.error().code(), ErrorCode::kUnauthenticated);
+}
+
+TEST_F(AuthenticatedBootstrapTest, ForgedIncarnationOfTheEmbeddingEngineIs409) {
+  ASSERT_NO_FATAL_FAILURE(StartServer(EngineIncarnation{"p0", "inc-a"}));
+  BootstrapClient member = Client(secret_);
+  ASSERT_TRUE(member.Register(MakeWorker("p0", 0), kTimeout).ok());
+  const std::vector<EngineInfo> before = server_->Engines();
+  // Even correctly signed (a cluster member misconfigured, or one whose key leaked): while
+  // this process serves p0 as inc-a, no other incarnation of p0 can take its place.
+  Status s = member.Register(MakeWorker("p0", 0, 2, "inc-b"), kTimeout);
+  EXPECT_EQ(s.code(), ErrorCode::kAlreadyExists);
+  EXPECT_NE(s.message().find("engine p0 is served by this process, incarnation inc-a"),
+            std::string::npos)
+      << s.message();
+  EXPECT_NE(s.message().find("(HTTP 409)"), std::string::npos) << s.message();
+  EXPECT_EQ(server_->Engines(), before);
+  EXPECT_EQ(member.Query("p0", kTimeout)->incarnation, "inc-a");
 }
 
 }  // namespace

@@ -178,6 +178,7 @@ class SideChannelTest : public ::testing::Test {
     options.drain_timeout = 300ms;
     options.cancel_grace = 300ms;
     options.linger = 200ms;
+    options.cluster_secret = p_secret_;
     auto listener = PrefillListener::Start(options, writer_,
                                            [this](const core::HoldEvent& e) { events_.Add(e); });
     ASSERT_TRUE(listener.has_value()) << listener.error().ToString();
@@ -193,8 +194,10 @@ class SideChannelTest : public ::testing::Test {
   }
 
   std::unique_ptr<DecodeChannel> Channel(const std::string& endpoint = "") {
+    ChannelOptions options;
+    options.cluster_secret = d_secret_;
     auto channel =
-        DecodeChannel::Connect(ctx_, endpoint.empty() ? listener_->endpoint() : endpoint);
+        DecodeChannel::Connect(ctx_, endpoint.empty() ? listener_->endpoint() : endpoint, options);
     EXPECT_TRUE(channel.has_value());
     return std::move(*channel);
   }
@@ -238,6 +241,9 @@ class SideChannelTest : public ::testing::Test {
   }
 
   std::shared_ptr<SideChannelContext> ctx_ = std::make_shared<SideChannelContext>();
+  // Cluster secrets of the listener and of the channels; null: open (most tests).
+  std::shared_ptr<const ClusterSecret> p_secret_;
+  std::shared_ptr<const ClusterSecret> d_secret_;
   std::shared_ptr<GateWriter> writer_ = std::make_shared<GateWriter>();
   EventLog events_;
   std::unique_ptr<PrefillListener> listener_;
@@ -602,6 +608,109 @@ TEST_F(SideChannelTest, EngineCallsReportHoldTableRefusals) {
   EXPECT_EQ(Get(listener_->PrefillDone("xfer-unknown", 1)).code(), ErrorCode::kNotFound);
   ASSERT_TRUE(Get(listener_->EngineFinished("xfer-1")).ok());
   EXPECT_EQ(Get(listener_->Admit("xfer-1", 1)).code(), ErrorCode::kTombstoned);
+}
+
+// ---- Cluster authentication: P's ROUTER is a CURVE server behind a ZAP handler ----
+
+std::shared_ptr<const ClusterSecret> TestSecret(char fill) {
+  auto secret = ClusterSecret::FromBytes(std::string(48, fill));
+  EXPECT_TRUE(secret.has_value());
+  return std::make_shared<const ClusterSecret>(std::move(*secret));
+}
+
+class AuthenticatedSideChannelTest : public SideChannelTest {
+ protected:
+  void SetUp() override { p_secret_ = TestSecret('s'); }
+
+  // Waits until the listener counted more than `n` refused handshakes.
+  std::uint64_t WaitRefusalsAbove(std::uint64_t n) {
+    const auto deadline = Clock::now() + 3s;
+    std::uint64_t seen = listener_->Stats().auth_refusals;
+    while (seen <= n && Clock::now() < deadline) {
+      std::this_thread::sleep_for(10ms);
+      seen = listener_->Stats().auth_refusals;
+    }
+    return seen;
+  }
+
+  // A channel of someone who is not (or not fully) a cluster member gets no answer at all.
+  void ExpectShutOut(DecodeChannel& outsider) {
+    const std::uint64_t before = listener_->Stats().auth_refusals;
+    auto reply = outsider.Renew(MakeRenewal({"xfer-1"}), Clock::now() + 500ms);
+    ASSERT_FALSE(reply.has_value());
+    EXPECT_EQ(reply.error().code(), ErrorCode::kTimeout);
+    PullOutcome out = DoPull(outsider, MakePull({{"d-x", "xfer-1"}}, 30000), 300ms);
+    EXPECT_EQ(out.status.code(), ErrorCode::kTimeout);
+    EXPECT_TRUE(out.responses.empty());
+    EXPECT_GT(WaitRefusalsAbove(before), before);
+    const ListenerStats stats = listener_->Stats();
+    EXPECT_EQ(stats.renewals_accepted, 0u);
+    EXPECT_EQ(stats.pulls_received, 0u);
+    EXPECT_EQ(stats.responses_sent, 0u);
+    EXPECT_TRUE(writer_->jobs().empty());
+  }
+};
+
+TEST_F(AuthenticatedSideChannelTest, MemberChannelGetsItsRenewalAnsweredAndItsPullServed) {
+  d_secret_ = p_secret_;
+  StartP(30s);
+  Ready("xfer-1");
+  auto channel = Channel();
+  auto reply = channel->Renew(MakeRenewal({"xfer-1"}), Clock::now() + 2s);
+  ASSERT_TRUE(reply.has_value()) << reply.error().ToString();
+  EXPECT_EQ(reply->status, wire::RenewalStatus::kAccepted);
+  EXPECT_EQ(reply->extended, 1u);
+  PullOutcome out = DoPull(*channel, MakePull({{"d-1", "xfer-1"}}, 30000));
+  ASSERT_TRUE(out.status.ok()) << out.status.ToString();
+  EXPECT_EQ(out.Verdicts(), (std::map<std::string, std::string>{{"d-1", "ok"}}));
+  EXPECT_EQ(listener_->Stats().auth_refusals, 0u);
+}
+
+TEST_F(AuthenticatedSideChannelTest, ChannelWithoutCurveGetsNoAnswerAndIsCounted) {
+  StartP(30s);
+  Ready("xfer-1");
+  auto open = Channel();  // d_secret_ null: the NULL mechanism
+  ASSERT_NO_FATAL_FAILURE(ExpectShutOut(*open));
+  // The listener keeps serving members meanwhile.
+  d_secret_ = p_secret_;
+  auto member = Channel();
+  auto reply = member->Renew(MakeRenewal({"xfer-1"}), Clock::now() + 2s);
+  ASSERT_TRUE(reply.has_value()) << reply.error().ToString();
+  EXPECT_EQ(reply->extended, 1u);
+}
+
+TEST_F(AuthenticatedSideChannelTest, ChannelWithAnotherSecretGetsNoAnswerAndIsCounted) {
+  StartP(30s);
+  Ready("xfer-1");
+  d_secret_ = TestSecret('x');
+  auto stranger = Channel();
+  ASSERT_NO_FATAL_FAILURE(ExpectShutOut(*stranger));
+}
+
+// Someone who learnt P's public server key but not the cluster's client key completes the
+// CURVE key exchange; the ZAP handler refuses it before a single message gets through.
+TEST_F(AuthenticatedSideChannelTest, ServerKeyWithoutTheClientKeyIsRefusedByZap) {
+  StartP(30s);
+  Ready("xfer-1");
+  zmq::context_t context(1);
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  char public_key[41] = {};
+  char secret_key[41] = {};
+  ASSERT_EQ(zmq_curve_keypair(public_key, secret_key), 0);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.set(zmq::sockopt::curve_serverkey, p_secret_->curve_server().public_z85);
+  dealer.set(zmq::sockopt::curve_publickey, std::string(public_key));
+  dealer.set(zmq::sockopt::curve_secretkey, std::string(secret_key));
+  dealer.connect(listener_->endpoint());
+  wire::Renewal renewal = MakeRenewal({"xfer-1"});
+  renewal.id = 1;
+  const std::vector<std::uint8_t> payload = wire::Encode(renewal);
+  ASSERT_TRUE(dealer.send(zmq::buffer(payload), zmq::send_flags::dontwait));
+  zmq::pollitem_t item = {dealer.handle(), 0, ZMQ_POLLIN, 0};
+  zmq::poll(&item, 1, 500ms);
+  EXPECT_EQ(item.revents & ZMQ_POLLIN, 0);
+  EXPECT_GT(WaitRefusalsAbove(0), 0u);
+  EXPECT_EQ(listener_->Stats().renewals_accepted, 0u);
 }
 
 }  // namespace

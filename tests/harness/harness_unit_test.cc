@@ -49,6 +49,24 @@ TEST(KvTransferConfig, DefaultsAndEnvironment) {
   EXPECT_EQ(key_wins->abort_request_timeout, std::chrono::seconds(7));
 }
 
+TEST(KvTransferConfig, ClusterSecretFileIsAnOptionalPath) {
+  auto open = ParseKvTransferConfig(R"({"kv_role":"kv_producer"})", nullptr);
+  ASSERT_TRUE(open.has_value());
+  EXPECT_TRUE(open->cluster_secret_file.empty());  // off by default: an open cluster
+  auto c = ParseKvTransferConfig(
+      R"({"kv_connector_extra_config":{"cluster_secret_file":"/etc/kvferry/secret"}})", nullptr);
+  ASSERT_TRUE(c.has_value()) << c.error().ToString();
+  EXPECT_EQ(c->cluster_secret_file, "/etc/kvferry/secret");
+  EXPECT_TRUE(c->warnings.empty());
+  for (const char* bad : {R"({"kv_connector_extra_config":{"cluster_secret_file":""}})",
+                          R"({"kv_connector_extra_config":{"cluster_secret_file":7}})",
+                          R"({"kv_connector_extra_config":{"cluster_secret_file":["/x"]}})"}) {
+    auto r = ParseKvTransferConfig(bad, nullptr);
+    ASSERT_FALSE(r.has_value()) << bad;
+    EXPECT_NE(r.error().message().find("cluster_secret_file"), std::string::npos);
+  }
+}
+
 TEST(KvTransferConfig, RejectsBadInput) {
   for (const char* bad : {"{", "[]", "nope", R"({"kv_role":"kv_both"})", R"({"kv_role":1})",
                           R"({"kv_load_failure_policy":"recompute"})",

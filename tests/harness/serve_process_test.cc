@@ -24,6 +24,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include <zmq.hpp>
 
 #include "harness/client_proxy.h"
 #include "serve_process.h"
@@ -606,6 +607,84 @@ TEST_F(ServeTest, ProxyAbortsThePrefillWhenDecodeRefuses) {
   EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
   EXPECT_EQ(proxy.stats().twins_aborted, 1u);
   proxy.Stop();
+}
+
+// Cluster authentication between real processes (docs/security.md): a P (TP2) and a D sharing
+// the secret file pair as without it, and a late pull still fails at once; a D without the
+// secret fails at once with the reason; a ZeroMQ peer without CURVE at P's side channel gets
+// nothing and shows in P's /metrics.
+TEST_F(ServeTest, AuthenticatedPairTransfersAndShutsOutWhoeverLacksTheSecret) {
+  const fs::path secret = dir_ / "cluster.secret";
+  std::ofstream(secret) << std::string(48, 's') << "\n";
+  fs::permissions(secret, fs::perms::owner_read | fs::perms::owner_write,
+                  fs::perm_options::replace);
+  const std::string lease = R"(,"kv_lease_duration":5)";
+  const std::string with_secret = lease + R"(,"cluster_secret_file":")" + secret.string() + "\"";
+  ServeProcess& p = StartPrefill({"--tp", "2"}, with_secret);
+  ServeProcess& d = StartDecode({}, with_secret);
+  ASSERT_FALSE(HasFailure());
+  RunPair(p, d, "xfer-auth-a", 120, 4, /*stream=*/true);
+  RunPair(p, d, "xfer-auth-b", 40, 2, /*stream=*/false);
+  const auto late_start = Clock::now();
+  HttpResult late = Post(d.port(), DecodeBody(40, 2, false, "xfer-auth-b", p));
+  EXPECT_EQ(late.status, 503) << late.body;
+  EXPECT_NE(late.body.find("TOMBSTONED"), std::string::npos) << late.body;
+  EXPECT_LT(SecondsSince(late_start), 2.0);
+  const std::string dm = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(dm, "kvferry_corrupt_blocks_total"), 0);
+  EXPECT_GT(Metric(dm, "kvferry_verified_blocks_total"), 0);
+  std::string pm = Get(p.port(), "/metrics");
+  EXPECT_EQ(Metric(pm, "kvferry_side_channel_auth_refusals_total"), 0) << pm;
+  EXPECT_EQ(Metric(pm, "kvferry_bootstrap_auth_refusals_total"), 0) << pm;
+  EXPECT_NE(p.Log().find("cluster authentication on"), std::string::npos) << p.Log();
+  EXPECT_EQ(d.Log().find("authentication is off"), std::string::npos) << d.Log();
+
+  // A D without the secret refuses P's signed lookup answer: its request fails at once.
+  ServeProcess& open_d =
+      Start("decode-open",
+            {"--role", "decode", "--kv-transfer-config",
+             R"({"kv_role":"kv_consumer","kv_connector_extra_config":{"abort_request_timeout":30)" +
+                 lease + "}}",
+             "--num-blocks", "64"});
+  ASSERT_FALSE(HasFailure());
+  const auto open_start = Clock::now();
+  HttpResult refused = Post(open_d.port(), DecodeBody(40, 2, false, "xfer-auth-c", p));
+  EXPECT_EQ(refused.status, 503) << refused.body;
+  EXPECT_NE(refused.body.find("has no cluster secret"), std::string::npos) << refused.body;
+  EXPECT_LT(SecondsSince(open_start), 3.0);
+  const std::string open_log = open_d.Log();
+  const std::string off = "cluster authentication is off";
+  const auto first = open_log.find(off);
+  EXPECT_NE(first, std::string::npos) << open_log;
+  EXPECT_EQ(open_log.find(off, first + 1), std::string::npos) << "one warning, not one per call";
+
+  // A raw ZeroMQ peer without CURVE at P's side channel (its address from P's bootstrap).
+  const std::string bootstrap = p.bootstrap_addr();
+  httplib::Client bootstrap_client("127.0.0.1",
+                                   std::stoi(bootstrap.substr(bootstrap.rfind(':') + 1)));
+  auto answer = bootstrap_client.Get(("/query?engine_id=" + p.engine_id()).c_str());
+  ASSERT_TRUE(answer);
+  ASSERT_EQ(answer->status, 200) << answer->body;
+  EXPECT_FALSE(answer->get_header_value("X-Kvferry-Signature").empty());
+  const std::string side_channel = json::parse(answer->body)["workers"][0]["side_channel"];
+  zmq::context_t context(1);
+  zmq::socket_t outsider(context, zmq::socket_type::dealer);
+  outsider.set(zmq::sockopt::linger, 0);
+  outsider.connect(side_channel);
+  (void)outsider.send(zmq::str_buffer("hello"), zmq::send_flags::dontwait);
+  double refusals = 0;
+  for (const auto deadline = Clock::now() + std::chrono::seconds(5);
+       refusals <= 0 && Clock::now() < deadline;
+       std::this_thread::sleep_for(std::chrono::milliseconds(50))) {
+    refusals = Metric(Get(p.port(), "/metrics"), "kvferry_side_channel_auth_refusals_total");
+  }
+  EXPECT_GT(refusals, 0);
+  zmq::pollitem_t item = {outsider.handle(), 0, ZMQ_POLLIN, 0};
+  zmq::poll(&item, 1, std::chrono::milliseconds(200));
+  EXPECT_EQ(item.revents & ZMQ_POLLIN, 0) << "P answered a peer without the cluster secret";
+  outsider.close();
+  EXPECT_EQ(p.Terminate(), 0);
+  EXPECT_EQ(d.Terminate(), 0);
 }
 
 }  // namespace

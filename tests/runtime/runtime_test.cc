@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "control/bootstrap_client.h"
@@ -27,7 +29,11 @@ const std::vector<core::BlockId> kDestBlocks = {5, 6, 7};
 
 struct Cluster {
   std::shared_ptr<transport::InProcessFabric> fabric = transport::MakeInProcessFabric();
-  control::BootstrapServer bootstrap;
+  // Cluster secrets (set before Start): P's (its listener, its registration and the bootstrap
+  // service) and D's. Null: an open cluster.
+  std::shared_ptr<const control::ClusterSecret> p_secret;
+  std::shared_ptr<const control::ClusterSecret> d_secret;
+  std::unique_ptr<control::BootstrapServer> bootstrap;
   std::string bootstrap_addr;
   std::vector<std::unique_ptr<PrefillWorker>> p;
   std::unique_ptr<DecodeWorker> d;
@@ -47,7 +53,10 @@ struct Cluster {
              std::chrono::milliseconds pull_timeout = 20s,
              std::optional<std::chrono::milliseconds> d_abort = std::nullopt,
              std::chrono::milliseconds write_bound = 10s) {
-    auto port = bootstrap.Start("127.0.0.1", 0);
+    control::BootstrapServerOptions bootstrap_options;
+    bootstrap_options.cluster_secret = p_secret;
+    bootstrap = std::make_unique<control::BootstrapServer>(bootstrap_options);
+    auto port = bootstrap->Start("127.0.0.1", 0);
     ASSERT_TRUE(port.has_value()) << port.error().ToString();
     bootstrap_addr = "127.0.0.1:" + std::to_string(*port);
     ASSERT_NO_FATAL_FAILURE(StartPrefill(p_tp, p_lease_s, "inc-1"));
@@ -72,6 +81,7 @@ struct Cluster {
       o.bootstrap_address = bootstrap_addr;
       o.incarnation = incarnation;
       o.write_timeout = 2s;
+      o.cluster_secret = p_secret;
       auto worker = PrefillWorker::Start(
           o, std::shared_ptr<transport::Engine>(std::move(*engine)),
           [](std::uint64_t) -> Result<std::vector<core::BlockId>> { return kSourceBlocks; },
@@ -102,6 +112,7 @@ struct Cluster {
     o.abort_request_timeout = d_abort;
     o.write_bound = write_bound;  // P: 2 s connect + 2 s write + 1 s close + 5 s fence
     o.send_releases = d_releases;
+    o.cluster_secret = d_secret;
     auto worker = DecodeWorker::Start(o, std::shared_ptr<transport::Engine>(std::move(*engine)),
                                       [this](std::string_view w) {
                                         std::lock_guard<std::mutex> lock(mu);
@@ -143,7 +154,7 @@ struct Cluster {
   ~Cluster() {
     d.reset();
     p.clear();
-    bootstrap.Stop();
+    if (bootstrap) bootstrap->Stop();
   }
 };
 
@@ -365,6 +376,76 @@ TEST(RuntimeEndToEnd, TwentySilentEnginesCannotCostALiveDecoderItsKv) {
   EXPECT_GT(stats.renewals_accepted, 20u);  // every lease/6 = 0.2 s for 6 s
   EXPECT_GT(stats.renewal_failures, 0u);
   for (int i = 0; i < 20; ++i) c.d->RequestFinished("req-silent-" + std::to_string(i));
+}
+
+std::shared_ptr<const control::ClusterSecret> TestSecret(char fill) {
+  auto secret = control::ClusterSecret::FromBytes(std::string(48, fill));
+  EXPECT_TRUE(secret.has_value());
+  return std::make_shared<const control::ClusterSecret>(std::move(*secret));
+}
+
+// The lease, late-pull and TP-slicing paths once more with cluster authentication on: signed
+// registration and lookups, CURVE on every side channel.
+TEST(RuntimeEndToEnd, AuthenticatedClusterRenewsTransfersAndFailsLatePullsAsAnOpenOne) {
+  Cluster c;
+  c.p_secret = c.d_secret = TestSecret('k');
+  ASSERT_NO_FATAL_FAILURE(c.Start(2, 0.6, 0.6));
+  c.d->OnNewRequest("req-q", c.Source("xfer-q"));  // queued on D: renewed from now on
+  c.Prefill("xfer-q");
+  std::this_thread::sleep_for(1500ms);  // 2.5 leases: only renewals keep the KV
+  ASSERT_TRUE(c.d->StartLoad("req-q", c.Source("xfer-q"), kDestBlocks).ok());
+  ReceiveResult r = c.Receive("req-q", core::Clock::now() + 10s);
+  ASSERT_TRUE(r.ok) << r.error.ToString();
+  for (std::size_t i = 0; i < kDestBlocks.size(); ++i) {
+    const std::byte* block = c.d->kv() + kDestBlocks[i] * kPBlockLen * 2;
+    for (std::uint32_t rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(block[rank * kPBlockLen],
+                static_cast<std::byte>((rank + 1) * 16 + kSourceBlocks[i]))
+          << "block " << i << " rank " << rank;
+    }
+  }
+  c.d->RequestFinished("req-q");
+  EXPECT_GT(c.d->Stats().renewals_accepted, 0u);
+
+  // Nobody renews this one: P frees it after a lease; the pull then fails at once.
+  c.Prefill("xfer-late");
+  const auto expired_by = core::Clock::now() + 3s;
+  while (c.FreedBlocksEvents() < 4 && core::Clock::now() < expired_by) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(c.FreedBlocksEvents(), 4u);  // xfer-q and xfer-late, on both P ranks
+  const auto start = core::Clock::now();
+  ASSERT_TRUE(c.d->StartLoad("req-late", c.Source("xfer-late"), kDestBlocks).ok());
+  ReceiveResult late = c.Receive("req-late", start + 5s);
+  EXPECT_FALSE(late.ok);
+  EXPECT_NE(late.error.message().find("late pull"), std::string::npos) << late.error.ToString();
+  EXPECT_LT(core::Clock::now() - start, 500ms);
+  for (auto& worker : c.p) EXPECT_EQ(worker->listener().Stats().auth_refusals, 0u);
+}
+
+// A D without the cluster's secret (none, or another) cannot pair: its lookup fails with the
+// reason, so its load fails at once, nothing is pulled and nothing is quarantined.
+TEST(RuntimeEndToEnd, DecoderWithoutTheClusterSecretFailsItsLoadAtOnceWithTheReason) {
+  for (const bool other_secret : {false, true}) {
+    SCOPED_TRACE(other_secret ? "another secret" : "no secret");
+    Cluster c;
+    c.p_secret = TestSecret('k');
+    if (other_secret) c.d_secret = TestSecret('o');
+    ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
+    c.Prefill("xfer-1");
+    const auto start = core::Clock::now();
+    ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
+    ReceiveResult r = c.Receive("req-1", start + 5s);
+    EXPECT_FALSE(r.ok);
+    EXPECT_EQ(r.error.code(), ErrorCode::kUnauthenticated) << r.error.ToString();
+    EXPECT_NE(r.error.message().find(other_secret ? "does not match" : "has no cluster secret"),
+              std::string::npos)
+        << r.error.ToString();
+    EXPECT_FALSE(r.quarantined);
+    EXPECT_LT(core::Clock::now() - start, 2s);
+    EXPECT_EQ(c.d->Stats().pulls_sent, 0u);
+    EXPECT_EQ(c.p[0]->listener().Stats().pulls_received, 0u);
+  }
 }
 
 TEST(RuntimeEndToEnd, PullTimeoutBelowWhatPMayTakeIsRefused) {
