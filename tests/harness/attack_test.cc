@@ -433,4 +433,36 @@ TEST_F(FrontDoorAttack, TenThousandIdleConnectionsLeaveEveryServerAnswering) {
   ExpectStillServingAndNothingLeaked();
 }
 
+
+// The takeover of issue 11: one unauthenticated POST /register with a new incarnation for P's
+// engine id replaced P's entry, and every D that looked P up afterwards hung. P's embedded
+// bootstrap now knows its own engine's incarnation and refuses any other (409) while it runs.
+TEST_F(FrontDoorAttack, AForgedRegistrationCannotTakeOverPsEngine) {
+  const int boot_port = targets_[1].port;
+  httplib::Client cli("127.0.0.1", boot_port);
+  auto before = cli.Get(("/query?engine_id=" + p_->engine_id()).c_str());
+  ASSERT_TRUE(before);
+  ASSERT_EQ(before->status, 200) << before->body;
+  const json info = json::parse(before->body);
+  json forged = {{"engine_id", p_->engine_id()},
+                 {"dp_rank", info["dp_rank"]},
+                 {"tp_rank", 0},
+                 {"pp_rank", 0},
+                 {"tp_size", info["tp_size"]},
+                 {"pp_size", info["pp_size"]},
+                 {"side_channel", "tcp://127.0.0.1:9"},
+                 {"data_plane", "attacker"},
+                 {"kv_lease_duration", info["kv_lease_duration"]},
+                 {"protocol_version", info["protocol_version"]},
+                 {"incarnation", "f0f0f0f0f0f0f0f0"}};
+  auto res = cli.Post("/register", forged.dump(), "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 409) << res->body;
+  EXPECT_NE(res->body.find("served by this process"), std::string::npos) << res->body;
+  auto after = cli.Get(("/query?engine_id=" + p_->engine_id()).c_str());
+  ASSERT_TRUE(after);
+  EXPECT_EQ(after->body, before->body);  // P's entry is untouched
+  ExpectStillServingAndNothingLeaked();  // and a D that looks P up now still gets P
+}
+
 }  // namespace
