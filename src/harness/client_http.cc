@@ -1,9 +1,6 @@
 #include "client_http.h"
 
-#include <dirent.h>
 #include <httplib.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -323,38 +320,6 @@ std::optional<std::string> HttpGet(const std::string& url, const std::string& pa
   auto res = cli.Get(path.c_str());
   if (!res || res->status != 200) return std::nullopt;
   return res->body;
-}
-
-bool RaiseListenBacklog(int port, int backlog) {
-  DIR* dir = ::opendir("/proc/self/fd");
-  if (dir == nullptr) return false;
-  bool raised = false;
-  while (const dirent* e = ::readdir(dir)) {
-    char* end = nullptr;
-    const long fd = std::strtol(e->d_name, &end, 10);
-    if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
-    sockaddr_storage addr{};
-    socklen_t len = sizeof addr;
-    if (::getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      continue;
-    }
-    int local_port = -1;
-    if (addr.ss_family == AF_INET) {
-      local_port = ntohs(reinterpret_cast<const sockaddr_in*>(&addr)->sin_port);
-    } else if (addr.ss_family == AF_INET6) {
-      local_port = ntohs(reinterpret_cast<const sockaddr_in6*>(&addr)->sin6_port);
-    }
-    int listening = 0;
-    socklen_t optlen = sizeof listening;
-    if (local_port != port ||
-        ::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &optlen) != 0 ||
-        listening == 0) {
-      continue;
-    }
-    raised = ::listen(static_cast<int>(fd), backlog) == 0 || raised;
-  }
-  ::closedir(dir);
-  return raised;
 }
 
 double Percentile(std::vector<double> v, double p) {

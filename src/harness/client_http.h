@@ -108,14 +108,6 @@ std::map<std::string, double> ParsePrometheus(const std::string& text);
 std::optional<std::string> HttpGet(const std::string& url, const std::string& path,
                                    double timeout_s);
 
-// Debian's compiled cpp-httplib 0.11.4 listens with a backlog of 5 (CPPHTTPLIB_LISTEN_BACKLOG
-// is baked into libcpp-httplib.so), so a burst of concurrent connects (the seed's 128 requests
-// "sent at once") overflows the accept queue and connects stall for seconds in SYN
-// retransmission. Call after Server::bind_to_port / bind_to_any_port: it finds this process's
-// listening socket on 127.0.0.1:`port` and listen()s again with `backlog` (Linux updates the
-// backlog of a listening socket). Returns false when no such socket was found.
-bool RaiseListenBacklog(int port, int backlog = 4096);
-
 // Seconds since `t0`.
 inline double SecondsSince(SteadyClock::time_point t0) {
   return std::chrono::duration<double>(SteadyClock::now() - t0).count();

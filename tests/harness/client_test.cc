@@ -1,7 +1,11 @@
 // proxy, load and probe against a tiny fake OpenAI server on 127.0.0.1 (OS-chosen ports).
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <chrono>
@@ -19,6 +23,45 @@ namespace kvferry::harness {
 namespace {
 
 using nlohmann::json;
+
+// Debian's compiled cpp-httplib 0.11.4 listens with a backlog of 5 (CPPHTTPLIB_LISTEN_BACKLOG
+// is baked into libcpp-httplib.so), so a burst of concurrent connects (the seed's 128 requests
+// "sent at once") overflows the accept queue and connects stall for seconds in SYN
+// retransmission. Call after Server::bind_to_port / bind_to_any_port: it finds this process's
+// listening socket on 127.0.0.1:`port` and listen()s again with `backlog` (Linux updates the
+// backlog of a listening socket). Returns false when no such socket was found.
+bool RaiseListenBacklog(int port, int backlog = 4096) {
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return false;
+  bool raised = false;
+  while (const dirent* e = ::readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
+    sockaddr_storage addr{};
+    socklen_t len = sizeof addr;
+    if (::getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      continue;
+    }
+    int local_port = -1;
+    if (addr.ss_family == AF_INET) {
+      local_port = ntohs(reinterpret_cast<const sockaddr_in*>(&addr)->sin_port);
+    } else if (addr.ss_family == AF_INET6) {
+      local_port = ntohs(reinterpret_cast<const sockaddr_in6*>(&addr)->sin6_port);
+    }
+    int listening = 0;
+    socklen_t optlen = sizeof listening;
+    if (local_port != port ||
+        ::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &optlen) != 0 ||
+        listening == 0) {
+      continue;
+    }
+    raised = ::listen(static_cast<int>(fd), backlog) == 0 || raised;
+  }
+  ::closedir(dir);
+  return raised;
+}
+
 
 // A fake completions server: streams `max_tokens` SSE events (or answers JSON), records every
 // request body, and fails or delays requests when told to.
@@ -356,15 +399,13 @@ TEST(Proxy, DecodeRefusalCancelsThePrefillCopy) {
 
 TEST(Proxy, BurstOfConnectionsDoesNotStall) {
   // 64 connects at once: with httplib's backlog of 5 some would sit in SYN retransmission
-  // (1 s, 3 s, ...); the proxy raises its backlog, as does this fake server.
+  // (1 s, 3 s, ...); the proxy listens with a backlog of 4,096, and this fake server raises its.
   FakeServer p, d;
   ProxyOptions o;
   o.prefills = {{p.url(), "127.0.0.1:1", "p"}};
   o.decodes = {d.url()};
   Proxy proxy(o);
   ASSERT_TRUE(proxy.Start(nullptr));
-  EXPECT_TRUE(RaiseListenBacklog(proxy.port()));
-  EXPECT_FALSE(RaiseListenBacklog(FreePort()));
   LoadOptions lo;
   lo.url = "http://127.0.0.1:" + std::to_string(proxy.port());
   lo.requests = 64;
