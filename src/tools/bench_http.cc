@@ -1,6 +1,7 @@
 // `kvferry bench http`: the front-door comparison behind docs/performance.md "Front doors".
 // The same /health route on two servers, side by side in one run: cpp-httplib as kvferry used it
-// before (a 512-thread pool, one thread per open connection) and control::HttpServer
+// before (a 512-thread pool, one thread per open connection, a 30 s read timeout, the listen
+// backlog raised to 4,096) and control::HttpServer
 // (libmicrohttpd, epoll). For each, N idle connections (half of them stuck mid-header) are
 // opened, then fresh /health requests are timed (a 3 s deadline each) and the server's RSS read.
 // Each server runs in a child process of its own, so client and server descriptors do not share
@@ -57,6 +58,15 @@ pid_t StartServer(Kind kind, int* port, int* control) {
         res.set_content("{\"status\":\"ok\"}", "application/json");
       });
       bound = old_server->bind_to_any_port("127.0.0.1");
+      // As `kvferry serve` and the proxy did: Debian's httplib listens with a backlog of 5, so
+      // they listened again with 4,096 (the child's only listening socket is the server's).
+      for (int fd = 3; fd < 1024; ++fd) {
+        int listening = 0;
+        socklen_t len = sizeof(listening);
+        if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening) {
+          ::listen(fd, 4096);
+        }
+      }
       old_thread = std::thread([&] { old_server->listen_after_bind(); });
       while (!old_server->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     } else {
