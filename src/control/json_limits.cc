@@ -29,4 +29,27 @@ std::size_t JsonDepth(std::string_view text) {
   return max_depth;
 }
 
+std::size_t JsonValues(std::string_view text) {
+  std::size_t values = 1;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == ',' || c == '[' || c == '{') {
+      ++values;
+    }
+  }
+  return values;
+}
+
 }  // namespace kvferry::control

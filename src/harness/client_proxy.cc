@@ -149,6 +149,10 @@ struct Proxy::Impl {
       refuse(fmt::format("request body nests JSON deeper than {} levels", control::kMaxJsonDepth));
       return;
     }
+    if (control::JsonValues(req.body) > control::kMaxJsonValues) {
+      refuse(fmt::format("request body has more than {} JSON values", control::kMaxJsonValues));
+      return;
+    }
     json client = json::parse(req.body, nullptr, false);
     if (client.is_discarded() || !client.is_object()) {
       refuse("request body is not a JSON object");

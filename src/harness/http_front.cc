@@ -97,6 +97,10 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, Role rol
     return tl::unexpected(
         Bad(fmt::format("JSON nested deeper than {} levels", control::kMaxJsonDepth)));
   }
+  if (control::JsonValues(body) > control::kMaxJsonValues) {
+    return tl::unexpected(
+        Bad(fmt::format("JSON with more than {} values", control::kMaxJsonValues)));
+  }
   json doc = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return tl::unexpected(Bad("body is not valid JSON"));
   if (!doc.is_object()) return tl::unexpected(Bad("body must be a JSON object"));

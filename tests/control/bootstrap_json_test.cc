@@ -1,5 +1,6 @@
 // Bootstrap JSON bodies: round trips, malformed input, hostile answers; and the lease check.
 #include "control/bootstrap_json.h"
+#include "control/json_limits.h"
 
 #include <gtest/gtest.h>
 
@@ -133,6 +134,19 @@ TEST(BootstrapJson, DeeplyNestedBodyIsRefusedBeforeParsing) {
   ASSERT_FALSE(q);
   EXPECT_NE(q.error().message().find("deeper than 32 levels"), std::string::npos)
       << q.error().message();
+}
+
+// The value count is an upper bound taken on the raw text: commas and brackets inside strings
+// do not count, so a long string is one value.
+TEST(JsonLimits, ValuesCountCommasAndBracketsOutsideStrings) {
+  EXPECT_EQ(JsonValues("1"), 1u);
+  EXPECT_EQ(JsonValues("[1,2,3]"), 4u);  // the array and its three elements
+  EXPECT_EQ(JsonValues(R"({"a":"x,y,[z]","b":[1,2]})"), 5u);
+  EXPECT_EQ(JsonValues(R"(["a\",b"])"), 2u);  // an escaped quote does not end the string
+  std::string flat = "[";
+  for (int i = 0; i < 1000; ++i) flat += "1,";
+  flat += "1]";
+  EXPECT_EQ(JsonValues(flat), 1002u);
 }
 
 // The features a P reads travel with its registration and its query answer; a P that predates

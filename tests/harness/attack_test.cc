@@ -335,6 +335,18 @@ TEST_F(FrontDoorAttack, DeepAndMistypedJsonGetsA400NamingTheProblem) {
     EXPECT_EQ(status, 400) << t.name << ": " << raw.substr(0, 300);
     EXPECT_NE(BodyOf(raw).find("deeper than"), std::string::npos) << t.name << ": " << BodyOf(raw);
   }
+  // Too many values (1.5 M token ids in 3 MB, under the 8 MiB body cap): refused on the raw
+  // text, before a parser holds ~24 MB for them.
+  std::string wide = "{\"prompt\":[";
+  for (int i = 0; i < 1500000; ++i) wide += "1,";
+  wide += "1],\"max_tokens\":1}";
+  for (const Target& t : targets_) {
+    if (t.post_path != "/v1/completions") continue;
+    auto [status, raw] = RawExchange(t.port, PostRequest(t.post_path, wide));
+    EXPECT_EQ(status, 400) << t.name << ": " << raw.substr(0, 300);
+    EXPECT_NE(BodyOf(raw).find("more than 1048576"), std::string::npos) << t.name << ": "
+                                                                           << BodyOf(raw);
+  }
   // A wrong type in a field gets a 400 that names the field.
   const std::vector<std::pair<std::string, std::string>> completions = {
       {R"({"prompt":[1,2],"max_tokens":"8"})", "max_tokens"},
