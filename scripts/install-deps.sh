@@ -11,7 +11,7 @@ packages=(
   libspdlog-dev libfmt-dev libcli11-dev libexpected-dev
   libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
   clang libclang-rt-14-dev clang-format
-  python3 iperf3 gnuplot-nox procps iproute2
+  python3 iperf3 gnuplot-nox procps iproute2 etcd-server etcd-client
 )
 
 missing=()

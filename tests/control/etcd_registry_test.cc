@@ -1,0 +1,264 @@
+// The etcd registry (control/etcd_registry.h) against a real etcd (Debian's etcd-server, one
+// member on 127.0.0.1 with a data directory of its own, started and killed by each test).
+#include "control/etcd_registry.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "bootstrap_test_util.h"
+#include "control/bootstrap_json.h"
+
+extern char** environ;
+
+namespace kvferry::control {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using testing::MakeWorker;
+namespace fs = std::filesystem;
+
+constexpr const char* kEtcd = "/usr/bin/etcd";
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+class EtcdRegistryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(kEtcd)) GTEST_SKIP() << kEtcd << " is missing (scripts/install-deps.sh)";
+    dir_ = fs::temp_directory_path() / ("kvferry_etcd_test_" + std::to_string(getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    client_port_ = FreePort();
+    const int peer_port = FreePort();
+    const std::string client_url = "http://127.0.0.1:" + std::to_string(client_port_);
+    const std::string peer_url = "http://127.0.0.1:" + std::to_string(peer_port);
+    std::vector<std::string> argv = {kEtcd,
+                                     "--data-dir",
+                                     (dir_ / "data").string(),
+                                     "--listen-client-urls",
+                                     client_url,
+                                     "--advertise-client-urls",
+                                     client_url,
+                                     "--listen-peer-urls",
+                                     peer_url,
+                                     "--initial-advertise-peer-urls",
+                                     peer_url,
+                                     "--initial-cluster",
+                                     "default=" + peer_url};
+    std::vector<char*> cargv;
+    for (std::string& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    const std::string log = (dir_ / "etcd.log").string();
+    posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    const int spawned = posix_spawn(&pid_, kEtcd, &actions, nullptr, cargv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ASSERT_EQ(spawned, 0);
+    options_.endpoints = {client_url};
+    options_.request_timeout = 500ms;
+    EtcdClient client(options_);
+    const auto deadline = Clock::now() + 10s;
+    while (!client.Range("/").has_value()) {
+      ASSERT_LT(Clock::now(), deadline) << "etcd did not come up";
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  void TearDown() override {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGCONT);
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    fs::remove_all(dir_);
+  }
+
+  struct Down {
+    std::mutex mu;
+    std::vector<std::string> engines;
+    std::vector<std::string> reasons;
+    Clock::time_point first;
+  };
+  EtcdWatcher::DownCallback Recorder(Down& down) {
+    return [&down](const std::string& engine, const std::string&, const Status& why) {
+      std::lock_guard<std::mutex> lock(down.mu);
+      if (down.engines.empty()) down.first = Clock::now();
+      down.engines.push_back(engine);
+      down.reasons.push_back(why.message());
+    };
+  }
+  static std::size_t Count(Down& down) {
+    std::lock_guard<std::mutex> lock(down.mu);
+    return down.engines.size();
+  }
+
+  // What etcd does to the leases of a P cut off for longer than their TTL.
+  void RevokeEveryLease() {
+    httplib::Client cli("127.0.0.1", client_port_);
+    auto res = cli.Post("/v3/lease/leases", "{}", "application/json");
+    ASSERT_TRUE(res);
+    const auto j = nlohmann::json::parse(res->body);
+    EtcdClient client(options_);
+    for (const auto& lease : j.value("leases", nlohmann::json::array())) {
+      ASSERT_TRUE(client.Revoke(std::stoll(lease["ID"].get<std::string>())).ok());
+    }
+  }
+
+  fs::path dir_;
+  pid_t pid_ = -1;
+  int client_port_ = 0;
+  EtcdOptions options_;
+};
+
+TEST(EtcdOptionsTest, BadEndpointsAndPrefixesAreRefusedWithTheReason) {
+  EtcdOptions o;
+  EXPECT_NE(Validate(o).message().find("no endpoint"), std::string::npos);
+  o.endpoints = {"http://127.0.0.1"};
+  EXPECT_NE(Validate(o).message().find("is not [http://]host:port"), std::string::npos);
+  o.endpoints = {"127.0.0.1:99999"};
+  EXPECT_NE(Validate(o).message().find("no valid port"), std::string::npos);
+  o.endpoints = {"127.0.0.1:2379"};
+  o.prefix = "kvferry";
+  EXPECT_NE(Validate(o).message().find("must start with '/'"), std::string::npos);
+  o.prefix = "/kvferry";
+  EXPECT_TRUE(Validate(o).ok());
+}
+
+TEST_F(EtcdRegistryTest, APublishedEngineIsFoundCompleteOnceEveryRankIsThere) {
+  auto registrar = EtcdRegistrar::Start(
+      options_, {MakeWorker("p0", 0, 2, "inc-1"), MakeWorker("p0", 1, 2, "inc-1")}, 5s, nullptr);
+  ASSERT_TRUE(registrar) << registrar.error().ToString();
+  auto watcher = EtcdWatcher::Start(options_, 50ms, nullptr, nullptr);
+  ASSERT_TRUE(watcher);
+  auto info = (*watcher)->Lookup("p0");
+  ASSERT_TRUE(info) << info.error().ToString();
+  EXPECT_TRUE(info->complete);
+  EXPECT_EQ(info->incarnation, "inc-1");
+  EXPECT_EQ(info->workers.size(), 2u);
+  EXPECT_EQ((*watcher)->Lookup("p9").error().code(), ErrorCode::kNotFound);
+
+  // One rank only: known, but not usable yet.
+  EtcdOptions other = options_;
+  other.prefix = "/other";
+  auto half = EtcdRegistrar::Start(other, {MakeWorker("p1", 0, 2, "inc-2")}, 5s, nullptr);
+  ASSERT_TRUE(half);
+  auto half_watcher = EtcdWatcher::Start(other, 50ms, nullptr, nullptr);
+  ASSERT_TRUE(half_watcher);
+  auto partial = (*half_watcher)->Lookup("p1");
+  ASSERT_FALSE(partial);
+  EXPECT_EQ(partial.error().code(), ErrorCode::kUnavailable);
+  EXPECT_NE(partial.error().message().find("1 of 2 workers"), std::string::npos);
+}
+
+TEST_F(EtcdRegistryTest, AnEngineThatStopsRenewingIsReportedDownSoonAfterItsTtl) {
+  // A P that died: its lease is granted and its keys put, then nobody renews.
+  EtcdClient client(options_);
+  auto lease = client.Grant(1s);
+  ASSERT_TRUE(lease);
+  const WorkerRegistration reg = MakeWorker("p0", 0, 1, "inc-1");
+  ASSERT_TRUE(client.Put("/kvferry/engines/p0/0-0", EncodeRegistration(reg), *lease).ok());
+  Down down;
+  auto watcher = EtcdWatcher::Start(options_, 100ms, Recorder(down), nullptr);
+  ASSERT_TRUE(watcher);
+  ASSERT_TRUE((*watcher)->Lookup("p0"));
+  const auto granted = Clock::now();
+  const auto deadline = granted + 5s;
+  while (Count(down) == 0 && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(Count(down), 1u);
+  const double after = std::chrono::duration<double>(down.first - granted).count();
+  std::printf("[ measured ] engine reported down %.2f s after its 1 s lease was granted\n", after);
+  EXPECT_LT(after, 3.5);  // TTL (1 s) + etcd's expiry granularity + one poll, loosely
+  EXPECT_NE(down.reasons[0].find("left etcd"), std::string::npos);
+  EXPECT_EQ((*watcher)->Lookup("p0").error().code(), ErrorCode::kNotFound);
+}
+
+TEST_F(EtcdRegistryTest, AKeptAliveEngineOutlivesItsTtlAndStopRevokesItAtOnce) {
+  auto registrar = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-1")}, 1s, nullptr);
+  ASSERT_TRUE(registrar);
+  Down down;
+  auto watcher = EtcdWatcher::Start(options_, 50ms, Recorder(down), nullptr);
+  ASSERT_TRUE(watcher);
+  std::this_thread::sleep_for(2500ms);  // 2.5 TTLs
+  EXPECT_EQ(Count(down), 0u);
+  EXPECT_GE((*registrar)->stats().keepalives, 3u);
+  const auto stop = Clock::now();
+  (*registrar)->Stop();
+  while (Count(down) == 0 && Clock::now() < stop + 3s) std::this_thread::sleep_for(5ms);
+  ASSERT_EQ(Count(down), 1u);
+  EXPECT_LT(down.first - stop, 500ms);  // revoked, not left to expire
+}
+
+TEST_F(EtcdRegistryTest, ALostLeaseIsPublishedAgainUnderTheSameIncarnation) {
+  auto registrar = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-1")}, 2s, nullptr);
+  ASSERT_TRUE(registrar);
+  // What a partition longer than the TTL does: etcd drops the lease.
+  EtcdClient client(options_);
+  auto kvs = client.Range("/kvferry/engines/");
+  ASSERT_TRUE(kvs);
+  ASSERT_EQ(kvs->size(), 1u);
+  RevokeEveryLease();
+  const auto deadline = Clock::now() + 5s;
+  while ((*registrar)->stats().republished == 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ((*registrar)->stats().republished, 1u);
+  auto watcher = EtcdWatcher::Start(options_, 50ms, nullptr, nullptr);
+  ASSERT_TRUE(watcher);
+  auto info = (*watcher)->Lookup("p0");
+  ASSERT_TRUE(info) << info.error().ToString();
+  EXPECT_EQ(info->incarnation, "inc-1");
+}
+
+TEST_F(EtcdRegistryTest, WhileEtcdIsAwayKnownEnginesStayAndUnknownOnesFailWithTheReason) {
+  auto registrar = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-1")}, 30s, nullptr);
+  ASSERT_TRUE(registrar);
+  Down down;
+  auto watcher = EtcdWatcher::Start(options_, 50ms, Recorder(down), nullptr);
+  ASSERT_TRUE(watcher);
+  ASSERT_TRUE((*watcher)->Lookup("p0"));
+  ::kill(pid_, SIGSTOP);  // etcd frozen: every call times out
+  const auto deadline = Clock::now() + 5s;
+  while ((*watcher)->stats().healthy && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
+  EXPECT_FALSE((*watcher)->stats().healthy);
+  EXPECT_TRUE((*watcher)->Lookup("p0")) << "a known engine is kept while etcd is away";
+  auto unknown = (*watcher)->Lookup("p9");
+  ASSERT_FALSE(unknown);
+  EXPECT_EQ(unknown.error().code(), ErrorCode::kUnavailable);
+  EXPECT_NE(unknown.error().message().find("etcd is unreachable"), std::string::npos)
+      << unknown.error().message();
+  EXPECT_EQ(Count(down), 0u) << "an unreachable etcd declares nobody dead";
+  ::kill(pid_, SIGCONT);
+  const auto back = Clock::now() + 5s;
+  while (!(*watcher)->stats().healthy && Clock::now() < back) std::this_thread::sleep_for(20ms);
+  EXPECT_TRUE((*watcher)->stats().healthy);
+  EXPECT_EQ(Count(down), 0u);
+}
+
+}  // namespace
+}  // namespace kvferry::control
