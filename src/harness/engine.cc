@@ -355,6 +355,7 @@ Status ServingEngine::Impl::StartRanks() {
       o.pull_timeout = options.pull_timeout;
       o.send_releases = options.send_releases;
       o.cluster_secret = options.cluster_secret;
+      o.registry_lookup = options.registry_lookup;
       auto warn = [this, rank](std::string_view message) {
         spdlog::warn("[{} r{}] {}", options.engine_id, rank, message);
       };
@@ -525,6 +526,16 @@ Result<std::shared_ptr<RequestStream>> ServingEngine::Enqueue(const CompletionSp
   }
   impl.cv.notify_all();
   return stream;
+}
+
+void ServingEngine::EngineDown(const std::string& engine_id, const Status& why) {
+  for (auto& worker : impl_->decode) worker->EngineDown(engine_id, why);
+}
+
+std::vector<control::WorkerRegistration> ServingEngine::Registrations() const {
+  std::vector<control::WorkerRegistration> out;
+  for (const auto& worker : impl_->prefill) out.push_back(worker->registration());
+  return out;
 }
 
 void ServingEngine::Abort(std::uint64_t handle) {

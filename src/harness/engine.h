@@ -37,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "control/bootstrap_types.h"
 #include "control/cluster_auth.h"
 #include "harness/fault_writer.h"
 #include "harness/kv_pattern.h"
@@ -92,6 +93,9 @@ struct EngineOptions {
   // P: the registrations its embedded bootstrap service refused for authentication, for
   // /metrics (kvferry_bootstrap_auth_refusals_total); empty when it embeds none.
   std::function<std::uint64_t()> bootstrap_auth_refusals;
+  // D: look P engines up here instead of in each P's bootstrap (the etcd registry); empty: the
+  // bootstrap named by each request.
+  std::function<Result<control::EngineInfo>(const std::string& engine_id)> registry_lookup;
 };
 
 enum class RequestKind : std::uint8_t { kLocal, kRemoteDecode, kRemotePrefill };
@@ -152,6 +156,11 @@ class ServingEngine {
   [[nodiscard]] Result<std::shared_ptr<RequestStream>> Submit(const CompletionSpec& spec);
   // The client went away: finish the request early (its blocks follow the normal rules).
   void Abort(std::uint64_t handle);
+  // D: a liveness source says P engine `engine_id` is gone (runtime::DecodeWorker::EngineDown on
+  // every rank). No-op on P.
+  void EngineDown(const std::string& engine_id, const Status& why);
+  // P: what its ranks register (bootstrap and etcd); empty on D.
+  [[nodiscard]] std::vector<control::WorkerRegistration> Registrations() const;
 
   // Prometheus text for /metrics.
   std::string RenderMetrics();

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "control/bootstrap_server.h"
+#include "control/etcd_registry.h"
 #include "harness/http_front.h"
 #include "harness/serve_config.h"
 #include "harness/trace_file.h"
@@ -21,6 +23,10 @@
 namespace kvferry::harness {
 
 namespace {
+
+// How often D polls etcd: a dead P is noticed within its lease TTL plus this (and etcd's own
+// expiry granularity, 0.5 s). Four small range requests a second per D are nothing to etcd.
+constexpr std::chrono::milliseconds kEtcdPollInterval{250};
 
 std::string RandomHex() {
   std::random_device rd;
@@ -152,8 +158,42 @@ int RunServe(const ServeOptions& options) {
     eo.bootstrap_auth_refusals = [server = bootstrap.get()] { return server->auth_refusals(); };
   }
 
+  // The etcd registry (opt-in). D: engines are looked up there, and one that leaves etcd fails
+  // its waiting loads at once. The watcher outlives the engine; `down_target` is set while the
+  // engine runs.
+  control::EtcdOptions etcd;
+  etcd.endpoints = config->etcd_endpoints;
+  etcd.prefix = config->etcd_prefix;
+  std::unique_ptr<control::EtcdWatcher> watcher;
+  auto down_target = std::make_shared<std::atomic<ServingEngine*>>(nullptr);
+  if (!etcd.endpoints.empty() && options.role == Role::kDecode) {
+    auto started = control::EtcdWatcher::Start(
+        etcd, kEtcdPollInterval,
+        [down_target](const std::string& engine_id, const std::string&, const Status& why) {
+          if (ServingEngine* target = down_target->load()) target->EngineDown(engine_id, why);
+        },
+        [](std::string_view line) { spdlog::info("{}", line); });
+    if (!started) return Fail("etcd: " + started.error().ToString());
+    watcher = std::move(*started);
+    control::EtcdWatcher* w = watcher.get();
+    eo.registry_lookup = [w](const std::string& engine_id) { return w->Lookup(engine_id); };
+  }
+
   auto engine = ServingEngine::Start(eo);
   if (!engine) return Fail("engine: " + engine.error().ToString());
+  down_target->store(engine->get());
+  // P: its workers go into etcd under a lease kept alive while it runs.
+  std::unique_ptr<control::EtcdRegistrar> registrar;
+  if (!etcd.endpoints.empty() && options.role == Role::kPrefill) {
+    auto started = control::EtcdRegistrar::Start(
+        etcd, (*engine)->Registrations(), config->etcd_lease_ttl,
+        [](std::string_view line) { spdlog::info("{}", line); });
+    if (!started) {
+      (*engine)->Shutdown();
+      return Fail("etcd: " + started.error().ToString());
+    }
+    registrar = std::move(*started);
+  }
 
   nlohmann::json info = {
       {"role", ToString(options.role)},
@@ -220,8 +260,12 @@ int RunServe(const ServeOptions& options) {
       std::_Exit(0);
     }
   });
+  // Out of etcd first: decoders fail what waits for this P at once instead of a TTL later.
+  if (registrar) registrar->Stop();
   (*http)->Stop();
   (*engine)->Shutdown();
+  down_target->store(nullptr);
+  if (watcher) watcher->Stop();
   if (bootstrap) bootstrap->Stop();
   {
     std::lock_guard<std::mutex> lock(watchdog_mu);

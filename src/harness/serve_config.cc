@@ -93,6 +93,33 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view text,
             return Err(ErrorCode::kInvalidArgument, "kv_release must be true or false");
           }
           config.release = extra.get<bool>();
+        } else if (extra_key == "etcd_endpoints") {
+          if (!extra.is_array() || extra.empty() || extra.size() > 16) {
+            return Err(ErrorCode::kInvalidArgument,
+                       "etcd_endpoints must be a list of 1..16 \"http://host:port\" strings");
+          }
+          for (const auto& e : extra) {
+            if (!e.is_string() || e.get<std::string>().empty() ||
+                e.get<std::string>().size() > 256) {
+              return Err(ErrorCode::kInvalidArgument,
+                         "etcd_endpoints must be a list of 1..16 \"http://host:port\" strings");
+            }
+            config.etcd_endpoints.push_back(e.get<std::string>());
+          }
+        } else if (extra_key == "etcd_prefix") {
+          if (!extra.is_string() || extra.get<std::string>().empty() ||
+              extra.get<std::string>().front() != '/' || extra.get<std::string>().size() > 128) {
+            return Err(ErrorCode::kInvalidArgument,
+                       "etcd_prefix must be a string of 1..128 bytes starting with '/'");
+          }
+          config.etcd_prefix = extra.get<std::string>();
+        } else if (extra_key == "etcd_lease_ttl") {
+          if (!extra.is_number_integer() || extra.get<std::int64_t>() < 2 ||
+              extra.get<std::int64_t>() > 3600) {
+            // etcd rounds a TTL below 2 s up to its minimum (1.5 x its election timeout).
+            return Err(ErrorCode::kInvalidArgument, "etcd_lease_ttl must be an integer 2..3600");
+          }
+          config.etcd_lease_ttl = std::chrono::seconds(extra.get<std::int64_t>());
         } else if (extra_key == "cluster_secret_file") {
           if (!extra.is_string() || extra.get<std::string>().empty() ||
               extra.get<std::string>().size() > 4096) {

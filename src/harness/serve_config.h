@@ -39,6 +39,13 @@ struct KvTransferConfig {
   // the cluster shares. Empty: the cluster is open (the default, as in vLLM). Only the path is
   // parsed here; RunServe loads and checks the file.
   std::string cluster_secret_file;
+  // The etcd registry (opt-in; control/etcd_registry.h): endpoints ("http://host:port"); empty:
+  // off (the per-P bootstrap only). P publishes its workers under a lease of etcd_lease_ttl;
+  // D finds engines there instead of in each P's bootstrap, and fails the loads waiting for an
+  // engine that left etcd at once.
+  std::vector<std::string> etcd_endpoints;
+  std::string etcd_prefix = "/kvferry";
+  std::chrono::seconds etcd_lease_ttl{5};
   std::string kv_load_failure_policy = "fail";
   std::vector<std::string> warnings;  // one line per ignored key
 };

@@ -463,15 +463,10 @@ void DecodeSession::ExpirePulls(TimePoint now) {
       ep.pulls.erase(op);  // settled meanwhile (e.g. by a fence)
       continue;
     }
-    // A local timeout is not proof that P stopped writing: the entry's blocks are quarantined
-    // (the receive fails now), the pull stays known so a late reply still resolves it, and the
-    // peer is fenced if the data plane can.
     ++counters_.pull_timeouts;
-    op->second.timed_out = true;
-    (void)ledger_->Settle(
-        op->second.request, op->second.peer, core::Settle::kTimeout,
-        Status(ErrorCode::kTimeout, fmt::format("no answer from prefill worker {} within {}",
-                                                ep.address, Secs(options_.pull_timeout))));
+    GiveUpOnPull(op->second,
+                 Status(ErrorCode::kTimeout, fmt::format("no answer from prefill worker {} within {}",
+                                                         ep.address, Secs(options_.pull_timeout))));
     auto engine = std::find_if(engines_.begin(), engines_.end(), [&](const auto& e) {
       return e.second.view &&
              std::find(e.second.view->side_channels.begin(), e.second.view->side_channels.end(),
@@ -481,6 +476,14 @@ void DecodeSession::ExpirePulls(TimePoint now) {
     AskFence(endpoint);
   }
   DrainLedger(now);
+}
+
+void DecodeSession::GiveUpOnPull(PullOp& op, const Status& why) {
+  // Giving up is not proof that P stopped writing: the entry's blocks are quarantined (the
+  // receive fails now), the pull stays known so a late reply still resolves it, and the peer is
+  // fenced if the data plane can.
+  op.timed_out = true;
+  (void)ledger_->Settle(op.request, op.peer, core::Settle::kTimeout, why);
 }
 
 // ---- fences ----
@@ -561,10 +564,21 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
   state.pending_releases.clear();
   for (Load& load : loads) FailLoad(std::move(load), state.failure, now);
   if (!view) return;
+  // Its pulls in flight will get no answer: their requests fail now, not at their deadlines,
+  // and their blocks stay quarantined (a P cut off by a partition may still be writing) until
+  // the fence asked here, or a late answer, proves it stopped.
   for (const std::string& address : view->side_channels) {
     auto ep = endpoint_of_.find(address);
-    if (ep != endpoint_of_.end() && !endpoints_[ep->second].pulls.empty()) AskFence(ep->second);
+    if (ep == endpoint_of_.end() || endpoints_[ep->second].pulls.empty()) continue;
+    for (auto& [id, op] : endpoints_[ep->second].pulls) {
+      if (!op.timed_out && ledger_->IsPending(op.request, op.peer)) {
+        ++counters_.pulls_abandoned;
+        GiveUpOnPull(op, state.failure);
+      }
+    }
+    AskFence(ep->second);
   }
+  DrainLedger(now);
 }
 
 // ---- renewals ----

@@ -175,6 +175,7 @@ using DecodeEvent = std::variant<ReceiveDone, BlocksReleased, TransferAborted, W
 struct DecodeStats {
   std::uint64_t pulls_sent = 0;
   std::uint64_t pull_timeouts = 0;      // pulls whose deadline passed with entries pending
+  std::uint64_t pulls_abandoned = 0;    // pulls given up on because their engine went down
   std::uint64_t late_replies = 0;       // replies to a pull after its deadline
   std::uint64_t replies_unmatched = 0;  // replies naming no pull or renewal of that endpoint
   std::uint64_t receives_ok = 0;
@@ -252,8 +253,9 @@ class DecodeSession {
   void OnFenceDone(std::uint64_t fence_id, const Status& result, core::TimePoint now);
   // A liveness source says the engine's processes are gone (e.g. its registry lease expired).
   // Loads waiting for it and new ones fail at once (until a lookup succeeds again, after
-  // lookup_failure_ttl); its endpoints with pulls in flight are fenced — the blocks of those
-  // pulls are released by the fences (or late replies), never by this call alone.
+  // lookup_failure_ttl), and so do the requests of its pulls in flight (as at their deadline);
+  // its endpoints with pulls in flight are fenced — the blocks of those pulls stay quarantined
+  // until the fences (or late replies) release them, never by this call alone.
   void OnEngineDown(const core::EngineId& engine, const Status& why, core::TimePoint now);
 
   // ---- Time ----
@@ -364,6 +366,7 @@ class DecodeSession {
                                             std::set<Deadline>& deadlines, std::uint64_t id);
   void RenewalPass(core::TimePoint now);
   void ExpirePulls(core::TimePoint now);
+  void GiveUpOnPull(PullOp& op, const Status& why);
   void AskFence(EndpointId endpoint);
   void DrainLedger(core::TimePoint now);
   std::optional<std::vector<std::uint32_t>> Targets(const PeerEngine& view, Status* why) const;

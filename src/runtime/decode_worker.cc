@@ -129,6 +129,10 @@ class DecodeWorker::Impl {
     Run([&](protocol::DecodeSession& s, TimePoint now) { s.ReleaseTransfer(source, now); });
   }
 
+  void EngineDown(const core::EngineId& engine, const Status& why) {
+    Run([&](protocol::DecodeSession& s, TimePoint now) { s.OnEngineDown(engine, why, now); });
+  }
+
   DecodeFinished TakeFinished() {
     std::lock_guard<std::mutex> lock(mu_);
     DecodeFinished out;
@@ -204,6 +208,16 @@ class DecodeWorker::Impl {
 
   // ---- lookup threads ----
 
+  // The engine from the registry when one is configured, else from the request's bootstrap.
+  Result<control::EngineInfo> FetchEngine(const protocol::LookupRequest& request) {
+    if (options_.registry_lookup) return options_.registry_lookup(request.engine_id);
+    directory_.Invalidate(request.engine_id);
+    auto lookup =
+        directory_.Lookup(request.engine_id, request.bootstrap_address, options_.bootstrap_timeout);
+    if (!lookup) return tl::unexpected(lookup.error());
+    return *lookup->info;
+  }
+
   void LookupMain() {
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
@@ -213,13 +227,11 @@ class DecodeWorker::Impl {
       lookup_queue_.pop_front();
       lock.unlock();
       // The session decides when to ask again; the directory only runs the query.
-      directory_.Invalidate(request.engine_id);
-      auto lookup = directory_.Lookup(request.engine_id, request.bootstrap_address,
-                                      options_.bootstrap_timeout);
+      Result<control::EngineInfo> lookup = FetchEngine(request);
       std::optional<protocol::PeerEngine> view;
       Status failure;
       if (lookup) {
-        const control::EngineInfo& info = *lookup->info;
+        const control::EngineInfo& info = *lookup;
         view.emplace();
         view->engine_id = info.engine_id;
         view->incarnation = info.incarnation;
@@ -449,6 +461,9 @@ void DecodeWorker::RequestFinished(const core::RequestId& request) {
   impl_->RequestFinished(request);
 }
 void DecodeWorker::ReleaseTransfer(const RemoteSource& source) { impl_->ReleaseTransfer(source); }
+void DecodeWorker::EngineDown(const core::EngineId& engine, const Status& why) {
+  impl_->EngineDown(engine, why);
+}
 DecodeFinished DecodeWorker::TakeFinished() { return impl_->TakeFinished(); }
 DecodeFinished DecodeWorker::WaitFinished(TimePoint deadline) {
   return impl_->WaitFinished(deadline);

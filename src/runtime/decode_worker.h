@@ -29,11 +29,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "control/bootstrap_types.h"
 #include "control/cluster_auth.h"
 #include "control/side_channel_client.h"
 #include "kvferry/core/ids.h"
@@ -72,6 +74,9 @@ struct DecodeWorkerOptions {
   // DEALER is a CURVE client with the cluster's keys and every bootstrap answer must be signed
   // with this secret (control::BootstrapClient); Start fails if libzmq lacks CURVE.
   std::shared_ptr<const control::ClusterSecret> cluster_secret;
+  // Where engines are looked up instead of each P's bootstrap (the etcd registry,
+  // control::EtcdWatcher::Lookup); empty: the bootstrap named by each request.
+  std::function<Result<control::EngineInfo>(const std::string& engine_id)> registry_lookup;
 };
 
 // One remote-prefill request as the router describes it (vLLM's kv_transfer_params).
@@ -126,6 +131,10 @@ class DecodeWorker {
   void RequestFinished(const core::RequestId& request);
   // The engine refused a remote-prefill request it never announced: release it to P now.
   void ReleaseTransfer(const RemoteSource& source);
+  // A liveness source (the etcd registry) says the engine's processes are gone:
+  // protocol::DecodeSession::OnEngineDown (waiting loads fail at once with `why`; endpoints
+  // with pulls in flight are fenced; their blocks wait for the fence or a late answer).
+  void EngineDown(const core::EngineId& engine, const Status& why);
   DecodeFinished TakeFinished();
   // Waits until TakeFinished has something or `deadline` passes.
   DecodeFinished WaitFinished(core::TimePoint deadline);

@@ -210,21 +210,21 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   if (!listener) return tl::unexpected(listener.error());
   worker->listener_ = std::move(*listener);
 
+  control::WorkerRegistration& reg = worker->registration_;
+  reg.engine_id = options.engine_id;
+  reg.dp_rank = options.dp_rank;
+  reg.tp_rank = options.tp_rank;
+  reg.tp_size = options.tp_size;
+  reg.side_channel = worker->listener_->endpoint();
+  reg.data_plane = std::string(worker->engine_->backend());
+  reg.kv_lease_duration = core::ToSeconds(options.hold.lease);
+  reg.protocol_version = wire::kProtocolVersion;
+  reg.protocol_features = wire::kProtocolFeatures;
+  reg.incarnation = options.incarnation;
   if (!options.bootstrap_address.empty()) {
     auto client =
         control::BootstrapClient::Create(options.bootstrap_address, options.cluster_secret);
     if (!client) return tl::unexpected(client.error());
-    control::WorkerRegistration reg;
-    reg.engine_id = options.engine_id;
-    reg.dp_rank = options.dp_rank;
-    reg.tp_rank = options.tp_rank;
-    reg.tp_size = options.tp_size;
-    reg.side_channel = worker->listener_->endpoint();
-    reg.data_plane = std::string(worker->engine_->backend());
-    reg.kv_lease_duration = core::ToSeconds(options.hold.lease);
-    reg.protocol_version = wire::kProtocolVersion;
-    reg.protocol_features = wire::kProtocolFeatures;
-    reg.incarnation = options.incarnation;
     Status registered = client->Register(reg, kRegisterTimeout);
     if (!registered.ok()) return tl::unexpected(registered);
   }

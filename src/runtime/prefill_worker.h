@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "control/bootstrap_types.h"
 #include "control/side_channel_listener.h"
 #include "kvferry/core/hold_table.h"
 #include "kvferry/core/tp_plan.h"
@@ -117,6 +118,8 @@ class PrefillWorker {
   const std::string& side_channel() const { return listener_->endpoint(); }
   control::PrefillListener& listener() { return *listener_; }
   const TransportKvWriter& writer() const { return *writer_; }
+  // What this worker registers (with the bootstrap service, and in etcd when that is on).
+  const control::WorkerRegistration& registration() const { return registration_; }
 
   [[nodiscard]] std::future<Status> Admit(const core::TransferId& id, std::uint64_t handle) {
     return listener_->Admit(id, handle);
@@ -143,6 +146,7 @@ class PrefillWorker {
   transport::Region region_;
   std::shared_ptr<TransportKvWriter> writer_;
   std::unique_ptr<control::PrefillListener> listener_;
+  control::WorkerRegistration registration_;
   bool stopped_ = false;
 };
 

@@ -2,14 +2,8 @@
 // member on 127.0.0.1 with a data directory of its own, started and killed by each test).
 #include "control/etcd_registry.h"
 
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -21,8 +15,7 @@
 
 #include "bootstrap_test_util.h"
 #include "control/bootstrap_json.h"
-
-extern char** environ;
+#include "support/etcd_process.h"
 
 namespace kvferry::control {
 namespace {
@@ -30,72 +23,23 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using testing::MakeWorker;
+using kvferry::testing::EtcdProcess;
 namespace fs = std::filesystem;
-
-constexpr const char* kEtcd = "/usr/bin/etcd";
-
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 class EtcdRegistryTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!fs::exists(kEtcd)) GTEST_SKIP() << kEtcd << " is missing (scripts/install-deps.sh)";
-    dir_ = fs::temp_directory_path() / ("kvferry_etcd_test_" + std::to_string(getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    client_port_ = FreePort();
-    const int peer_port = FreePort();
-    const std::string client_url = "http://127.0.0.1:" + std::to_string(client_port_);
-    const std::string peer_url = "http://127.0.0.1:" + std::to_string(peer_port);
-    std::vector<std::string> argv = {kEtcd,
-                                     "--data-dir",
-                                     (dir_ / "data").string(),
-                                     "--listen-client-urls",
-                                     client_url,
-                                     "--advertise-client-urls",
-                                     client_url,
-                                     "--listen-peer-urls",
-                                     peer_url,
-                                     "--initial-advertise-peer-urls",
-                                     peer_url,
-                                     "--initial-cluster",
-                                     "default=" + peer_url};
-    std::vector<char*> cargv;
-    for (std::string& a : argv) cargv.push_back(a.data());
-    cargv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    const std::string log = (dir_ / "etcd.log").string();
-    posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    const int spawned = posix_spawn(&pid_, kEtcd, &actions, nullptr, cargv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    ASSERT_EQ(spawned, 0);
-    options_.endpoints = {client_url};
-    options_.request_timeout = 500ms;
-    EtcdClient client(options_);
-    const auto deadline = Clock::now() + 10s;
-    while (!client.Range("/").has_value()) {
-      ASSERT_LT(Clock::now(), deadline) << "etcd did not come up";
-      std::this_thread::sleep_for(50ms);
+    if (!EtcdProcess::Available()) {
+      GTEST_SKIP() << EtcdProcess::kBinary << " is missing (scripts/install-deps.sh)";
     }
+    dir_ = fs::temp_directory_path() / ("kvferry_etcd_test_" + std::to_string(getpid()));
+    etcd_ = std::make_unique<EtcdProcess>(dir_);
+    ASSERT_TRUE(etcd_->ok()) << "etcd did not come up";
+    options_.endpoints = {etcd_->url()};
+    options_.request_timeout = 500ms;
   }
   void TearDown() override {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGCONT);
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
+    etcd_.reset();
     fs::remove_all(dir_);
   }
 
@@ -120,7 +64,7 @@ class EtcdRegistryTest : public ::testing::Test {
 
   // What etcd does to the leases of a P cut off for longer than their TTL.
   void RevokeEveryLease() {
-    httplib::Client cli("127.0.0.1", client_port_);
+    httplib::Client cli("127.0.0.1", etcd_->client_port());
     auto res = cli.Post("/v3/lease/leases", "{}", "application/json");
     ASSERT_TRUE(res);
     const auto j = nlohmann::json::parse(res->body);
@@ -131,8 +75,7 @@ class EtcdRegistryTest : public ::testing::Test {
   }
 
   fs::path dir_;
-  pid_t pid_ = -1;
-  int client_port_ = 0;
+  std::unique_ptr<EtcdProcess> etcd_;
   EtcdOptions options_;
 };
 
@@ -242,7 +185,7 @@ TEST_F(EtcdRegistryTest, WhileEtcdIsAwayKnownEnginesStayAndUnknownOnesFailWithTh
   auto watcher = EtcdWatcher::Start(options_, 50ms, Recorder(down), nullptr);
   ASSERT_TRUE(watcher);
   ASSERT_TRUE((*watcher)->Lookup("p0"));
-  ::kill(pid_, SIGSTOP);  // etcd frozen: every call times out
+  etcd_->Freeze();  // every call times out
   const auto deadline = Clock::now() + 5s;
   while ((*watcher)->stats().healthy && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
   EXPECT_FALSE((*watcher)->stats().healthy);
@@ -253,7 +196,7 @@ TEST_F(EtcdRegistryTest, WhileEtcdIsAwayKnownEnginesStayAndUnknownOnesFailWithTh
   EXPECT_NE(unknown.error().message().find("etcd is unreachable"), std::string::npos)
       << unknown.error().message();
   EXPECT_EQ(Count(down), 0u) << "an unreachable etcd declares nobody dead";
-  ::kill(pid_, SIGCONT);
+  etcd_->Thaw();
   const auto back = Clock::now() + 5s;
   while (!(*watcher)->stats().healthy && Clock::now() < back) std::this_thread::sleep_for(20ms);
   EXPECT_TRUE((*watcher)->stats().healthy);

@@ -28,10 +28,12 @@
 
 #include "harness/client_proxy.h"
 #include "serve_process.h"
+#include "support/etcd_process.h"
 
 namespace {
 
 using namespace kvferry::serve_test;
+using kvferry::testing::EtcdProcess;
 
 // Tokens in an SSE body: data events carrying a non-empty choices list.
 int StreamTokens(const std::string& body, bool* done, bool* error) {
@@ -685,6 +687,42 @@ TEST_F(ServeTest, AuthenticatedPairTransfersAndShutsOutWhoeverLacksTheSecret) {
   outsider.close();
   EXPECT_EQ(p.Terminate(), 0);
   EXPECT_EQ(d.Terminate(), 0);
+}
+
+
+// With the etcd registry, D learns that P died from P's lease in etcd, not from its pull
+// deadline: the load waiting on a killed P fails within the lease TTL (2 s) plus etcd's expiry
+// check and one poll, with the reason. Without etcd nothing tells D: the load waits for its pull deadline,
+// abort_request_timeout + the write bound + 5 s (105 s here; 555 s with vLLM's default 480 s).
+TEST_F(ServeTest, WithEtcdAKilledPsWaitingLoadsFailWithinItsLeaseTtl) {
+  if (!EtcdProcess::Available()) GTEST_SKIP() << "no etcd (scripts/install-deps.sh)";
+  EtcdProcess etcd(dir_);
+  ASSERT_TRUE(etcd.ok());
+  const std::string cfg = R"(,"etcd_endpoints":[")" + etcd.url() + R"("],"etcd_lease_ttl":2)";
+  ServeProcess& p = StartPrefill({}, cfg);
+  ServeProcess& d = StartDecode({}, cfg);
+  ASSERT_FALSE(HasFailure());
+  // D waits for a prefill that never comes (P parks the pull).
+  auto pending = std::async(std::launch::async, [&] {
+    return Post(d.port(), DecodeBody(32, 4, false, "xfer-orphan", p), 30);
+  });
+  ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting_for_kv", 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the pull is at P
+  const auto killed = Clock::now();
+  p.Kill();
+  const HttpResult r = pending.get();
+  const double after = SecondsSince(killed);
+  std::printf("[ measured ] with etcd: the load failed %.2f s after P was killed (TTL 2 s)\n",
+              after);
+  EXPECT_GE(r.status, 500) << r.body;
+  EXPECT_NE(r.body.find("left etcd"), std::string::npos) << r.body;
+  EXPECT_LT(after, 8.0) << "far below the 105 s pull deadline";
+  // Liveness from etcd is advisory: a P cut off by a partition would look the same and may
+  // still be writing. The pull's blocks stay quarantined (not reused) until a fence or P's
+  // answer proves it stopped; the ucx data plane cannot fence from D's side, so here they stay.
+  const double quarantined = Metric(Get(d.port(), "/metrics"), "kvferry_quarantined_blocks");
+  EXPECT_GT(quarantined, 0);
+  EXPECT_GE(Metric(Get(d.port(), "/metrics"), "kvferry_kv_blocks_used"), quarantined);
 }
 
 }  // namespace
