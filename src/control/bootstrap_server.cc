@@ -106,12 +106,20 @@ void BootstrapServer::Impl::InstallRoutes(HttpServer& server) {
 }
 
 HttpResponse BootstrapServer::Impl::HandleRegister(const HttpRequest& req) {
+  // A signature covers the path alone: a target with a query string is not what was signed.
+  if (!req.params.empty()) return ErrorResponse(400, "POST /register takes no query string");
   const std::string* authorization = req.Header("authorization");
   if (Status authn = auth.CheckRequest(authorization != nullptr ? *authorization : "", req.method,
                                        req.path, req.body);
       !authn.ok()) {
-    Log(fmt::format("bootstrap: refused registration from {}: {}", req.remote_addr,
-                    authn.message()));
+    // Logged at the 1st, 10th, 100th... refusal: an unauthenticated flood must not flood the log.
+    const std::uint64_t refused = auth.refusals();
+    std::uint64_t power = 1;
+    while (power < refused && power <= UINT64_MAX / 10) power *= 10;
+    if (power == refused) {
+      Log(fmt::format("bootstrap: refused registration from {} ({} refused so far): {}",
+                      req.remote_addr, refused, authn.message()));
+    }
     return ErrorResponse(401, authn.message());
   }
   auto reg = DecodeRegistration(req.body);

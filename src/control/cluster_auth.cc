@@ -217,7 +217,9 @@ void ClusterSecret::Wipe() {
 }
 
 Result<ClusterSecret> LoadClusterSecret(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO put in the file's place must not hang the process at start (it is then
+  // refused below as not a regular file).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) {
@@ -238,6 +240,13 @@ Result<ClusterSecret> LoadClusterSecret(const std::string& path) {
   if (!S_ISREG(st.st_mode)) {
     return Err(ErrorCode::kInvalidArgument,
                fmt::format("cluster secret file {} is not a regular file", path));
+  }
+  // Another user who owns the file can rewrite it, mode 0600 or not.
+  if (st.st_uid != ::geteuid()) {
+    return Err(ErrorCode::kInvalidArgument,
+               fmt::format("cluster secret file {} belongs to uid {}, not to this process's {}; "
+                           "chown it",
+                           path, st.st_uid, ::geteuid()));
   }
   const unsigned mode = static_cast<unsigned>(st.st_mode) & 07777u;
   if ((mode & 077u) != 0) {

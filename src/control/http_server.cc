@@ -141,13 +141,28 @@ class Exchange final : public HttpExchange {
 
   void set_self(const std::shared_ptr<Exchange>& self) { self_ = self; }
 
-  // Event thread: suspends the connection, then runs `submit` (which hands the exchange to a
-  // handler thread) before any answer can try to resume it.
+  // Event thread: hands the exchange to a handler thread (`submit`, which returns false when the
+  // pool refuses it) and suspends the connection, both under the lock, so no answer can try to
+  // resume it before it is suspended. False (nothing suspended) when the exchange is already
+  // answered (Stop() failed it) or the pool refused it (it is then answered with the stopping
+  // response): the caller queues the answer at once.
   template <typename F>
-  void LockAndSuspend(F&& submit) {
+  bool LockAndSuspend(F&& submit) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (answer_ != Answer::kNone) return false;
+    if (!submit()) {
+      answer_ = Answer::kWhole;
+      response_ = stopping_;
+      return false;
+    }
     SuspendLocked();
-    submit();
+    return true;
+  }
+
+  // True once Reply/BeginStream (or Stop's Fail) answered it.
+  bool answered() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return answer_ != Answer::kNone;
   }
 
   // Event thread: park the connection until the handler answers (or more stream bytes come).
@@ -309,7 +324,9 @@ MHD_Result Exchange::QueueOrSuspend(MHD_Connection* connection) {
 
 ssize_t Exchange::Read(char* buf, std::size_t max) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (gone_ && !ended_) return MHD_CONTENT_READER_END_WITH_ERROR;
+  // Cut short (client gone, too slow, server stopping): no terminating chunk, so the client
+  // sees a broken stream, not a complete one.
+  if (gone_) return MHD_CONTENT_READER_END_WITH_ERROR;
   if (!pending_.empty()) {
     const std::size_t n = std::min(max, pending_.size());
     std::memcpy(buf, pending_.data(), n);
@@ -335,13 +352,16 @@ class HandlerPool {
     return !stopping_ && queue_.size() + busy_ < max_threads_ + max_queued_;
   }
 
-  void Submit(std::function<void()> task) {
+  // False once Join() began: the task is not taken.
+  [[nodiscard]] bool Submit(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return false;
     queue_.push_back(std::move(task));
     if (idle_ < queue_.size() && threads_.size() < max_threads_) {
       threads_.emplace_back([this] { Loop(); });
     }
     cv_.notify_one();
+    return true;
   }
 
   void Join() {
@@ -404,6 +424,13 @@ struct HttpServer::Impl {
     const RouteEntry* route = nullptr;
     std::shared_ptr<Exchange> exchange;  // set once handed to a handler thread
     std::optional<HttpResponse> refusal;  // answered once the (dropped) body has arrived
+    // The body bytes this request counts against max_total_body_bytes, given back when the
+    // library is done with it.
+    std::uint64_t body_budget = 0;
+    std::atomic<std::uint64_t>* budget = nullptr;
+    ~RequestState() {
+      if (budget != nullptr) budget->fetch_sub(body_budget);
+    }
   };
 
   HttpResponse Error(int status, const std::string& reason) const {
@@ -441,6 +468,7 @@ struct HttpServer::Impl {
   std::atomic<std::uint64_t> refused_busy{0};
   std::atomic<std::uint64_t> refused_limits{0};
   std::atomic<std::uint64_t> handler_errors{0};
+  std::atomic<std::uint64_t> body_bytes{0};  // declared bodies of requests in progress
   std::atomic<std::int64_t> last_log_ms{0};
 };
 
@@ -519,7 +547,20 @@ MHD_Result HttpServer::Impl::OnHeaders(MHD_Connection* c, RequestState& st) {
     }
     return MHD_YES;
   }
-  req.body.reserve(std::stoull(*length));
+  // Every connection may hold a body up to max_body_bytes while it arrives: bound their sum, or
+  // 16,384 clients sending 8 MiB bodies slowly would hold 128 GiB.
+  const std::uint64_t declared = std::stoull(*length);
+  std::uint64_t held = body_bytes.load();
+  do {
+    if (held + declared > options.max_total_body_bytes) {
+      ++refused_busy;
+      return QueueResponse(c, Error(503, fmt::format("server busy: {} bytes of request bodies are "
+                                                     "in progress (limit {})",
+                                                     held, options.max_total_body_bytes)));
+    }
+  } while (!body_bytes.compare_exchange_weak(held, held + declared));
+  st.body_budget = declared;
+  st.budget = &body_bytes;
   return MHD_YES;
 }
 
@@ -547,6 +588,10 @@ MHD_Result HttpServer::Impl::OnAccess(MHD_Connection* c, const char* url, const 
   }
   if (st->exchange) return st->exchange->QueueOrSuspend(c);  // back from a handler thread
   if (st->refusal) return QueueResponse(c, *st->refusal);
+  // Answered at its headers (404, 405, 503 while stopping, a limit) yet called again: the
+  // library may do so when that answer could not be queued (say, while the daemon shuts
+  // down). There is nothing to run; close the connection.
+  if (st->route == nullptr) return MHD_NO;
   return Dispatch(c, *st);
 }
 
@@ -563,35 +608,41 @@ MHD_Result HttpServer::Impl::Dispatch(MHD_Connection* c, RequestState& st) {
     }
     return QueueResponse(c, r);
   }
-  if (stopping || !pool->HasRoom()) {
+  if (!pool->HasRoom()) {
     ++refused_busy;
-    return QueueResponse(c, Error(503, stopping ? "server is stopping"
-                                                : "server busy: too many requests in progress"));
+    return QueueResponse(c, Error(503, "server busy: too many requests in progress"));
   }
   auto ex = std::make_shared<Exchange>(c, options.max_buffered_bytes, options.write_timeout);
   ex->set_self(ex);
   ex->set_failure_responses(Error(500, "internal error: the handler did not answer"),
                             Error(503, "server is stopping"));
-  st.exchange = ex;
   {
+    // Under live_mu with Stop()'s flag: an exchange is either seen by Stop's Fail pass or
+    // refused here, never lost between them.
     std::lock_guard<std::mutex> lock(live_mu);
+    if (stopping) {
+      ++refused_busy;
+      return QueueResponse(c, Error(503, "server is stopping"));
+    }
     live.insert(ex);
   }
-  // Suspended before the handler can answer: an answer resumes only a suspended connection.
-  ex->LockAndSuspend([&] {
-    pool->Submit([this, ex, request = st.request, route = st.route]() {
-      try {
-        route->blocking_handler(request, *ex);
-      } catch (const std::exception& e) {
-        Log(fmt::format("{}: {} {} failed: {}", options.name, request.method, request.path,
-                        e.what()));
+  st.exchange = ex;
+  const bool handed = ex->LockAndSuspend([&] {
+    return pool->Submit([this, ex, request = std::move(st.request), route = st.route]() {
+      if (!ex->answered()) {  // Stop() may have answered it while it queued: skip the work
+        try {
+          route->blocking_handler(request, *ex);
+        } catch (const std::exception& e) {
+          Log(fmt::format("{}: {} {} failed: {}", options.name, request.method, request.path,
+                          e.what()));
+        }
       }
       bool error = false;
       ex->Finish(&error);
       if (error) ++handler_errors;
     });
   });
-  return MHD_YES;
+  return handed ? MHD_YES : ex->QueueOrSuspend(c);
 }
 
 HttpServer::HttpServer(HttpServerOptions options)
@@ -638,7 +689,13 @@ Result<int> HttpServer::Start(const std::string& host, int port) {
   auto on_access = [](void* cls, MHD_Connection* c, const char* url, const char* method,
                       const char*, const char* upload_data, std::size_t* upload_size,
                       void** state) -> MHD_Result {
-    return static_cast<Impl*>(cls)->OnAccess(c, url, method, upload_data, upload_size, state);
+    // Nothing may unwind through the C library: an exception closes this connection only.
+    try {
+      return static_cast<Impl*>(cls)->OnAccess(c, url, method, upload_data, upload_size, state);
+    } catch (const std::exception& e) {
+      static_cast<Impl*>(cls)->Log(std::string("http: request dropped: ") + e.what());
+      return MHD_NO;
+    }
   };
   auto on_completed = [](void* cls, MHD_Connection*, void** state,
                          MHD_RequestTerminationCode toe) {
@@ -709,7 +766,10 @@ Result<int> HttpServer::Start(const std::string& host, int port) {
 void HttpServer::Stop() {
   Impl& m = *impl_;
   if (m.daemon == nullptr) return;
-  m.stopping = true;
+  {
+    std::lock_guard<std::mutex> lock(m.live_mu);
+    m.stopping = true;
+  }
   // Stop accepting; the listening socket is ours to close from here on.
   m.listen_fd = MHD_quiesce_daemon(m.daemon);
   {
@@ -722,6 +782,12 @@ void HttpServer::Stop() {
     for (const auto& ex : m.live) ex->Fail();
   }
   m.pool->Join();  // handlers return: Write fails from here on, each honours its own deadline
+  {
+    // Backstop: whatever is still live is answered and resumed before the library stops (it
+    // must not stop with a connection suspended).
+    std::lock_guard<std::mutex> lock(m.live_mu);
+    for (const auto& ex : m.live) ex->Fail();
+  }
   MHD_stop_daemon(m.daemon);
   m.daemon = nullptr;
   if (m.listen_fd >= 0) ::close(m.listen_fd);

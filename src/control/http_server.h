@@ -19,8 +19,15 @@
 //     limit holds before reading); a malformed Content-Length gets 400 from the library;
 //   - handler work: at most `handler_threads` blocking handlers run and `max_queued` wait; a
 //     request beyond that gets 503 at once;
+//   - bodies in progress together: at most `max_total_body_bytes` declared (503 beyond), so many
+//     slow uploads cannot add up to unbounded memory;
 //   - a streamed response buffers at most `max_buffered_bytes` for a slow reader, and a writer
-//     that cannot get below it within `write_timeout` finds the client gone.
+//     that cannot get below it within `write_timeout` finds the client gone. A stream cut short
+//     (client gone, too slow, server stopping) ends without its terminating chunk, so the
+//     client sees it broken, never complete.
+// Not bounded: the total time a client may take to send its headers while it keeps sending
+// within `idle_timeout` (libmicrohttpd 0.9.75 has no such deadline); such a client holds one
+// connection slot and at most `max_header_bytes`.
 //
 // Thread model: Start() runs the library's event thread; inline handlers run on it (they must
 // not block: /health, /metrics, bootstrap lookups). Blocking handlers run on handler threads;
@@ -82,7 +89,9 @@ class HttpExchange {
   // Ends a streamed response (idempotent).
   virtual void EndStream() = 0;
   // The client closed the connection, a write timed out or the server is stopping. While the
-  // handler works the event loop does not watch the connection; this call looks at the socket.
+  // handler works the event loop does not watch the connection; this call looks at the socket
+  // (EOF counts as gone: a client that half-closes its side while it waits is taken as gone —
+  // HTTP clients do not do that).
   [[nodiscard]] virtual bool client_gone() = 0;
 };
 
@@ -100,6 +109,9 @@ struct HttpServerOptions {
   std::chrono::seconds idle_timeout{30};
   std::size_t max_header_bytes = 16 * 1024;
   std::size_t max_body_bytes = 1 << 20;
+  // The declared bodies of all requests in progress together (each counted from its headers
+  // until the library is done with it); beyond it a request gets 503 before its body is read.
+  std::uint64_t max_total_body_bytes = std::uint64_t{256} << 20;
   std::size_t handler_threads = 64;  // started on demand, kept once started
   std::size_t max_queued = 1024;     // blocking requests waiting for a handler thread
   std::size_t max_buffered_bytes = 1 << 20;

@@ -113,6 +113,9 @@ class PrefillListener::Impl {
       router_.set(zmq::sockopt::maxmsgsize,
                   static_cast<std::int64_t>(wire::kMaxFrameBytes + (std::size_t{1} << 20)));
       router_.set(zmq::sockopt::linger, static_cast<int>(options_.linger.count()));
+      // A peer that connects and never completes its handshake is dropped after 5 s (libzmq's
+      // default is 30 s): half-open strangers cannot pile up sessions for long.
+      router_.set(zmq::sockopt::handshake_ivl, 5000);
       if (options_.cluster_secret) {
         if (Status s = SecureRouter(*options_.cluster_secret); !s.ok()) return s;
       }

@@ -234,8 +234,17 @@ struct Proxy::Impl {
       const auto deadline =
           SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(
                                    std::chrono::duration<double>(o.decode_timeout_s + 5));
-      pipe->cv.wait_until(lock, deadline,
-                          [&] { return pipe->status != 0 || pipe->finished || pipe->p_failed; });
+      // In short waits, so a client that left is noticed (and both copies dropped) early.
+      while (!(pipe->status != 0 || pipe->finished || pipe->p_failed) &&
+             SteadyClock::now() < deadline) {
+        pipe->cv.wait_for(lock, std::chrono::milliseconds(500));
+        if (ex.client_gone()) {
+          lock.unlock();
+          pipe->p_cancel.CancelAll();
+          pipe->Abandon();
+          return;
+        }
+      }
       if (pipe->status == 0 && pipe->p_failed) {
         // P refused or failed its half: D's copy can only fail later; answer now, drop it.
         twins_aborted.fetch_add(1);
@@ -261,7 +270,14 @@ struct Proxy::Impl {
       }
       if (pipe->status != 200 || !stream) {
         // Not a stream: wait for the whole body.
-        pipe->cv.wait_until(lock, deadline, [&] { return pipe->finished; });
+        while (!pipe->finished && SteadyClock::now() < deadline) {
+          pipe->cv.wait_for(lock, std::chrono::milliseconds(500));
+          if (ex.client_gone()) {
+            lock.unlock();
+            pipe->Abandon();
+            return;
+          }
+        }
         control::HttpResponse answer;
         answer.status = pipe->status;
         for (auto& c : pipe->chunks) answer.body += c;

@@ -229,7 +229,11 @@ Result<std::unique_ptr<HttpFront>> HttpFront::Start(HttpFrontOptions options,
                          [&impl](const control::HttpRequest& req, control::HttpExchange& ex) {
                            impl.Completions(req, ex);
                          }));
-  impl.server->Route("GET", "/metrics", control::InlineHandler([&impl](const control::HttpRequest&) {
+  // On a handler thread: P's metrics wait for its listeners' counters (up to 200 ms a rank),
+  // which must never stall the event thread every connection shares.
+  impl.server->Route("GET", "/metrics",
+                     control::BlockingHandler([&impl](const control::HttpRequest&,
+                                                      control::HttpExchange& ex) {
                        control::HttpResponse r;
                        r.content_type = "text/plain; version=0.0.4";
                        std::vector<std::pair<std::string, control::HttpServerStats>> servers = {
@@ -238,7 +242,7 @@ Result<std::unique_ptr<HttpFront>> HttpFront::Start(HttpFrontOptions options,
                          for (auto& more : impl.options.more_http_stats()) servers.push_back(more);
                        }
                        r.body = impl.engine->RenderMetrics() + control::RenderHttpMetrics(servers);
-                       return r;
+                       ex.Reply(std::move(r));
                      }));
   impl.server->Route("GET", "/health",
                      control::InlineHandler([&impl, health_extra](const control::HttpRequest&) {
@@ -287,6 +291,10 @@ void HttpFront::Impl::Completions(const control::HttpRequest& req, control::Http
   std::vector<std::uint32_t> tokens;
   std::string finish_reason;
   while (true) {
+    if (ex.client_gone()) {  // nobody will read the answer: free what the request holds
+      engine->Abort(stream->handle());
+      return;
+    }
     if (stopping || Clock::now() >= deadline) {
       engine->Abort(stream->handle());
       ex.Reply(ErrorResponse(stopping ? 503 : 504,

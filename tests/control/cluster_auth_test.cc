@@ -3,6 +3,8 @@
 #include "control/cluster_auth.h"
 
 #include <gtest/gtest.h>
+
+#include <chrono>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -99,6 +101,19 @@ TEST_F(SecretFileTest, MissingFileAndDirectoryAreRefused) {
   auto directory = LoadClusterSecret((dir_ / "sub").string());
   ASSERT_FALSE(directory.has_value());
   EXPECT_EQ(directory.error().code(), ErrorCode::kInvalidArgument);
+}
+
+// A FIFO in the secret's place must not hang the process at start (open would block until a
+// writer came); it is refused at once as not a regular file.
+TEST_F(SecretFileTest, AFifoIsRefusedAtOnceWithoutBlocking) {
+  const fs::path fifo = dir_ / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto start = std::chrono::steady_clock::now();
+  auto loaded = LoadClusterSecret(fifo.string());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+  ASSERT_FALSE(loaded.has_value());
+  EXPECT_NE(loaded.error().message().find("not a regular file"), std::string::npos)
+      << loaded.error().message();
 }
 
 TEST(RequestSigning, SignedRequestVerifiesWithinTheClockWindow) {
