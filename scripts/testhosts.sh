@@ -8,6 +8,9 @@
 #   testhosts.sh down NAME          kill every process in NAME-* namespaces, delete them
 #   testhosts.sh partition NAME I   cut host I's link (its bridge port goes down)
 #   testhosts.sh heal NAME I        restore it
+#   testhosts.sh kill NAME I        SIGKILL every process of host I (the host is lost)
+#   testhosts.sh freeze NAME I      SIGSTOP every process of host I (a hung host)
+#   testhosts.sh thaw NAME I        SIGCONT them
 #   testhosts.sh exec NAME I CMD..  run CMD on host I (the env carries the UCX settings below)
 #   testhosts.sh addr I             print host I's address
 #   testhosts.sh supported          exit 0 if this machine can create network namespaces
@@ -22,7 +25,7 @@ set -euo pipefail
 subnet=10.231.0
 
 usage() {
-  sed -n '2,20p' "$0" >&2
+  sed -n '2,23p' "$0" >&2
   exit 2
 }
 
@@ -84,6 +87,16 @@ case "$cmd" in
   heal)
     [ $# -eq 3 ] || usage
     ip -n "$br" link set "v$3" up
+    ;;
+  kill | freeze | thaw)
+    [ $# -eq 3 ] || usage
+    signal=KILL
+    [ "$cmd" = freeze ] && signal=STOP
+    [ "$cmd" = thaw ] && signal=CONT
+    pids=$(ip netns pids "$(host_ns "$name" "$3")" 2>/dev/null || true)
+    if [ -n "$pids" ]; then
+      kill -"$signal" $pids 2>/dev/null || true
+    fi
     ;;
   exec)
     [ $# -ge 4 ] || usage

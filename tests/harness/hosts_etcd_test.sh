@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# The etcd registry across test hosts (scripts/testhosts.sh, issue 12): a 3-member etcd cluster
+# on hosts 1-3, P on host 4, D on host 5, the proxy and the clients on host 6, P and D finding
+# each other through etcd. Checks, with real processes:
+#   - requests succeed across hosts;
+#   - one etcd member killed: nothing fails;
+#   - two killed (no quorum): requests to the engine D already knows still succeed, and a new P
+#     cannot start ("etcd registration: etcd unreachable ..."); with the members back, it can;
+#   - P's host killed while D waits on it: D fails the load within the lease TTL + one poll,
+#     naming the reason, instead of at its pull deadline (105 s here).
+# Every process and namespace is removed at the end (the trap), also when a check fails.
+# Usage: hosts_etcd_test.sh KVFERRY_BINARY REPO_ROOT. Exit 77 (skipped) without network
+# namespaces or without etcd.
+set -euo pipefail
+
+bin=$1
+th="$2/scripts/testhosts.sh"
+if [ "$(id -u)" -ne 0 ] || ! "$th" supported; then
+  echo "SKIP: this machine cannot create network namespaces (needs root and CAP_SYS_ADMIN)"
+  exit 77
+fi
+if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null; then
+  echo "SKIP: etcd or etcdctl is missing (scripts/install-deps.sh installs etcd-server, etcd-client)"
+  exit 77
+fi
+
+name="kve$$"
+out=$(mktemp -d)
+cleanup() {
+  "$th" down "$name"
+  rm -rf "$out"
+}
+trap cleanup EXIT
+fail() {
+  echo "FAIL: $*"
+  for f in "$out"/*.log; do
+    [ -f "$f" ] && { echo "---- $f"; tail -20 "$f"; }
+  done
+  exit 1
+}
+
+"$th" up "$name" 6
+cluster=""
+endpoints=""
+for i in 1 2 3; do
+  a=$("$th" addr "$i")
+  cluster+="${cluster:+,}e$i=http://$a:2380"
+  endpoints+="${endpoints:+,}\"http://$a:2379\""
+done
+start_etcd() {  # start_etcd I: member I on host I (its data directory survives a kill)
+  local a
+  a=$("$th" addr "$1")
+  "$th" exec "$name" "$1" etcd --name "e$1" --data-dir "$out/e$1" \
+    --listen-client-urls "http://$a:2379" --advertise-client-urls "http://$a:2379" \
+    --listen-peer-urls "http://$a:2380" --initial-advertise-peer-urls "http://$a:2380" \
+    --initial-cluster "$cluster" --initial-cluster-state new >>"$out/etcd$1.log" 2>&1 &
+  disown
+}
+etcd_healthy() {  # etcd_healthy: the cluster has a quorum (a write goes through)
+  "$th" exec "$name" 6 etcdctl --endpoints "${endpoints//\"/}" --command-timeout=2s \
+    put /kvferry-test/probe x >/dev/null 2>&1
+}
+for i in 1 2 3; do start_etcd "$i"; done
+for _ in $(seq 1 100); do
+  etcd_healthy && break
+  sleep 0.2
+done
+etcd_healthy || fail "the etcd cluster did not come up"
+
+# As in hosts_test.sh: UCX's 1 s keepalive can leave a write unanswered after a stall on the
+# veth links (docs/operations.md known limits); this test is about the registry.
+export UCX_KEEPALIVE_INTERVAL=30s
+p_addr=$("$th" addr 4)
+d_addr=$("$th" addr 5)
+extra="\"etcd_endpoints\":[$endpoints],\"etcd_lease_ttl\":2,\"kv_lease_duration\":30"
+start_p() {  # start_p ENGINE HTTP_PORT BOOTSTRAP_PORT READY_FILE LOG
+  "$th" exec "$name" 4 "$bin" serve --role prefill --host "$p_addr" --port "$2" \
+    --num-blocks 1024 --ready-file "$4" --kv-transfer-config \
+    "{\"engine_id\":\"$1\",\"kv_role\":\"kv_producer\",\"kv_connector_extra_config\":{\"bootstrap_port\":$3,$extra}}" \
+    >"$5" 2>&1
+}
+start_p prefill-0 8100 8998 "$out/p.json" "$out/p.log" &
+disown
+"$th" exec "$name" 5 "$bin" serve --role decode --host "$d_addr" --port 8200 \
+  --num-blocks 1024 --ready-file "$out/d.json" --kv-transfer-config \
+  "{\"kv_role\":\"kv_consumer\",\"kv_connector_extra_config\":{$extra}}" >"$out/d.log" 2>&1 &
+disown
+for _ in $(seq 1 150); do
+  [ -s "$out/p.json" ] && [ -s "$out/d.json" ] && break
+  sleep 0.1
+done
+[ -s "$out/p.json" ] && [ -s "$out/d.json" ] || fail "P or D did not start"
+grep -q "etcd: engine prefill-0 .* registered" "$out/p.log" || fail "P did not register in etcd"
+
+"$th" exec "$name" 6 "$bin" proxy --port 8000 --prefill "http://$p_addr:8100" \
+  --prefill-bootstrap "$p_addr:8998" --prefill-engine-id prefill-0 \
+  --decode "http://$d_addr:8200" >"$out/proxy.log" 2>&1 &
+disown
+for _ in $(seq 1 100); do
+  "$th" exec "$name" 6 bash -c 'exec 3<>/dev/tcp/127.0.0.1/8000' 2>/dev/null && break
+  sleep 0.1
+done
+load() {  # load REQUESTS
+  "$th" exec "$name" 6 "$bin" load --url http://127.0.0.1:8000 --requests "$1" \
+    --prompt-tokens 128 --max-tokens 4 --timeout 30 >>"$out/load.log" 2>&1
+}
+
+load 16 || fail "requests across hosts through etcd failed"
+echo "through etcd across hosts: 16/16 requests"
+
+"$th" kill "$name" 1
+load 16 || fail "requests failed with one etcd member of three lost"
+# If the lost member led, the other two elect a new leader first (etcd's election timeout: 1 s).
+for _ in $(seq 1 50); do
+  etcd_healthy && break
+  sleep 0.2
+done
+etcd_healthy || fail "two members of three have no quorum"
+echo "one etcd member lost: 16/16 requests, quorum kept"
+
+"$th" kill "$name" 2
+sleep 1
+etcd_healthy && fail "one member of three still has a quorum"
+if ! load 16; then
+  for h in "4 $p_addr 8100" "5 $d_addr 8200"; do
+    set -- $h
+    "$th" exec "$name" "$1" bash -c "exec 3<>/dev/tcp/$2/$3; printf 'GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n' >&3; cat <&3" | grep -E "^kvferry_(requests|pull|lookup|bootstrap|hold_entries|renewal|kv_blocks_used)" >>"$out/metrics.log" || true
+  done
+  fail "requests to the engine D already knows failed without an etcd quorum"
+fi
+if start_p prefill-1 8101 8999 "$out/p1.json" "$out/p1.log"; then
+  fail "a new P started without an etcd quorum"
+fi
+grep -q "etcd registration: etcd unreachable" "$out/p1.log" ||
+  fail "the new P's failure does not say etcd is unreachable"
+echo "two etcd members lost: 16/16 requests to the known engine; a new P refused: $(grep -o 'etcd registration: etcd unreachable' "$out/p1.log" | head -1)"
+
+start_etcd 1
+start_etcd 2
+for _ in $(seq 1 100); do
+  etcd_healthy && break
+  sleep 0.2
+done
+etcd_healthy || fail "etcd did not recover its quorum"
+start_p prefill-1 8101 8999 "$out/p1.json" "$out/p1.log" &
+disown
+for _ in $(seq 1 100); do
+  [ -s "$out/p1.json" ] && break
+  sleep 0.1
+done
+[ -s "$out/p1.json" ] || fail "a new P could not start once etcd recovered"
+load 16 || fail "requests failed after etcd recovered"
+echo "etcd members back: quorum, a new P registered, 16/16 requests"
+
+# D waits on P for a transfer P never prefills (P parks the pull); then P's host dies.
+"$th" exec "$name" 6 python3 - "$d_addr" >"$out/orphan.log" 2>&1 <<'PY' &
+import json, sys, time, urllib.error, urllib.request
+body = {"model": "m", "prompt": list(range(100, 164)), "max_tokens": 4,
+        "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                               "transfer_id": "xfer-orphan", "remote_engine_id": "prefill-0",
+                               "remote_bootstrap_addr": "unused"}}
+req = urllib.request.Request(f"http://{sys.argv[1]}:8200/v1/completions",
+                             data=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=60) as r:
+        print("status", r.status, r.read().decode())
+except urllib.error.HTTPError as e:
+    print("status", e.code, e.read().decode())
+print("done", time.time())
+PY
+orphan_pid=$!
+sleep 1.5  # the pull reaches P
+"$th" kill "$name" 4
+killed=$(date +%s.%N)
+wait "$orphan_pid" || true
+grep -q "left etcd" "$out/orphan.log" || fail "the load did not fail with the etcd reason"
+done_at=$(awk '$1 == "done" { print $2 }' "$out/orphan.log")
+after=$(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.2f}')" \
+  "$killed" "$done_at")
+python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 8 else 1)" "$after" ||
+  fail "D failed the load only ${after} s after P's host died (TTL 2 s)"
+echo "P's host killed: D failed the load waiting on it ${after} s later (etcd lease TTL 2 s; pull deadline 105 s)"
+echo "PASS"
