@@ -118,7 +118,7 @@ Result<std::string> EtcdClient::Call(const std::string& path, const std::string&
   if (options_.endpoints.empty()) return Err(ErrorCode::kInvalidArgument, "etcd: no endpoint");
   std::string failures;
   const std::size_t n = options_.endpoints.size();
-  const std::size_t first = preferred_ % n;
+  const std::size_t first = preferred_.load(std::memory_order_relaxed) % n;
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t index = (first + i) % n;
     const std::string& endpoint = options_.endpoints[index];
@@ -135,7 +135,7 @@ Result<std::string> EtcdClient::Call(const std::string& path, const std::string&
     if (!res) {
       why = httplib::to_string(res.error());
     } else if (res->status == 200) {
-      preferred_ = index;
+      preferred_.store(index, std::memory_order_relaxed);
       return res->body;
     } else {
       why = fmt::format("HTTP {}: {}", res->status, res->body.substr(0, 200));
@@ -185,7 +185,11 @@ Result<std::vector<EtcdClient::KeyValue>> EtcdClient::Range(std::string_view pre
                                        .dump());
   if (!text) return tl::unexpected(text.error());
   const json j = json::parse(*text, nullptr, false);
-  if (!j.is_object()) return Err(ErrorCode::kProtocol, "etcd range: answer is not JSON");
+  // A real answer carries etcd's header; anything else (an error body behind a 200 from a
+  // proxy) must not read as "no keys", which would report every engine down.
+  if (!j.is_object() || !j.contains("header") || j.contains("error")) {
+    return Err(ErrorCode::kProtocol, "etcd range: not an etcd answer: " + text->substr(0, 200));
+  }
   std::vector<KeyValue> out;
   auto kvs = j.find("kvs");
   if (kvs == j.end()) return out;  // no key: etcd leaves the field out
@@ -330,7 +334,13 @@ struct EtcdWatcher::Impl {
     if (log) log(line);
   }
 
-  void PollOnce() {
+  // `report` false (a lookup's refresh): engines found are added or updated, none is removed or
+  // reported down — only the watcher's own thread does that, so no down callback ever runs on
+  // a caller's thread.
+  void PollOnce(bool report = true) {
+    // One poll at a time (the thread's and lookups'), so an older answer never replaces a newer
+    // one — that would report an engine that just registered as gone.
+    std::lock_guard<std::mutex> serial(poll_mu);
     auto kvs = client.Range(EngineKeyPrefix(client.options()));
     if (!kvs) {
       std::lock_guard<std::mutex> lock(mu);
@@ -341,22 +351,31 @@ struct EtcdWatcher::Impl {
       last_error = kvs.error().message();
       return;
     }
-    // The registry's rules assemble the ranks; an entry that does not validate is skipped (it
-    // could only come from a bad writer, and must not hide the others).
-    BootstrapRegistry registry;
+    // The registry's rules assemble each engine's ranks, one registry per engine: engines that
+    // each run their own bootstrap may share a dp_rank, which one registry would refuse. An
+    // entry that does not validate is skipped (it could only come from a bad writer, and must
+    // not hide the others).
+    std::map<std::string, BootstrapRegistry> per_engine;
     for (const EtcdClient::KeyValue& kv : *kvs) {
       auto reg = DecodeRegistration(kv.value);
       if (!reg) continue;
-      (void)registry.Register(*reg);
+      (void)per_engine[reg->engine_id].Register(*reg);
     }
     std::map<std::string, EngineInfo> now;
-    for (EngineInfo& info : registry.QueryAll()) now.emplace(info.engine_id, std::move(info));
+    for (auto& [id, registry] : per_engine) {
+      auto info = registry.Query(id);
+      if (info) now.emplace(id, std::move(*info));
+    }
     std::vector<EngineInfo> gone;
     {
       std::lock_guard<std::mutex> lock(mu);
       ++stats.polls;
       if (!stats.healthy) Log("etcd: reachable; " + std::to_string(now.size()) + " engines");
       stats.healthy = true;
+      if (!report) {
+        for (auto& [id, info] : now) engines[id] = std::move(info);
+        return;
+      }
       for (const auto& [id, info] : engines) {
         if (now.count(id) == 0) gone.push_back(info);
       }
@@ -387,8 +406,10 @@ struct EtcdWatcher::Impl {
   DownCallback on_down;
   std::function<void(std::string_view)> log;
 
-  mutable std::mutex mu;  // engines, stats, last_error
+  std::mutex poll_mu;     // held for a whole PollOnce; taken before mu, never after
+  mutable std::mutex mu;  // engines, stats, last_error, last_refresh
   std::map<std::string, EngineInfo> engines;
+  std::chrono::steady_clock::time_point last_refresh{};
   Stats stats;
   std::string last_error;
 
@@ -429,6 +450,19 @@ void EtcdWatcher::Stop() {
 }
 
 Result<EngineInfo> EtcdWatcher::Lookup(const std::string& engine_id) const {
+  {
+    // An engine that registered since the last poll would otherwise be "not registered" for up
+    // to a poll interval, and D believes a failed lookup for a while: poll now, at most every
+    // 100 ms (a client naming unknown engines cannot make D flood etcd).
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    const auto now = std::chrono::steady_clock::now();
+    if (impl_->engines.count(engine_id) == 0 &&
+        now - impl_->last_refresh >= std::chrono::milliseconds(100)) {
+      impl_->last_refresh = now;
+      lock.unlock();
+      impl_->PollOnce(/*report=*/false);
+    }
+  }
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->engines.find(engine_id);
   if (it == impl_->engines.end()) {

@@ -18,6 +18,7 @@
 // each with a deadline, trying the endpoints in turn.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -34,8 +35,9 @@ namespace kvferry::control {
 struct EtcdOptions {
   std::vector<std::string> endpoints;  // "http://host:port" (or "host:port"); at least one
   std::string prefix = "/kvferry";
-  // One HTTP request to one member; a call tries each endpoint once, so it returns within
-  // endpoints.size() * request_timeout.
+  // The connect, read and write timeouts of one HTTP request to one member. A call tries each
+  // endpoint once, so it returns within about endpoints.size() * 2 * request_timeout (connect,
+  // then read); names are resolved by the system resolver, outside this bound — use addresses.
   std::chrono::milliseconds request_timeout{1000};
 };
 
@@ -70,7 +72,7 @@ class EtcdClient {
   Result<std::string> Call(const std::string& path, const std::string& body);
 
   EtcdOptions options_;
-  std::size_t preferred_ = 0;  // a hint only; races are harmless
+  std::atomic<std::size_t> preferred_{0};  // the endpoint that answered last: tried first
 };
 
 // P's side: publishes an engine's registrations under a lease and keeps it alive on a thread of
@@ -134,8 +136,10 @@ class EtcdWatcher {
 
   void Stop();  // joins the thread; idempotent
 
-  // The engine as last seen. kNotFound (not registered), kUnavailable (registered but not all
-  // ranks yet, or etcd unreachable and the engine never seen: the message says which).
+  // The engine as last seen; one it has not seen makes it poll etcd now (at most every
+  // 100 ms), so an engine that just registered is found at once. kNotFound (not registered),
+  // kUnavailable (registered but not all ranks yet, or etcd unreachable and the engine never
+  // seen: the message says which). Thread-safe; may block for one etcd call.
   [[nodiscard]] Result<EngineInfo> Lookup(const std::string& engine_id) const;
   Stats stats() const;
 

@@ -260,12 +260,15 @@ int RunServe(const ServeOptions& options) {
       std::_Exit(0);
     }
   });
-  // Out of etcd first: decoders fail what waits for this P at once instead of a TTL later.
-  if (registrar) registrar->Stop();
-  (*http)->Stop();
-  (*engine)->Shutdown();
+  // D: no engine-down callback may run into the engine while it shuts down (Stop joins the
+  // watcher's thread; lookups never report downs).
   down_target->store(nullptr);
   if (watcher) watcher->Stop();
+  (*http)->Stop();
+  (*engine)->Shutdown();
+  // P: out of etcd only once drained, so decoders do not give up on writes that still finish;
+  // then they see the engine gone at once rather than a TTL later.
+  if (registrar) registrar->Stop();
   if (bootstrap) bootstrap->Stop();
   {
     std::lock_guard<std::mutex> lock(watchdog_mu);

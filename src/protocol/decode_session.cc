@@ -459,6 +459,9 @@ void DecodeSession::ExpirePulls(TimePoint now) {
     Endpoint& ep = endpoints_[endpoint];
     auto op = ep.pulls.find(id);
     if (op == ep.pulls.end()) continue;
+    // Given up on already (its engine went down): it stays known, so P's late answer still
+    // releases its quarantine.
+    if (op->second.timed_out) continue;
     if (!ledger_->IsPending(op->second.request, op->second.peer)) {
       ep.pulls.erase(op);  // settled meanwhile (e.g. by a fence)
       continue;

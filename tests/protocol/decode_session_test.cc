@@ -1052,4 +1052,64 @@ TEST(DecodeSessionWithPrefill, TwentySilentEnginesCannotCostALiveDecoderItsKv) {
 }
 
 }  // namespace
+// A liveness source (etcd) says P is down: the request of its pull in flight fails now, its block
+// stays quarantined (P may be alive behind a partition), and P's late answer — even after the
+// pull's deadline — still releases it.
+TEST_F(DecodeSessionTest, EngineDownFailsPullsInFlightAndTheirLateAnswerStillReleases) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  auto pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  const EndpointId ep = last_endpoints_[0];
+  s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "left etcd"), kT0 + 1s);
+  bool failed = false;
+  for (auto& e : s().TakeEvents()) {
+    if (auto* d = std::get_if<ReceiveDone>(&e)) {
+      EXPECT_EQ(d->request, "r1");
+      EXPECT_FALSE(d->ok);
+      EXPECT_TRUE(d->quarantined);
+      EXPECT_NE(d->error.message().find("left etcd"), std::string::npos) << d->error.ToString();
+      failed = true;
+    }
+    EXPECT_FALSE(std::holds_alternative<BlocksReleased>(e)) << "released on etcd's word alone";
+  }
+  EXPECT_TRUE(failed) << "the request waited for its pull deadline";
+  for (auto& f : s().TakeFences()) {
+    s().OnFenceDone(f.id, Status(ErrorCode::kRejected, "cannot fence"), kT0 + 1s);
+  }
+  EXPECT_EQ(s().stats().quarantined_blocks, 1u);
+  s().OnTimeout(kT0 + 601s);  // the pull's deadline passes: it must stay known
+  EXPECT_EQ(s().stats().quarantined_blocks, 1u);
+  s().OnPullResponse(ep, Finish(pulls[0].id, {"r1"}), kT0 + 602s);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u) << "P's late FINISH releases the quarantine";
+}
+
+// P back with the same incarnation after being declared down: pulls sent since are a new epoch,
+// which the fence asked at the down does not cover.
+TEST_F(DecodeSessionTest, AFenceAskedAtEngineDownDoesNotCoverPullsSentAfter) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  (void)Pulls();
+  s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "left etcd"), kT0 + 1s);
+  auto fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  (void)s().TakeEvents();
+  s().OnLookup(Engine("p"), kT0 + 100s);
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 100s).ok());
+  ASSERT_EQ(Pulls().size(), 1u);
+  s().OnFenceDone(fences[0].id, Status::Ok(), kT0 + 101s);
+  for (auto& e : s().TakeEvents()) {
+    if (auto* d = std::get_if<ReceiveDone>(&e)) {
+      EXPECT_NE(d->request, "r2");
+    }
+    if (auto* r = std::get_if<BlocksReleased>(&e)) {
+      EXPECT_NE(r->request, "r2");
+    }
+  }
+  EXPECT_EQ(s().stats().receiving, 1u);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+}
+
 }  // namespace kvferry::protocol
