@@ -2,6 +2,7 @@
 // attacks it exists for — thousands of idle or half-sent connections, oversized and malformed
 // requests — against a real server on 127.0.0.1.
 #include "control/http_server.h"
+#include "support/raw_socket.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -25,77 +26,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// A raw client socket, for requests no well-behaved client library would send.
-class RawSocket {
- public:
-  explicit RawSocket(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<std::uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      ::close(fd_);
-      fd_ = -1;
-    }
-  }
-  ~RawSocket() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  RawSocket(RawSocket&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
-  RawSocket(const RawSocket&) = delete;
-  RawSocket& operator=(const RawSocket&) = delete;
-
-  bool ok() const { return fd_ >= 0; }
-  bool Send(std::string_view bytes) {
-    return ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL) ==
-           static_cast<ssize_t>(bytes.size());
-  }
-  // Everything until the peer closes or `timeout` passes.
-  std::string ReadAll(std::chrono::milliseconds timeout) {
-    std::string out;
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    for (;;) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return out;
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return out;
-      char buf[4096];
-      const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-      if (n <= 0) return out;
-      out.append(buf, static_cast<std::size_t>(n));
-      // One whole answer with a declared length is enough (keep-alive leaves the socket open).
-      const auto head_end = out.find("\r\n\r\n");
-      const auto length_at = out.find("Content-Length: ");
-      if (head_end != std::string::npos && length_at != std::string::npos &&
-          length_at < head_end &&
-          out.size() >= head_end + 4 + std::stoul(out.substr(length_at + 16))) {
-        return out;
-      }
-    }
-  }
-  // True once the peer has closed the connection (within `timeout`).
-  bool ClosedWithin(std::chrono::milliseconds timeout) {
-    pollfd p{fd_, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return false;
-    char buf[256];
-    while (true) {
-      const ssize_t n = ::recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
-      if (n == 0) return true;
-      if (n < 0) return errno != EAGAIN;
-    }
-  }
-
- private:
-  int fd_ = -1;
-};
-
-int StatusOf(const std::string& raw) {
-  int code = 0;
-  if (std::sscanf(raw.c_str(), "HTTP/1.%*d %d", &code) != 1) return 0;
-  return code;
-}
+using kvferry::testing::RawSocket;
+using kvferry::testing::StatusOf;
 
 HttpServerOptions TestOptions() {
   HttpServerOptions o;

@@ -16,71 +16,16 @@
 #include <future>
 
 #include "serve_process.h"
+#include "support/raw_socket.h"
 
 namespace {
 
 using namespace kvferry::serve_test;
 using namespace std::chrono_literals;
 
-// A raw client socket, for what no client library sends.
-class RawSocket {
- public:
-  explicit RawSocket(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<std::uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      ::close(fd_);
-      fd_ = -1;
-    }
-  }
-  ~RawSocket() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  RawSocket(RawSocket&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
-  RawSocket(const RawSocket&) = delete;
-  RawSocket& operator=(const RawSocket&) = delete;
-
-  bool ok() const { return fd_ >= 0; }
-  bool Send(std::string_view bytes) {
-    return ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL) ==
-           static_cast<ssize_t>(bytes.size());
-  }
-  // What arrives until the peer closes or `timeout` passes.
-  std::string Read(std::chrono::milliseconds timeout) {
-    std::string out;
-    const auto deadline = Clock::now() + timeout;
-    for (;;) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) return out;
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return out;
-      char buf[4096];
-      const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-      if (n <= 0) return out;
-      out.append(buf, static_cast<std::size_t>(n));
-      // One answer is enough: stop at the end of a body whose length was declared.
-      const auto head_end = out.find("\r\n\r\n");
-      const auto length_at = out.find("Content-Length: ");
-      if (head_end != std::string::npos && length_at != std::string::npos && length_at < head_end &&
-          out.size() >= head_end + 4 + std::stoul(out.substr(length_at + 16))) {
-        return out;
-      }
-    }
-  }
-
- private:
-  int fd_ = -1;
-};
-
-int StatusOf(const std::string& raw) {
-  int code = 0;
-  if (std::sscanf(raw.c_str(), "HTTP/1.%*d %d", &code) != 1) return 0;
-  return code;
-}
+using kvferry::testing::FreePort;
+using kvferry::testing::RawSocket;
+using kvferry::testing::StatusOf;
 
 std::string BodyOf(const std::string& raw) {
   const auto at = raw.find("\r\n\r\n");
@@ -92,25 +37,13 @@ std::pair<int, std::string> RawExchange(int port, std::string_view request,
                                         std::chrono::milliseconds timeout = 3000ms) {
   RawSocket s(port);
   if (!s.ok() || !s.Send(request)) return {0, ""};
-  std::string raw = s.Read(timeout);
+  std::string raw = s.ReadAll(timeout);
   return {StatusOf(raw), raw};
 }
 
 std::string PostRequest(const std::string& path, const std::string& body) {
   return "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
          "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
-}
-
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
 }
 
 std::uint64_t RssKiB(pid_t pid) {
@@ -292,7 +225,7 @@ TEST_F(FrontDoorAttack, OversizedHeadersAndBodiesAreRefusedWithoutGrowingMemory)
     const std::string chunk(1 << 20, 'x');
     for (int i = 0; i < 50 && s.Send(chunk); ++i) {
     }
-    const std::string raw = s.Read(3000ms);
+    const std::string raw = s.ReadAll(3000ms);
     EXPECT_EQ(StatusOf(raw), 413) << t.name << ": " << raw;
     const std::uint64_t rss_after = RssKiB(t.pid);
     EXPECT_LT(rss_after, rss_before + 16 * 1024)

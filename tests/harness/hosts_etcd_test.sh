@@ -15,57 +15,15 @@ set -euo pipefail
 
 bin=$1
 th="$2/scripts/testhosts.sh"
-if [ "$(id -u)" -ne 0 ] || ! "$th" supported; then
-  echo "SKIP: this machine cannot create network namespaces (needs root and CAP_SYS_ADMIN)"
-  exit 77
-fi
-if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null; then
-  echo "SKIP: etcd or etcdctl is missing (scripts/install-deps.sh installs etcd-server, etcd-client)"
-  exit 77
-fi
-
 name="kve$$"
-out=$(mktemp -d)
-cleanup() {
-  "$th" down "$name"
-  rm -rf "$out"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL: $*"
-  for f in "$out"/*.log; do
-    [ -f "$f" ] && { echo "---- $f"; tail -20 "$f"; }
-  done
-  exit 1
-}
+needs_etcd=1
+# shellcheck source=hosts_lib.sh
+source "$(dirname "$0")/hosts_lib.sh"
 
 "$th" up "$name" 6
-cluster=""
-endpoints=""
-for i in 1 2 3; do
-  a=$("$th" addr "$i")
-  cluster+="${cluster:+,}e$i=http://$a:2380"
-  endpoints+="${endpoints:+,}\"http://$a:2379\""
-done
-start_etcd() {  # start_etcd I: member I on host I (its data directory survives a kill)
-  local a
-  a=$("$th" addr "$1")
-  "$th" exec "$name" "$1" etcd --name "e$1" --data-dir "$out/e$1" \
-    --listen-client-urls "http://$a:2379" --advertise-client-urls "http://$a:2379" \
-    --listen-peer-urls "http://$a:2380" --initial-advertise-peer-urls "http://$a:2380" \
-    --initial-cluster "$cluster" --initial-cluster-state new >>"$out/etcd$1.log" 2>&1 &
-  disown
-}
-etcd_healthy() {  # etcd_healthy: the cluster has a quorum (a write goes through)
-  "$th" exec "$name" 6 etcdctl --endpoints "${endpoints//\"/}" --command-timeout=2s \
-    put /kvferry-test/probe x >/dev/null 2>&1
-}
+etcd_setup 6 1 2 3
 for i in 1 2 3; do start_etcd "$i"; done
-for _ in $(seq 1 100); do
-  etcd_healthy && break
-  sleep 0.2
-done
-etcd_healthy || fail "the etcd cluster did not come up"
+wait_etcd_healthy || fail "the etcd cluster did not come up"
 
 # As in hosts_test.sh: UCX's 1 s keepalive can leave a write unanswered after a stall on the
 # veth links (docs/operations.md known limits); this test is about the registry.
@@ -111,11 +69,7 @@ echo "through etcd across hosts: 16/16 requests"
 "$th" kill "$name" 1
 load 16 || fail "requests failed with one etcd member of three lost"
 # If the lost member led, the other two elect a new leader first (etcd's election timeout: 1 s).
-for _ in $(seq 1 50); do
-  etcd_healthy && break
-  sleep 0.2
-done
-etcd_healthy || fail "two members of three have no quorum"
+wait_etcd_healthy || fail "two members of three have no quorum"
 echo "one etcd member lost: 16/16 requests, quorum kept"
 
 "$th" kill "$name" 2
@@ -137,11 +91,7 @@ echo "two etcd members lost: 16/16 requests to the known engine; a new P refused
 
 start_etcd 1
 start_etcd 2
-for _ in $(seq 1 100); do
-  etcd_healthy && break
-  sleep 0.2
-done
-etcd_healthy || fail "etcd did not recover its quorum"
+wait_etcd_healthy || fail "etcd did not recover its quorum"
 start_p prefill-1 8101 8999 "$out/p1.json" "$out/p1.log" &
 disown
 for _ in $(seq 1 100); do

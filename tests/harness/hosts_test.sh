@@ -11,25 +11,10 @@ set -euo pipefail
 
 bin=$1
 th="$2/scripts/testhosts.sh"
-if [ "$(id -u)" -ne 0 ] || ! "$th" supported; then
-  echo "SKIP: this machine cannot create network namespaces (needs root and CAP_SYS_ADMIN)"
-  exit 77
-fi
-
 name="kvh$$"
-out=$(mktemp -d)
-cleanup() {
-  "$th" down "$name"
-  rm -rf "$out"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL: $*"
-  for f in "$out"/*.log; do
-    [ -f "$f" ] && { echo "---- $f"; tail -20 "$f"; }
-  done
-  exit 1
-}
+needs_etcd=0
+# shellcheck source=hosts_lib.sh
+source "$(dirname "$0")/hosts_lib.sh"
 
 "$th" up "$name" 3
 p_addr=$("$th" addr 1)

@@ -13,56 +13,15 @@ set -euo pipefail
 
 bin=$1
 th="$2/scripts/testhosts.sh"
-if [ "$(id -u)" -ne 0 ] || ! "$th" supported; then
-  echo "SKIP: this machine cannot create network namespaces (needs root and CAP_SYS_ADMIN)"
-  exit 77
-fi
-if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null; then
-  echo "SKIP: etcd or etcdctl is missing (scripts/install-deps.sh installs etcd-server, etcd-client)"
-  exit 77
-fi
-
 name="kvx$$"
-out=$(mktemp -d)
-cleanup() {
-  "$th" down "$name"
-  rm -rf "$out"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL: $*"
-  for f in "$out"/*.log; do
-    [ -f "$f" ] && { echo "---- $f"; tail -15 "$f"; }
-  done
-  exit 1
-}
+needs_etcd=1
+# shellcheck source=hosts_lib.sh
+source "$(dirname "$0")/hosts_lib.sh"
 
 "$th" up "$name" 12
-cluster=""
-endpoints=""
-for i in 10 11 12; do
-  a=$("$th" addr "$i")
-  cluster+="${cluster:+,}e$i=http://$a:2380"
-  endpoints+="${endpoints:+,}\"http://$a:2379\""
-done
-for i in 10 11 12; do
-  a=$("$th" addr "$i")
-  "$th" exec "$name" "$i" etcd --name "e$i" --data-dir "$out/e$i" \
-    --listen-client-urls "http://$a:2379" --advertise-client-urls "http://$a:2379" \
-    --listen-peer-urls "http://$a:2380" --initial-advertise-peer-urls "http://$a:2380" \
-    --initial-cluster "$cluster" --initial-cluster-state new >>"$out/etcd$i.log" 2>&1 &
-  disown
-done
-healthy=0
-for _ in $(seq 1 100); do
-  if "$th" exec "$name" 9 etcdctl --endpoints "${endpoints//\"/}" --command-timeout=2s \
-    put /kvferry-test/probe x >/dev/null 2>&1; then
-    healthy=1
-    break
-  fi
-  sleep 0.2
-done
-[ "$healthy" -eq 1 ] || fail "the etcd cluster did not come up"
+etcd_setup 9 10 11 12
+for i in 10 11 12; do start_etcd "$i"; done
+wait_etcd_healthy || fail "the etcd cluster did not come up"
 
 # As in hosts_test.sh: UCX's 1 s keepalive misfires during stalls (docs/operations.md).
 export UCX_KEEPALIVE_INTERVAL=30s

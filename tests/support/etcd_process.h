@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "support/raw_socket.h"
+
 extern char** environ;
 
 namespace kvferry::testing {
@@ -87,18 +89,6 @@ class EtcdProcess {
   void Thaw() { ::kill(pid_, SIGCONT); }
 
  private:
-  static int FreePort() {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    socklen_t len = sizeof(addr);
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    ::close(fd);
-    return ntohs(addr.sin_port);
-  }
-
   std::filesystem::path dir_;
   pid_t pid_ = -1;
   int client_port_ = 0;
