@@ -459,6 +459,21 @@ TEST_F(AuthenticatedBootstrapTest, UnsignedOrForgedRegistrationIs401AndChangesNo
   EXPECT_EQ(server_->auth_refusals(), cases.size() + 2);
 }
 
+// A signature covers the path alone: a correctly signed body sent to /register?anything is not
+// what was signed, and is refused before the signature is even looked at.
+TEST_F(AuthenticatedBootstrapTest, RegistrationWithAQueryStringIsRefusedAndChangesNothing) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  const std::string body = EncodeRegistration(MakeWorker("p0", 0, 1));
+  httplib::Client raw("127.0.0.1", port_);
+  httplib::Headers headers = {
+      {"Authorization", SignRequest(*secret_, "POST", "/register", body, UnixNowSeconds())}};
+  auto res = raw.Post("/register?engine_id=p9", headers, body, "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  EXPECT_NE(DecodeError(res->body).find("no query string"), std::string::npos) << res->body;
+  EXPECT_TRUE(server_->Engines().empty());
+}
+
 TEST_F(AuthenticatedBootstrapTest, QueryAnswersAreSignedAndOnlyTheClusterBelievesThem) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
   ASSERT_TRUE(Client(secret_).Register(MakeWorker("p0", 0, 1), kTimeout).ok());

@@ -116,6 +116,17 @@ TEST_F(SecretFileTest, AFifoIsRefusedAtOnceWithoutBlocking) {
       << loaded.error().message();
 }
 
+// Another user who owns the file can rewrite it, whatever its mode.
+TEST_F(SecretFileTest, AFileOwnedByAnotherUserIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give the file away";
+  const std::string path = Write(kSecretA, 0600);
+  ASSERT_EQ(::chown(path.c_str(), 65534, 65534), 0);
+  auto loaded = LoadClusterSecret(path);
+  ASSERT_FALSE(loaded.has_value());
+  EXPECT_NE(loaded.error().message().find("belongs to uid 65534"), std::string::npos)
+      << loaded.error().message();
+}
+
 TEST(RequestSigning, SignedRequestVerifiesWithinTheClockWindow) {
   const ClusterSecret secret = Secret(kSecretA);
   const std::string header = SignRequest(secret, "POST", "/register", R"({"a":1})", kNow);

@@ -141,6 +141,18 @@ TEST_F(EtcdRegistryTest, EnginesSharingADpRankAreAllFound) {
   EXPECT_EQ(Count(down), 0u);
 }
 
+// An engine that registered after the last poll is found by the lookup itself: D would
+// otherwise believe "not registered" (and fail loads for lookup_failure_ttl) for a poll interval.
+TEST_F(EtcdRegistryTest, AnEngineRegisteredSinceTheLastPollIsFoundAtOnce) {
+  auto watcher = EtcdWatcher::Start(options_, 1h, nullptr, nullptr);  // no poll of its own
+  ASSERT_TRUE(watcher);
+  auto registrar = EtcdRegistrar::Start(options_, {MakeWorker("late", 0, 1, "inc-1")}, 5s, nullptr);
+  ASSERT_TRUE(registrar);
+  auto info = (*watcher)->Lookup("late");
+  ASSERT_TRUE(info) << info.error().ToString();
+  EXPECT_EQ(info->incarnation, "inc-1");
+}
+
 TEST_F(EtcdRegistryTest, AnEngineThatStopsRenewingIsReportedDownSoonAfterItsTtl) {
   // A P that died: its lease is granted and its keys put, then nobody renews.
   EtcdClient client(options_);

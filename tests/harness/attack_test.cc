@@ -294,6 +294,16 @@ TEST_F(FrontDoorAttack, DeepAndMistypedJsonGetsA400NamingTheProblem) {
       EXPECT_NE(BodyOf(raw).find(field), std::string::npos) << t.name << ": " << BodyOf(raw);
     }
   }
+  // Through the proxy, what only D would refuse never reaches P: P's copy carries
+  // max_tokens: 1, so P would prefill it and hold its KV for a D that refused it.
+  const double p_before = Metric(Get(p_->port(), "/metrics"), "kvferry_requests_finished_total");
+  for (const auto& [body, field] : completions) {
+    EXPECT_EQ(RawExchange(proxy_->port(), PostRequest("/v1/completions", body)).first, 400);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // a P copy would be done by now
+  const std::string p_after = Get(p_->port(), "/metrics");
+  EXPECT_EQ(Metric(p_after, "kvferry_requests_finished_total"), p_before);
+  EXPECT_EQ(Metric(p_after, "kvferry_hold_entries"), 0);
   auto [status, raw] =
       RawExchange(targets_[1].port, PostRequest("/register", R"({"engine_id":5})"));
   EXPECT_EQ(status, 400) << raw;
