@@ -86,6 +86,11 @@ Result<HostPort> ParseEndpoint(std::string_view endpoint) {
 
 std::string EngineKeyPrefix(const EtcdOptions& o) { return o.prefix + "/engines/"; }
 
+bool IsPowerOfTen(std::uint64_t n) {
+  while (n >= 10 && n % 10 == 0) n /= 10;
+  return n == 1;
+}
+
 std::string WorkerKey(const EtcdOptions& o, const WorkerRegistration& r) {
   return fmt::format("{}{}/{}-{}", EngineKeyPrefix(o), r.engine_id, r.tp_rank, r.pp_rank);
 }
@@ -242,10 +247,24 @@ struct EtcdRegistrar::Impl {
       lock.lock();
       if (alive) {
         ++stats.keepalives;
+        if (failing_since_ok != 0) {
+          Log(fmt::format("etcd: lease of engine {} renewed again after {} failed attempts",
+                          registrations.front().engine_id, failing_since_ok));
+          failing_since_ok = 0;
+        }
         continue;
       }
       if (alive.error().code() != ErrorCode::kNotFound) {
-        ++stats.failures;  // etcd away: keep trying; the lease may still be alive there
+        // etcd away: keep trying; the lease may still be alive there. Said at the 1st, 10th,
+        // 100th... failure in a row: decoders declare this engine down once the lease lapses.
+        ++stats.failures;
+        ++failing_since_ok;
+        if (IsPowerOfTen(failing_since_ok)) {
+          Log(fmt::format("etcd: cannot renew the lease of engine {} ({} attempts in a row): {}; "
+                          "decoders declare it down if this lasts {} s",
+                          registrations.front().engine_id, failing_since_ok,
+                          alive.error().message(), ttl.count()));
+        }
         continue;
       }
       lock.unlock();
@@ -270,6 +289,7 @@ struct EtcdRegistrar::Impl {
   std::condition_variable cv;
   bool stopping = false;
   std::int64_t lease = 0;
+  std::uint64_t failing_since_ok = 0;  // keepalive failures since the last success
   Stats stats;
   std::thread thread;
 };

@@ -242,6 +242,7 @@ Result<std::unique_ptr<HttpFront>> HttpFront::Start(HttpFrontOptions options,
                          for (auto& more : impl.options.more_http_stats()) servers.push_back(more);
                        }
                        r.body = impl.engine->RenderMetrics() + control::RenderHttpMetrics(servers);
+                       if (impl.options.more_metrics) r.body += impl.options.more_metrics();
                        ex.Reply(std::move(r));
                      }));
   impl.server->Route("GET", "/health",

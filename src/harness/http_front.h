@@ -40,6 +40,8 @@ struct HttpFrontOptions {
   std::string health_json = "{}";              // extra fields merged into /health (a JSON object)
   // More HTTP servers of this process to list in /metrics (P's bootstrap service). May be empty.
   std::function<std::vector<std::pair<std::string, control::HttpServerStats>>()> more_http_stats;
+  // More Prometheus text for /metrics (the etcd registry's counters). May be empty.
+  std::function<std::string()> more_metrics;
 };
 
 // A parsed /v1/completions body (exposed for tests).

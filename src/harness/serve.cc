@@ -28,6 +28,33 @@ namespace {
 // expiry granularity, 0.5 s). Four small range requests a second per D are nothing to etcd.
 constexpr std::chrono::milliseconds kEtcdPollInterval{250};
 
+// The etcd registry's counters for /metrics: P's lease renewals, D's view of etcd.
+std::string EtcdMetrics(const control::EtcdRegistrar* registrar,
+                        const control::EtcdWatcher* watcher) {
+  std::string out;
+  auto one = [&out](const char* name, const char* type, const char* help, double value) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{} {}\n", name, help, name, type, name, value);
+  };
+  if (registrar) {
+    const control::EtcdRegistrar::Stats s = registrar->stats();
+    one("kvferry_etcd_keepalive_failures_total", "counter",
+        "P: lease renewals that got no answer from etcd", static_cast<double>(s.failures));
+    one("kvferry_etcd_republished_total", "counter",
+        "P: leases lost (expired in etcd) and published again", static_cast<double>(s.republished));
+  }
+  if (watcher) {
+    const control::EtcdWatcher::Stats s = watcher->stats();
+    one("kvferry_etcd_healthy", "gauge", "D: 1 if the last poll of etcd succeeded",
+        s.healthy ? 1.0 : 0.0);
+    one("kvferry_etcd_poll_failures_total", "counter", "D: polls of etcd that failed",
+        static_cast<double>(s.poll_failures));
+    one("kvferry_etcd_engines_down_total", "counter",
+        "D: P engines that left etcd (lease expired or revoked)",
+        static_cast<double>(s.engines_down));
+  }
+  return out;
+}
+
 std::string RandomHex() {
   std::random_device rd;
   return fmt::format("{:08x}{:08x}", rd(), rd());
@@ -223,6 +250,9 @@ int RunServe(const ServeOptions& options) {
       return std::vector<std::pair<std::string, control::HttpServerStats>>{
           {"bootstrap", server->http_stats()}};
     };
+  }
+  if (registrar || watcher) {
+    ho.more_metrics = [r = registrar.get(), w = watcher.get()] { return EtcdMetrics(r, w); };
   }
   auto http = HttpFront::Start(ho, engine->get());
   if (!http) {

@@ -717,6 +717,9 @@ TEST_F(ServeTest, WithEtcdAKilledPsWaitingLoadsFailWithinItsLeaseTtl) {
   EXPECT_GE(r.status, 500) << r.body;
   EXPECT_NE(r.body.find("left etcd"), std::string::npos) << r.body;
   EXPECT_LT(after, 8.0) << "far below the 105 s pull deadline";
+  const std::string d_metrics = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(d_metrics, "kvferry_etcd_engines_down_total"), 1);
+  EXPECT_EQ(Metric(d_metrics, "kvferry_etcd_healthy"), 1);
   // Liveness from etcd is advisory: a P cut off by a partition would look the same and may
   // still be writing. The pull's blocks stay quarantined (not reused) until a fence or P's
   // answer proves it stopped; the ucx data plane cannot fence from D's side, so here they stay.
