@@ -81,9 +81,16 @@ const std::string* HttpRequest::Param(std::string_view name) const { return Find
 // callback), as libmicrohttpd requires.
 class Exchange final : public HttpExchange {
  public:
+  // `failure` (a handler that did not answer) and `stopping` (Stop() came first) are the
+  // server's, rendered once; they outlive every exchange.
   Exchange(MHD_Connection* connection, std::size_t max_buffered,
-           std::chrono::milliseconds write_timeout)
-      : connection_(connection), max_buffered_(max_buffered), write_timeout_(write_timeout) {
+           std::chrono::milliseconds write_timeout, const HttpResponse& failure,
+           const HttpResponse& stopping)
+      : connection_(connection),
+        max_buffered_(max_buffered),
+        write_timeout_(write_timeout),
+        failure_(failure),
+        stopping_(stopping) {
     if (const auto* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD)) {
       fd_ = info->connect_fd;
     }
@@ -209,10 +216,6 @@ class Exchange final : public HttpExchange {
     cv_.notify_all();
   }
 
-  void set_failure_responses(HttpResponse handler_failed, HttpResponse stopping) {
-    failure_ = std::move(handler_failed);
-    stopping_ = std::move(stopping);
-  }
 
   // Event thread, on re-entry into the access handler: queue the answer, or suspend again.
   MHD_Result QueueOrSuspend(MHD_Connection* connection);
@@ -254,8 +257,8 @@ class Exchange final : public HttpExchange {
   const std::chrono::milliseconds write_timeout_;
   Answer answer_ = Answer::kNone;
   HttpResponse response_;
-  HttpResponse failure_;
-  HttpResponse stopping_;
+  const HttpResponse& failure_;
+  const HttpResponse& stopping_;
   std::string pending_;  // stream bytes not yet taken by the library
   bool ended_ = false;
   bool suspended_ = false;
@@ -412,6 +415,8 @@ class HandlerPool {
 struct HttpServer::Impl {
   explicit Impl(HttpServerOptions opts) : options(std::move(opts)) {
     if (!options.error_format) options.error_format = DefaultErrorFormat;
+    handler_failed = Error(500, "internal error: the handler did not answer");
+    stopping_answer = Error(503, "server is stopping");
   }
 
   struct RouteEntry {
@@ -450,6 +455,8 @@ struct HttpServer::Impl {
   void RunHandler(const std::shared_ptr<Exchange>& ex, RequestState* st_copy);
 
   HttpServerOptions options;
+  HttpResponse handler_failed;   // for every exchange whose handler returned without answering
+  HttpResponse stopping_answer;  // for every exchange Stop() answers
   std::map<std::string, std::map<std::string, RouteEntry>> routes;  // path -> method -> handler
   MHD_Daemon* daemon = nullptr;
   int listen_fd = -1;  // once quiesced, ours to close
@@ -496,7 +503,7 @@ MHD_Result HttpServer::Impl::OnHeaders(MHD_Connection* c, RequestState& st) {
     req.remote_addr = ToAddress(info->client_addr);
   }
 
-  if (stopping) return QueueResponse(c, Error(503, "server is stopping"));
+  if (stopping) return QueueResponse(c, stopping_answer);
   auto path = routes.find(req.path);
   if (path == routes.end()) {
     return QueueResponse(c, Error(404, fmt::format("no endpoint {} {}", req.method, req.path)));
@@ -612,17 +619,16 @@ MHD_Result HttpServer::Impl::Dispatch(MHD_Connection* c, RequestState& st) {
     ++refused_busy;
     return QueueResponse(c, Error(503, "server busy: too many requests in progress"));
   }
-  auto ex = std::make_shared<Exchange>(c, options.max_buffered_bytes, options.write_timeout);
+  auto ex = std::make_shared<Exchange>(c, options.max_buffered_bytes, options.write_timeout,
+                                       handler_failed, stopping_answer);
   ex->set_self(ex);
-  ex->set_failure_responses(Error(500, "internal error: the handler did not answer"),
-                            Error(503, "server is stopping"));
   {
     // Under live_mu with Stop()'s flag: an exchange is either seen by Stop's Fail pass or
     // refused here, never lost between them.
     std::lock_guard<std::mutex> lock(live_mu);
     if (stopping) {
       ++refused_busy;
-      return QueueResponse(c, Error(503, "server is stopping"));
+      return QueueResponse(c, stopping_answer);
     }
     live.insert(ex);
   }

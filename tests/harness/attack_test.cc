@@ -17,6 +17,7 @@
 
 #include "serve_process.h"
 #include "support/raw_socket.h"
+#include "support/spawn.h"
 
 namespace {
 
@@ -84,15 +85,7 @@ class ProxyProcess {
                                      "http://127.0.0.1:" + std::to_string(d.port()),
                                      "--threads",
                                      "32"};
-    std::vector<char*> cargv;
-    for (std::string& a : argv) cargv.push_back(a.data());
-    cargv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    if (posix_spawn(&pid_, KVFERRY_BINARY, &actions, nullptr, cargv.data(), environ) != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&actions);
+    pid_ = kvferry::testing::SpawnWithLog(std::move(argv), log_.string());
   }
   ~ProxyProcess() {
     if (pid_ > 0) {

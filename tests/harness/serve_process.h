@@ -3,10 +3,8 @@
 // ServeProcess is destroyed. KVFERRY_BINARY names the kvferry executable.
 #pragma once
 
-#include <fcntl.h>
 #include <httplib.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,7 +19,8 @@
 #include <thread>
 #include <vector>
 
-extern char** environ;
+#include "support/spawn.h"
+
 
 namespace kvferry::serve_test {
 
@@ -42,17 +41,8 @@ class ServeProcess {
       argv.insert(argv.end(), {"--http-threads", "32"});
     }
     argv.insert(argv.end(), args.begin(), args.end());
-    std::vector<char*> cargv;
-    for (std::string& a : argv) cargv.push_back(a.data());
-    cargv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
     setenv("UCX_NET_DEVICES", "lo", 0);
-    if (posix_spawn(&pid_, KVFERRY_BINARY, &actions, nullptr, cargv.data(), environ) != 0)
-      pid_ = -1;
-    posix_spawn_file_actions_destroy(&actions);
+    pid_ = testing::SpawnWithLog(std::move(argv), log_.string());
   }
   ~ServeProcess() { Kill(); }
 

@@ -2,11 +2,9 @@
 // data directory and OS-chosen ports, killed (and its directory removed) on destruction.
 #pragma once
 
-#include <fcntl.h>
 #include <httplib.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,8 +16,8 @@
 #include <vector>
 
 #include "support/raw_socket.h"
+#include "support/spawn.h"
 
-extern char** environ;
 
 namespace kvferry::testing {
 
@@ -49,16 +47,7 @@ class EtcdProcess {
                                      peer_url,
                                      "--initial-cluster",
                                      "default=" + peer_url};
-    std::vector<char*> cargv;
-    for (std::string& a : argv) cargv.push_back(a.data());
-    cargv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    const std::string log = (dir_ / "etcd.log").string();
-    posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    if (posix_spawn(&pid_, kBinary, &actions, nullptr, cargv.data(), environ) != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&actions);
+    pid_ = SpawnWithLog(std::move(argv), (dir_ / "etcd.log").string());
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (pid_ > 0 && std::chrono::steady_clock::now() < deadline) {
       httplib::Client cli("127.0.0.1", client_port_);
