@@ -224,6 +224,7 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now) {
   }
   state.view = engine;
   state.view_stale = false;
+  state.declared_down.reset();
   std::vector<Load> loads = std::move(state.waiting_loads);
   state.waiting_loads.clear();
   std::vector<std::vector<core::Fingerprint>> batches = std::move(state.waiting_renewals);
@@ -460,8 +461,12 @@ void DecodeSession::ExpirePulls(TimePoint now) {
     auto op = ep.pulls.find(id);
     if (op == ep.pulls.end()) continue;
     // Given up on already (its engine went down): it stays known, so P's late answer still
-    // releases its quarantine.
-    if (op->second.timed_out) continue;
+    // releases its quarantine; and the fence is tried again now (the engine may have died
+    // since a first fence failed, and a fence of a dead peer succeeds).
+    if (op->second.timed_out) {
+      AskFence(endpoint);
+      continue;
+    }
     if (!ledger_->IsPending(op->second.request, op->second.peer)) {
       ep.pulls.erase(op);  // settled meanwhile (e.g. by a fence)
       continue;
@@ -567,6 +572,7 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
   state.pending_releases.clear();
   for (Load& load : loads) FailLoad(std::move(load), state.failure, now);
   if (!view) return;
+  state.declared_down = view;
   // Its pulls in flight will get no answer: their requests fail now, not at their deadlines,
   // and their blocks stay quarantined (a P cut off by a partition may still be writing) until
   // the fence asked here, or a late answer, proves it stopped.
@@ -623,6 +629,9 @@ void DecodeSession::RenewalPass(TimePoint now) {
       // Renewals never wait for a refresh: the transfers they keep are on the known process.
       if (state.view_stale) RequestLookup(batch.engine, state, now);
       SendRenewals(batch.engine, *state.view, batch.ids, now);
+    } else if (state.failed_until > now && state.declared_down) {
+      // Declared down, maybe wrongly: keep its KV alive (unanswered renewals cost nothing).
+      SendRenewals(batch.engine, *state.declared_down, batch.ids, now);
     } else if (state.failed_until > now) {
       ++counters_.renewal_failures;  // known unreachable: one lookup per ttl, not per batch
     } else {

@@ -318,6 +318,10 @@ class DecodeSession {
     std::vector<core::Fingerprint> pending_releases;  // batched until release_due_
     std::vector<core::Fingerprint> waiting_releases;  // waiting for a lookup
     bool releases_unsupported = false;                // it answered a Release with ERROR
+    // The view a liveness source declared down (OnEngineDown): loads fail while failed_until,
+    // but renewals still go there — the liveness source may be wrong (a partition, a lapsed
+    // registry lease) and P keeps its KV only while renewed. Cleared by the next lookup.
+    std::optional<PeerEngine> declared_down;
   };
   // A request D has heard of and not yet finished (or settled): what to renew and release.
   struct Tracked {

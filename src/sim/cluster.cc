@@ -70,6 +70,7 @@ enum Kind : std::uint32_t {
   kAbortP,
   kAbortD,
   kSample,
+  kPDeclaredDown,
 };
 
 // Pools of P and D: core::BlockPool, whose generations tell a WRITE whether its destination
@@ -282,6 +283,9 @@ class Sim {
     }
     if (c_.faults.p_crash != kNever) {
       loop_.Schedule(c_.faults.p_crash, kPCrash, 0, [this] { CrashP(); });
+    }
+    if (c_.faults.p_declared_down != kNever) {
+      loop_.Schedule(c_.faults.p_declared_down, kPDeclaredDown, 0, [this] { DeclarePDown(); });
     }
     for (std::uint32_t i = 0; i < c_.faults.hostile_pulls; ++i) {
       loop_.Schedule(kT0 + rng_.Span(Duration{0}, 10s), kHostile, i, [this, i] { Hostile(i); });
@@ -996,6 +1000,18 @@ class Sim {
         DrainD(r);
       }
     });
+  }
+
+  // The liveness source is wrong (etcd's word is advisory: a partition, a lost lease): D is
+  // told P is down while P lives on and keeps writing. D must fail what waits without freeing
+  // a block P may still write; P's later answers release the quarantine.
+  void DeclarePDown() {
+    if (d_dead_) return;
+    for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
+      d_sessions_[r]->OnEngineDown("P", Status(ErrorCode::kUnavailable, "P's lease lapsed"),
+                                   now());
+      DrainD(r);
+    }
   }
 
   // ---------------------------------------------------------------- D engine

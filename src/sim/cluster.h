@@ -91,6 +91,8 @@ struct DecodeConfig {
 struct Faults {
   TimePoint d_crash = core::kNever;  // D (all ranks) killed
   TimePoint p_crash = core::kNever;  // P (all ranks) killed
+  // A liveness source wrongly tells D that P is gone while P lives on (advisory liveness).
+  TimePoint p_declared_down = core::kNever;
   // Scenario C: P rank 0 lists a request in `err` after its WRITE succeeded.
   double p0_err_after_write = 0;
   // Scenario C: P rank 1 waits U[0, p1_write_delay] before each WRITE.

@@ -97,6 +97,7 @@ SimConfig RandomConfig(std::uint64_t seed) {
   // Faults.
   if (r.Chance(0.15)) c.faults.d_crash = kT0 + r.Span(Duration{0}, 10s);
   if (r.Chance(0.1)) c.faults.p_crash = kT0 + r.Span(Duration{0}, 10s);
+  if (r.Chance(0.1)) c.faults.p_declared_down = kT0 + r.Span(Duration{0}, 10s);
   if (r.Chance(0.2)) c.faults.peer_err = r.Real() * 0.2;
   if (r.Chance(0.1)) c.faults.peer_msg_error = r.Real() * 0.1;
   if (r.Chance(0.1)) c.faults.peer_omit = r.Real() * 0.1;
@@ -138,6 +139,8 @@ std::string Describe(const SimConfig& c) {
                   At(c.net.drop_renewals_until)));
   add(c.faults.d_crash != core::kNever, fmt::format("D crash {:.2f}s", At(c.faults.d_crash)));
   add(c.faults.p_crash != core::kNever, fmt::format("P crash {:.2f}s", At(c.faults.p_crash)));
+  add(c.faults.p_declared_down != core::kNever,
+      fmt::format("P declared down while alive {:.2f}s", At(c.faults.p_declared_down)));
   add(c.faults.fence_unsupported, "no fence of a live P");
   add(c.faults.late_pull > 0, fmt::format("late pulls {:.2f}", c.faults.late_pull));
   add(c.faults.silent_engines > 0, fmt::format("{} silent P engines", c.faults.silent_engines));

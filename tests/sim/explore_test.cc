@@ -32,6 +32,24 @@ TEST(Explore, TwoThousandSeedsKeepEveryInvariant) {
               static_cast<unsigned long long>(report.events), wall);
 }
 
+// Seeds where a liveness source declared a live P down (advisory liveness) found two bugs: D
+// stopped renewing, so P expired KV a live D still wanted (seed 11216), and a pull given up on
+// was never fenced again once P really died, so its blocks stayed quarantined (seed 17639).
+TEST(Explore, SeedsWithALiveEngineDeclaredDownKeepEveryInvariant) {
+  for (std::uint64_t seed : {11216u, 17639u}) {
+    ExploreOptions options;
+    options.first_seed = seed;
+    options.runs = 1;
+    const ExploreReport report = Explore(options);
+    ASSERT_EQ(report.runs, 1u);
+    for (const ExploreFailure& f : report.failures) {
+      std::string text = "seed " + std::to_string(f.seed) + ": " + f.description;
+      for (const std::string& v : f.violations) text += "\n  " + v;
+      ADD_FAILURE() << text;
+    }
+  }
+}
+
 TEST(Explore, ReproCommandNamesTheSeed) {
   EXPECT_EQ(ReproCommand(1234), "kvferry sim --explore 1 --seed 1234");
 }
