@@ -31,9 +31,11 @@ using core::TimePoint;
 constexpr const char* kZapEndpoint = "inproc://zeromq.zap.01";
 constexpr const char* kMonitorEndpoint = "inproc://kvferry-side-channel-monitor";
 // The handshake verdicts counted as authentication refusals. A connection that merely ends
-// mid-handshake (HANDSHAKE_FAILED_NO_DETAIL: a port probe, a peer that closed) is not one.
+// mid-handshake (HANDSHAKE_FAILED_NO_DETAIL: a port probe, a peer that closed) is not one; it
+// is counted apart, as abandoned.
 constexpr int kRefusalEvents =
     ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+constexpr int kMonitoredEvents = kRefusalEvents | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL;
 
 // Why a handshake failed, in words for the log.
 std::string RefusalReason(std::uint16_t event, std::uint32_t value) {
@@ -150,7 +152,7 @@ class PrefillListener::Impl {
       zap_ = zmq::socket_t(ctx_, zmq::socket_type::rep);
       zap_.set(zmq::sockopt::linger, 0);
       zap_.bind(kZapEndpoint);
-      if (zmq_socket_monitor(router_.handle(), kMonitorEndpoint, kRefusalEvents) != 0) {
+      if (zmq_socket_monitor(router_.handle(), kMonitorEndpoint, kMonitoredEvents) != 0) {
         throw zmq::error_t();
       }
       monitor_ = zmq::socket_t(ctx_, zmq::socket_type::pair);
@@ -232,6 +234,7 @@ class PrefillListener::Impl {
   std::uint64_t responses_sent_ = 0;
   std::uint64_t replies_dropped_ = 0;
   std::uint64_t auth_refusals_ = 0;
+  std::uint64_t handshakes_abandoned_ = 0;
   Status drain_result_;
 
   std::vector<std::thread> senders_;
@@ -519,6 +522,10 @@ void PrefillListener::Impl::ReadMonitor() {
     std::memcpy(&event, event_frame.data(), sizeof(event));
     std::memcpy(&value, static_cast<const char*>(event_frame.data()) + sizeof(event),
                 sizeof(value));
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
+      ++handshakes_abandoned_;
+      continue;
+    }
     if ((event & kRefusalEvents) == 0) continue;
     ++auth_refusals_;
     // Loud at 1, 10, 100, ... refusals: a misconfigured D reconnects every 100 ms.
@@ -613,6 +620,7 @@ ListenerStats PrefillListener::Impl::Snapshot() const {
   s.responses_sent = responses_sent_;
   s.replies_dropped = replies_dropped_;
   s.auth_refusals = auth_refusals_;
+  s.handshakes_abandoned = handshakes_abandoned_;
   return s;
 }
 

@@ -24,9 +24,11 @@
 // thread also serves, in the same poll set and the same ZeroMQ context as the ROUTER,
 //  - the ZAP handler (inproc://zeromq.zap.01), which admits only the cluster's CURVE client
 //    key, and
-//  - a monitor of the ROUTER's handshakes: each failed one (a peer without CURVE, with another
-//    secret's keys, or refused by ZAP) counts in ListenerStats::auth_refusals. Such a peer
-//    never gets a message through, so nothing is served to it.
+//  - a monitor of the ROUTER's handshakes: each one P refuses (a greeting naming another
+//    mechanism than CURVE, another secret's keys, a client key ZAP refuses) counts in
+//    ListenerStats::auth_refusals; one the peer abandons before P could tell why counts in
+//    ListenerStats::handshakes_abandoned (a libzmq NULL client may read P's CURVE greeting and
+//    hang up before sending its own mechanism). Either way nothing is served to such a peer.
 // Both sockets belong to the listener thread and close with the ROUTER; nothing extra to stop.
 #pragma once
 
@@ -103,6 +105,10 @@ struct ListenerStats : protocol::PrefillStats {
   // With a cluster secret: handshakes refused (no CURVE, wrong keys, denied by ZAP). A peer
   // that keeps reconnecting counts once per attempt. Always 0 without a secret.
   std::uint64_t auth_refusals = 0;
+  // With a cluster secret: connections that ended mid-handshake, before P could tell why (a
+  // port probe; a libzmq NULL client that read P's CURVE greeting and hung up before sending
+  // its own, which happened in about 1 of 3 tries on loopback). Always 0 without a secret.
+  std::uint64_t handshakes_abandoned = 0;
 };
 
 class PrefillListener {

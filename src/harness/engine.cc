@@ -1090,7 +1090,8 @@ std::string ServingEngine::RenderMetrics() {
     std::uint64_t renew_acc = 0, renew_rej = 0, renew_ext = 0, renew_unknown = 0, late = 0,
                   hits = 0, tombstones = 0, pulls = 0, pull_errors = 0, writes_failed = 0,
                   writes_started = 0, malformed = 0, mismatches = 0, bytes = 0, in_flight = 0,
-                  writes_unsettled = 0, notices = 0, auth_refusals = 0;
+                  writes_unsettled = 0, notices = 0, auth_refusals = 0,
+                  handshakes_abandoned = 0;
     std::map<std::string, std::uint64_t> releases;  // released fingerprints by outcome
     // Refusals of what a peer pushed against P's limits, by kind (hostile or broken D).
     std::map<std::string, std::uint64_t> refused;
@@ -1113,6 +1114,7 @@ std::string ServingEngine::RenderMetrics() {
       writes_started += ls.writes_started;
       malformed += ls.messages_malformed;
       auth_refusals += ls.auth_refusals;
+      handshakes_abandoned += ls.handshakes_abandoned;
       mismatches += ls.lease_mismatches;
       in_flight += ls.writes_in_flight;
       writes_unsettled += ls.writes_unsettled;
@@ -1190,6 +1192,10 @@ std::string ServingEngine::RenderMetrics() {
              "Side-channel handshakes refused: no CURVE, another cluster secret, or denied by ZAP "
              "(0 in an open cluster)",
              static_cast<double>(auth_refusals));
+    w.Single("kvferry_side_channel_handshakes_abandoned_total", "counter",
+             "Side-channel connections that ended mid-handshake before P could tell why: a port "
+             "probe, or a peer without CURVE that hung up first (0 in an open cluster)",
+             static_cast<double>(handshakes_abandoned));
     if (o.bootstrap_auth_refusals) {
       w.Single("kvferry_bootstrap_auth_refusals_total", "counter",
                "Registrations the embedded bootstrap service refused with 401 (unsigned, forged "
@@ -1229,6 +1235,7 @@ std::string ServingEngine::RenderMetrics() {
       d.late_replies += x.late_replies;
       d.lookups += x.lookups;
       d.lookup_failures += x.lookup_failures;
+      d.lookups_stale += x.lookups_stale;
       d.receives_ok += x.receives_ok;
       d.receives_failed += x.receives_failed;
       d.renewal_messages += x.renewal_messages;
@@ -1248,10 +1255,13 @@ std::string ServingEngine::RenderMetrics() {
              static_cast<double>(d.late_replies));
     w.Family("kvferry_bootstrap_lookups_total", "counter", "Bootstrap lookups, by outcome");
     w.Sample("kvferry_bootstrap_lookups_total",
-             static_cast<double>(d.lookups - std::min(d.lookups, d.lookup_failures)),
+             static_cast<double>(
+                 d.lookups - std::min(d.lookups, d.lookup_failures + d.lookups_stale)),
              {{"outcome", "ok"}});
     w.Sample("kvferry_bootstrap_lookups_total", static_cast<double>(d.lookup_failures),
              {{"outcome", "failed"}});
+    w.Sample("kvferry_bootstrap_lookups_total", static_cast<double>(d.lookups_stale),
+             {{"outcome", "stale"}});
     w.Family("kvferry_receives_total", "counter", "Per-rank receives settled, by outcome");
     w.Sample("kvferry_receives_total", static_cast<double>(d.receives_ok), {{"outcome", "ok"}});
     w.Sample("kvferry_receives_total", static_cast<double>(d.receives_failed),

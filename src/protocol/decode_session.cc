@@ -200,12 +200,32 @@ void DecodeSession::RequestLookup(const core::EngineId& engine, EngineState& sta
   if (state.lookup_in_flight) return;
   state.lookup_in_flight = true;
   state.lookup_deadline = now + options_.lookup_timeout;
+  state.lookup_id = ++last_lookup_id_;
   ++counters_.lookups;
-  lookups_out_.push_back({engine, state.bootstrap_address});
+  lookups_out_.push_back({engine, state.bootstrap_address, state.lookup_id});
 }
 
-void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now) {
+bool DecodeSession::StaleLookup(const core::EngineId& engine, EngineState& state,
+                                std::uint64_t lookup_id, TimePoint now) {
+  if (lookup_id == 0 || lookup_id >= state.lookup_floor) return false;
+  // Asked before the engine was declared down: the answer may name the dead process (a
+  // registry read before its lease lapsed), and believing it would send loads there to wait
+  // for their pull deadline. A fresh lookup answers whoever waits.
+  ++counters_.lookups_stale;
+  if (state.lookup_in_flight && state.lookup_id == lookup_id) {
+    state.lookup_in_flight = false;
+    state.lookup_deadline = core::kNever;
+  }
+  if (!state.waiting_loads.empty() || !state.waiting_renewals.empty() ||
+      !state.waiting_releases.empty()) {
+    RequestLookup(engine, state, now);
+  }
+  return true;
+}
+
+void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now, std::uint64_t lookup_id) {
   EngineState& state = Engine(engine.engine_id, "");
+  if (StaleLookup(engine.engine_id, state, lookup_id, now)) return;
   state.lookup_in_flight = false;
   state.lookup_deadline = core::kNever;
   state.failed_until = TimePoint::min();
@@ -237,10 +257,12 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now) {
   }
 }
 
-void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& why, TimePoint now) {
+void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& why, TimePoint now,
+                                   std::uint64_t lookup_id) {
   auto it = engines_.find(engine);
   if (it == engines_.end()) return;
   EngineState& state = it->second;
+  if (StaleLookup(engine, state, lookup_id, now)) return;
   state.lookup_in_flight = false;
   state.lookup_deadline = core::kNever;
   ++counters_.lookup_failures;
@@ -559,8 +581,11 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
   std::optional<PeerEngine> view = std::move(state.view);
   state.view.reset();
   state.view_stale = false;
+  // A lookup in flight may answer with the dead process: its answer will be stale, and the
+  // next lookup need not wait for it.
   state.lookup_in_flight = false;
   state.lookup_deadline = core::kNever;
+  state.lookup_floor = last_lookup_id_ + 1;
   state.failed_until = now + options_.lookup_failure_ttl;
   state.failure = Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
                          fmt::format("prefill engine {} is down: {}", engine, why.message()));

@@ -117,10 +117,11 @@ struct DecodeSessionOptions {
   core::Duration release_reply_timeout = std::chrono::seconds(2);
 };
 
-// A bootstrap lookup to make; answer with OnLookup (or OnLookupFailed).
+// A bootstrap lookup to make; answer with OnLookup (or OnLookupFailed), passing its id.
 struct LookupRequest {
   core::EngineId engine_id;
   std::string bootstrap_address;
+  std::uint64_t id = 0;  // unique per session, increasing; never 0
 };
 
 struct Transmit {
@@ -186,6 +187,7 @@ struct DecodeStats {
   std::uint64_t renewal_failures = 0;  // no reply in time, or an error reply
   std::uint64_t lookups = 0;
   std::uint64_t lookup_failures = 0;
+  std::uint64_t lookups_stale = 0;  // answers asked before the engine was declared down
   std::uint64_t fences_requested = 0;
   std::uint64_t fences_failed = 0;
   std::uint64_t release_messages = 0;   // Release messages sent
@@ -236,8 +238,13 @@ class DecodeSession {
   void ReleaseTransfer(const RemoteSource& source, core::TimePoint now);
 
   // ---- Results of what the session asked for ----
-  void OnLookup(const PeerEngine& engine, core::TimePoint now);
-  void OnLookupFailed(const core::EngineId& engine, const Status& why, core::TimePoint now);
+  // `lookup_id` is the LookupRequest's id; 0 stands for the engine's latest lookup. An answer
+  // to a lookup asked before the engine was declared down (OnEngineDown) is stale: it may
+  // describe the dead process, so it is counted (lookups_stale) and changes nothing; whatever
+  // waits for the engine gets a fresh lookup.
+  void OnLookup(const PeerEngine& engine, core::TimePoint now, std::uint64_t lookup_id = 0);
+  void OnLookupFailed(const core::EngineId& engine, const Status& why, core::TimePoint now,
+                      std::uint64_t lookup_id = 0);
   void OnPullResponse(EndpointId endpoint, const wire::PullResponse& response, core::TimePoint now);
   void OnRenewalReply(EndpointId endpoint, const wire::RenewalReply& reply, core::TimePoint now);
   void OnReleaseReply(EndpointId endpoint, const wire::ReleaseReply& reply, core::TimePoint now);
@@ -306,6 +313,8 @@ class DecodeSession {
     std::optional<PeerEngine> view;
     bool lookup_in_flight = false;
     core::TimePoint lookup_deadline = core::kNever;
+    std::uint64_t lookup_id = 0;     // the latest lookup asked
+    std::uint64_t lookup_floor = 0;  // answers to lookups with a lower id are stale
     core::TimePoint failed_until =
         core::TimePoint::min();  // a failed lookup is believed until then
     Status failure;
@@ -342,6 +351,10 @@ class DecodeSession {
 
   EngineState& Engine(const core::EngineId& engine, const std::string& bootstrap_address);
   void RequestLookup(const core::EngineId& engine, EngineState& state, core::TimePoint now);
+  // True (and counted, and a fresh lookup asked if anything waits) when the answer to
+  // `lookup_id` is stale: asked before the engine was last declared down.
+  bool StaleLookup(const core::EngineId& engine, EngineState& state, std::uint64_t lookup_id,
+                   core::TimePoint now);
   EndpointId EndpointFor(const std::string& address);
   core::PeerId PeerFor(EndpointId endpoint, const std::string& incarnation);
   void SendLoad(Load load, const PeerEngine& view, core::TimePoint now);
@@ -400,6 +413,7 @@ class DecodeSession {
   bool warned_fence_ = false;
 
   std::vector<LookupRequest> lookups_out_;
+  std::uint64_t last_lookup_id_ = 0;
   std::vector<Transmit> messages_out_;
   std::vector<FenceRequest> fences_out_;
   std::vector<DecodeEvent> events_out_;

@@ -68,11 +68,12 @@ class DecodeWorker::Impl {
   ~Impl() { Stop(); }
 
   Status Init() {
-    auto region = engine_->AllocateRegion(options_.block_len * options_.num_blocks);
-    if (!region) return region.error();
-    region_ = *region;
-    const transport::RegionId ids[] = {region->id};
-    auto descriptor = engine_->ExportDescriptor(ids);
+    auto memory =
+        KvMemory::Register(engine_, options_.planes, options_.block_len, options_.num_blocks);
+    if (!memory) return memory.error();
+    memory_ = std::move(*memory);
+    // One region per plane, in plane order: P writes its plane i into region i.
+    auto descriptor = engine_->ExportDescriptor(memory_.ids());
     if (!descriptor) return descriptor.error();
     std::vector<std::uint8_t> bytes(descriptor->size());
     std::memcpy(bytes.data(), descriptor->data(), descriptor->size());
@@ -100,15 +101,13 @@ class DecodeWorker::Impl {
     lookups_.clear();
     if (wake_fd_ >= 0) ::close(wake_fd_);
     wake_fd_ = -1;
-    if (engine_ && region_.base != nullptr) {
-      // Every thread is joined. A P peer whose pull was quarantined may in principle still
-      // write, which is why the region goes only at the very end.
-      (void)engine_->DeregisterMemory(region_.id, Clock::now() + kDeregisterTimeout);
-      region_.base = nullptr;
-    }
+    // Every thread is joined. A P peer whose pull was quarantined may in principle still
+    // write, which is why the planes go only at the very end.
+    (void)memory_.Deregister(Clock::now() + kDeregisterTimeout);
   }
 
-  std::byte* kv() const { return region_.base; }
+  std::byte* kv(std::size_t plane) const { return memory_.plane(plane); }
+  std::size_t num_planes() const { return memory_.num_planes(); }
   const DecodeWorkerOptions& options() const { return options_; }
 
   void OnNewRequest(const core::RequestId& request, const RemoteSource& source) {
@@ -246,9 +245,9 @@ class DecodeWorker::Impl {
       }
       Run([&](protocol::DecodeSession& s, TimePoint now) {
         if (view) {
-          s.OnLookup(*view, now);
+          s.OnLookup(*view, now, request.id);
         } else {
-          s.OnLookupFailed(request.engine_id, failure, now);
+          s.OnLookupFailed(request.engine_id, failure, now, request.id);
         }
       });
       lock.lock();
@@ -405,7 +404,7 @@ class DecodeWorker::Impl {
   const DecodeWorkerOptions options_;
   const std::shared_ptr<transport::Engine> engine_;
   const WarningSink warn_;
-  transport::Region region_;
+  KvMemory memory_;
   control::EngineDirectory directory_;  // runs lookups; thread-safe
   int wake_fd_ = -1;
 
@@ -448,7 +447,8 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::Start(DecodeWorkerOptions op
 DecodeWorker::DecodeWorker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DecodeWorker::~DecodeWorker() = default;  // Impl's destructor stops, joins and deregisters
 
-std::byte* DecodeWorker::kv() const { return impl_->kv(); }
+std::byte* DecodeWorker::kv(std::size_t plane) const { return impl_->kv(plane); }
+std::size_t DecodeWorker::num_planes() const { return impl_->num_planes(); }
 const DecodeWorkerOptions& DecodeWorker::options() const { return impl_->options(); }
 void DecodeWorker::OnNewRequest(const core::RequestId& request, const RemoteSource& source) {
   impl_->OnNewRequest(request, source);

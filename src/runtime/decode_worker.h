@@ -43,6 +43,7 @@
 #include "kvferry/status.h"
 #include "kvferry/transport/transport.h"
 #include "protocol/decode_session.h"
+#include "runtime/kv_memory.h"
 
 namespace kvferry::runtime {
 
@@ -50,8 +51,12 @@ struct DecodeWorkerOptions {
   std::string engine_id = "decode-0";
   std::uint32_t tp_size = 1;
   std::uint32_t tp_rank = 0;
-  std::uint64_t block_len = 0;  // bytes per block on this rank
+  std::uint64_t block_len = 0;  // bytes per block on this rank, in each plane
   std::uint32_t num_blocks = 0;
+  // The engine's own KV memory (runtime/kv_memory.h): one plane per tensor, each at least
+  // num_blocks × block_len bytes, valid until the worker is destroyed (a P peer whose pull is
+  // quarantined may write until then). Empty: the worker allocates one plane.
+  std::vector<KvPlane> planes;
   core::Duration lease{0};  // kv_lease_duration; 0 = off (no renewals)
   // abort_request_timeout (the same kv_transfer_config key P reads) and how long a P write may
   // take until P fences it: P answers every pull within their sum, so pull_timeout must exceed
@@ -118,7 +123,9 @@ class DecodeWorker {
   DecodeWorker(const DecodeWorker&) = delete;
   DecodeWorker& operator=(const DecodeWorker&) = delete;
 
-  std::byte* kv() const;
+  // Block b of plane i lives at kv(i) + b × block_len.
+  std::byte* kv(std::size_t plane = 0) const;
+  std::size_t num_planes() const;
   const DecodeWorkerOptions& options() const;
 
   void OnNewRequest(const core::RequestId& request, const RemoteSource& source);

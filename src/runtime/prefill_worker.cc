@@ -58,14 +58,19 @@ Result<TransportKvWriter::Peer> TransportKvWriter::PeerFor(
   const auto bytes = std::as_bytes(std::span(descriptor));
   auto info = transport::ParseDescriptor(bytes);
   if (!info) return tl::unexpected(info.error());
-  if (info->regions.size() != 1) {
-    return Err(ErrorCode::kProtocol,
-               fmt::format("decoder descriptor has {} regions, expected 1", info->regions.size()));
+  if (info->regions.size() != options_.regions.size()) {
+    // Another model, or another KV layout (kv_memory.h): no plane of it can be written safely.
+    return Err(ErrorCode::kInvalidArgument,
+               fmt::format("the decoder registered {} KV planes and this prefill worker {}: "
+                           "not the same model and KV layout",
+                           info->regions.size(), options_.regions.size()));
   }
   // Connect outside the lock: it waits for the peer to answer.
   auto id = engine_->Connect(bytes, Deadline(options_.write_timeout));
   if (!id) return tl::unexpected(id.error());
-  Peer peer{*id, info->regions[0].id};
+  Peer peer{*id, {}};
+  peer.remote_regions.reserve(info->regions.size());
+  for (const transport::RemoteRegion& r : info->regions) peer.remote_regions.push_back(r.id);
   std::lock_guard<std::mutex> lock(mu_);
   auto [it, inserted] = peers_.try_emplace(key, peer);
   if (!inserted) {
@@ -113,13 +118,16 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
 
   auto peer = PeerFor(*context.region_descriptor);
   if (!peer) return failed(peer.error());
+  // The same offsets in every plane: planes share block ids and block_len.
   std::vector<transport::WriteOp> batch;
-  batch.reserve(ops->size());
+  batch.reserve(ops->size() * options_.regions.size());
   std::uint64_t bytes = 0;
-  for (const core::BlockWrite& op : *ops) {
-    batch.push_back(
-        {options_.region, peer->remote_region, op.src_offset, op.dst_offset, op.length});
-    bytes += op.length;
+  for (std::size_t plane = 0; plane < options_.regions.size(); ++plane) {
+    for (const core::BlockWrite& op : *ops) {
+      batch.push_back({options_.regions[plane], peer->remote_regions[plane], op.src_offset,
+                       op.dst_offset, op.length});
+      bytes += op.length;
+    }
   }
   transport::BatchWaiter waiter;
   if (options_.trace) options_.trace(WritePhase::kStart, context, job, core::Clock::now(), {});
@@ -182,14 +190,15 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   std::unique_ptr<PrefillWorker> worker(new PrefillWorker());
   worker->options_ = options;
   worker->engine_ = std::move(engine);
-  auto region = worker->engine_->AllocateRegion(options.block_len * options.num_blocks);
-  if (!region) return tl::unexpected(region.error());
-  worker->region_ = *region;
+  auto memory = KvMemory::Register(worker->engine_, options.planes, options.block_len,
+                                   options.num_blocks);
+  if (!memory) return tl::unexpected(memory.error());
+  worker->memory_ = std::move(*memory);
 
   TransportKvWriter::Options writer_options;
   writer_options.p_tp_rank = options.tp_rank;
   writer_options.layout = {options.tp_size, options.kv_heads, options.block_len};
-  writer_options.region = region->id;
+  writer_options.regions = worker->memory_.ids();
   writer_options.write_timeout = options.write_timeout;
   writer_options.trace = options.trace;
   worker->writer_ =
@@ -236,11 +245,9 @@ Status PrefillWorker::Stop() {
   stopped_ = true;
   Status status = listener_ ? listener_->Stop() : Status::Ok();
   if (writer_) writer_->CancelWrites();
-  if (engine_ && region_.base != nullptr) {
-    // Only after the listener drained: no write reads the region any more.
-    Status dereg = engine_->DeregisterMemory(region_.id, Deadline(kDeregisterTimeout));
-    if (status.ok()) status = dereg;
-  }
+  // Only after the listener drained: no write reads the planes any more.
+  Status dereg = memory_.Deregister(Deadline(kDeregisterTimeout));
+  if (status.ok()) status = dereg;
   return status;
 }
 

@@ -25,6 +25,7 @@
 #include "kvferry/core/tp_plan.h"
 #include "kvferry/status.h"
 #include "kvferry/transport/transport.h"
+#include "runtime/kv_memory.h"
 
 namespace kvferry::runtime {
 
@@ -39,13 +40,16 @@ using WriteTraceFn = std::function<void(WritePhase, const protocol::PullContext&
                                         const protocol::WriteJob&, core::TimePoint, const Status&)>;
 
 // KvWriter over a transport::Engine: plans the slice of every block this P rank owes the pulling
-// D rank (core/tp_plan.h), coalesces contiguous runs, and writes them as one batch.
+// D rank (core/tp_plan.h), coalesces contiguous runs, and writes them, for every KV plane, as
+// one batch.
 class TransportKvWriter : public control::KvWriter {
  public:
   struct Options {
     std::uint32_t p_tp_rank = 0;
-    core::TpLayout layout;  // this P engine: tp, kv_heads, block_len
-    transport::RegionId region = 0;
+    core::TpLayout layout;  // this P engine: tp, kv_heads, block_len (per plane)
+    // This rank's KV planes (runtime/kv_memory.h), in plane order; D's descriptor must list as
+    // many regions, in the same order.
+    std::vector<transport::RegionId> regions;
     std::chrono::milliseconds write_timeout{30000};
     WriteTraceFn trace;  // optional
   };
@@ -64,7 +68,7 @@ class TransportKvWriter : public control::KvWriter {
  private:
   struct Peer {
     transport::ConnectionId id;
-    transport::RegionId remote_region;
+    std::vector<transport::RegionId> remote_regions;  // D's planes, in plane order
   };
   Result<Peer> PeerFor(const std::vector<std::uint8_t>& descriptor);
   void DropPeer(const std::vector<std::uint8_t>& descriptor, transport::ConnectionId id);
@@ -84,8 +88,12 @@ struct PrefillWorkerOptions {
   std::uint32_t tp_size = 1;
   std::uint32_t tp_rank = 0;
   std::uint32_t kv_heads = 0;   // 0: as many as tp ranks
-  std::uint64_t block_len = 0;  // bytes per block on this rank
+  std::uint64_t block_len = 0;  // bytes per block on this rank, in each plane
   std::uint32_t num_blocks = 0;
+  // The engine's own KV memory (runtime/kv_memory.h): one plane per tensor, each at least
+  // num_blocks × block_len bytes, valid until the worker stopped. Empty: the worker allocates
+  // one plane.
+  std::vector<KvPlane> planes;
   core::HoldConfig hold;
   std::size_t num_senders = 4;
   std::string side_channel_endpoint = "tcp://127.0.0.1:0";
@@ -113,8 +121,9 @@ class PrefillWorker {
   // Stops the listener (drains in-flight writes) before the region is deregistered.
   ~PrefillWorker();
 
-  // The KV memory of this rank: block b lives at kv() + b × block_len.
-  std::byte* kv() const { return region_.base; }
+  // The KV memory of this rank: block b of plane i lives at kv(i) + b × block_len.
+  std::byte* kv(std::size_t plane = 0) const { return memory_.plane(plane); }
+  std::size_t num_planes() const { return memory_.num_planes(); }
   const std::string& side_channel() const { return listener_->endpoint(); }
   control::PrefillListener& listener() { return *listener_; }
   const TransportKvWriter& writer() const { return *writer_; }
@@ -143,7 +152,7 @@ class PrefillWorker {
 
   PrefillWorkerOptions options_;
   std::shared_ptr<transport::Engine> engine_;
-  transport::Region region_;
+  KvMemory memory_;
   std::shared_ptr<TransportKvWriter> writer_;
   std::unique_ptr<control::PrefillListener> listener_;
   control::WorkerRegistration registration_;

@@ -1181,23 +1181,31 @@ class Sim {
     if (lookup.engine_id.starts_with("G")) {
       const auto g = static_cast<std::uint32_t>(std::stoul(lookup.engine_id.substr(1)));
       if (g % 2 == 0) return;  // the session's lookup deadline fails it
-      loop_.After(2 * c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id] {
+      loop_.After(2 * c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id,
+                                                    id = lookup.id] {
         if (d_dead_) return;
-        d_sessions_[r]->OnLookup({engine, "1", 1, {"g" + engine}}, now());
+        d_sessions_[r]->OnLookup({engine, "1", 1, {"g" + engine}}, now(), id);
         DrainD(r);
       });
       return;
     }
-    loop_.After(2 * c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id] {
-      if (d_dead_) return;
-      if (p_dead_) {
-        d_sessions_[r]->OnLookupFailed(engine, Status(ErrorCode::kUnavailable, "P is down"), now());
-      } else {
-        protocol::PeerEngine view{engine, "1", c_.p.tp, {}, wire::kProtocolFeatures};
-        for (std::uint32_t p = 0; p < c_.p.tp; ++p) view.side_channels.push_back(PName(p));
-        d_sessions_[r]->OnLookup(view, now());
-      }
-      DrainD(r);
+    // The registry is read one latency after the lookup is asked and the answer arrives one
+    // latency later: P may die (or be declared down) in between, so D can get an answer that
+    // describes a process already gone, as a real one can.
+    loop_.After(c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id, id = lookup.id] {
+      const bool p_was_dead = p_dead_;
+      loop_.After(c_.net.latency, kLookup, r, [this, r, engine, id, p_was_dead] {
+        if (d_dead_) return;
+        if (p_was_dead) {
+          d_sessions_[r]->OnLookupFailed(engine, Status(ErrorCode::kUnavailable, "P is down"),
+                                         now(), id);
+        } else {
+          protocol::PeerEngine view{engine, "1", c_.p.tp, {}, wire::kProtocolFeatures};
+          for (std::uint32_t p = 0; p < c_.p.tp; ++p) view.side_channels.push_back(PName(p));
+          d_sessions_[r]->OnLookup(view, now(), id);
+        }
+        DrainD(r);
+      });
     });
   }
   static std::string PName(std::uint32_t p) { return fmt::format("p{}", p); }

@@ -24,11 +24,11 @@
 #include <string>
 #include <thread>
 #include <vector>
-#include <zmq.hpp>
 
 #include "harness/client_proxy.h"
 #include "serve_process.h"
 #include "support/etcd_process.h"
+#include "support/raw_socket.h"
 
 namespace {
 
@@ -637,6 +637,7 @@ TEST_F(ServeTest, AuthenticatedPairTransfersAndShutsOutWhoeverLacksTheSecret) {
   EXPECT_GT(Metric(dm, "kvferry_verified_blocks_total"), 0);
   std::string pm = Get(p.port(), "/metrics");
   EXPECT_EQ(Metric(pm, "kvferry_side_channel_auth_refusals_total"), 0) << pm;
+  EXPECT_EQ(Metric(pm, "kvferry_side_channel_handshakes_abandoned_total"), 0) << pm;
   EXPECT_EQ(Metric(pm, "kvferry_bootstrap_auth_refusals_total"), 0) << pm;
   EXPECT_NE(p.Log().find("cluster authentication on"), std::string::npos) << p.Log();
   EXPECT_EQ(d.Log().find("authentication is off"), std::string::npos) << d.Log();
@@ -660,7 +661,11 @@ TEST_F(ServeTest, AuthenticatedPairTransfersAndShutsOutWhoeverLacksTheSecret) {
   EXPECT_NE(first, std::string::npos) << open_log;
   EXPECT_EQ(open_log.find(off, first + 1), std::string::npos) << "one warning, not one per call";
 
-  // A raw ZeroMQ peer without CURVE at P's side channel (its address from P's bootstrap).
+  // A peer without CURVE at P's side channel (its address from P's bootstrap). It speaks the
+  // ZMTP 3.0 greeting by hand, naming the NULL mechanism, and never hangs up first: libzmq's own
+  // NULL client sees P's CURVE greeting and may close before P has read its greeting, and P
+  // then sees a connection lost mid-handshake, which is not counted as a refusal (a port probe
+  // looks the same). Measured: 11 of 30 runs with a libzmq DEALER here ended that way.
   const std::string bootstrap = p.bootstrap_addr();
   httplib::Client bootstrap_client("127.0.0.1",
                                    std::stoi(bootstrap.substr(bootstrap.rfind(':') + 1)));
@@ -669,22 +674,32 @@ TEST_F(ServeTest, AuthenticatedPairTransfersAndShutsOutWhoeverLacksTheSecret) {
   ASSERT_EQ(answer->status, 200) << answer->body;
   EXPECT_FALSE(answer->get_header_value("X-Kvferry-Signature").empty());
   const std::string side_channel = json::parse(answer->body)["workers"][0]["side_channel"];
-  zmq::context_t context(1);
-  zmq::socket_t outsider(context, zmq::socket_type::dealer);
-  outsider.set(zmq::sockopt::linger, 0);
-  outsider.connect(side_channel);
-  (void)outsider.send(zmq::str_buffer("hello"), zmq::send_flags::dontwait);
+  kvferry::testing::RawSocket outsider(std::stoi(side_channel.substr(side_channel.rfind(':') + 1)));
+  ASSERT_TRUE(outsider.ok()) << side_channel;
+  // Signature (0xFF, 8 bytes, 0x7F), version 3.0, mechanism (20 bytes), as-server, filler.
+  std::string greeting(64, '\0');
+  greeting[0] = '\xff';
+  greeting[9] = '\x7f';
+  greeting[10] = 3;
+  greeting.replace(12, 4, "NULL");
+  ASSERT_TRUE(outsider.Send(greeting));
+  const auto refuse_start = Clock::now();
+  const std::string heard = outsider.ReadAll(std::chrono::seconds(5));
+  EXPECT_LT(SecondsSince(refuse_start), 5.0) << "P did not hang up on a peer without CURVE";
+  // At most P's greeting (or none of it: P's hang-up may come as a reset, which drops what
+  // this socket had not read yet); never a frame.
+  EXPECT_LE(heard.size(), 64u) << "P sent more than its greeting to a peer without CURVE";
+  if (heard.size() >= 17) {
+    EXPECT_EQ(heard.substr(12, 5), "CURVE");
+  }
   double refusals = 0;
   for (const auto deadline = Clock::now() + std::chrono::seconds(5);
        refusals <= 0 && Clock::now() < deadline;
        std::this_thread::sleep_for(std::chrono::milliseconds(50))) {
     refusals = Metric(Get(p.port(), "/metrics"), "kvferry_side_channel_auth_refusals_total");
   }
-  EXPECT_GT(refusals, 0);
-  zmq::pollitem_t item = {outsider.handle(), 0, ZMQ_POLLIN, 0};
-  zmq::poll(&item, 1, std::chrono::milliseconds(200));
-  EXPECT_EQ(item.revents & ZMQ_POLLIN, 0) << "P answered a peer without the cluster secret";
-  outsider.close();
+  EXPECT_EQ(refusals, 1);
+  EXPECT_NE(p.Log().find("did not use CURVE"), std::string::npos) << p.Log();
   EXPECT_EQ(p.Terminate(), 0);
   EXPECT_EQ(d.Terminate(), 0);
 }

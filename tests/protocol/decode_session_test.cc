@@ -1112,4 +1112,51 @@ TEST_F(DecodeSessionTest, AFenceAskedAtEngineDownDoesNotCoverPullsSentAfter) {
   EXPECT_EQ(s().stats().quarantined_blocks, 0u);
 }
 
+// A lookup asked before an engine was declared down may come back with the dead process (a
+// registry read before its lease lapsed). Believing it would send new loads to that process to
+// wait out their pull deadlines; the answer is counted stale instead, and the next load gets a
+// fresh lookup. Found by hosts_xpyd_host_loss_and_partition: 3 requests left to the client's
+// 90 s timeout on a D that learnt of a killed P while cut off.
+TEST_F(DecodeSessionTest, ALookupAskedBeforeAnEngineDownCannotBringTheDeadProcessBack) {
+  Make();
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  std::vector<LookupRequest> before = s().TakeLookups();
+  ASSERT_EQ(before.size(), 1u);
+  EXPECT_NE(before[0].id, 0u);
+  s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "left etcd"), kT0 + 1s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  s().OnLookup(Engine("p"), kT0 + 1500ms, before[0].id);  // the read from before the down
+  EXPECT_EQ(s().stats().lookups_stale, 1u);
+  // Past lookup_failure_ttl a new load asks again instead of pulling from the dead process.
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 4s).ok());
+  EXPECT_TRUE(Pulls().empty()) << "a load went to the process declared down";
+  std::vector<LookupRequest> after = s().TakeLookups();
+  ASSERT_EQ(after.size(), 1u);
+  EXPECT_GT(after[0].id, before[0].id);
+  s().OnLookupFailed("p", Status(ErrorCode::kNotFound, "not in etcd"), kT0 + 4s, after[0].id);
+  done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r2");
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_FALSE(done[0].quarantined) << "nothing was sent: nothing can be written";
+}
+
+// A stale answer that arrives while loads wait asks the fresh lookup they need.
+TEST_F(DecodeSessionTest, AStaleLookupAnswerLeavesWaitingLoadsToAFreshLookup) {
+  Make();
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  const std::uint64_t stale = s().TakeLookups().at(0).id;
+  s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "left etcd"), kT0 + 1s);
+  (void)Done();
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 4s).ok());
+  const std::uint64_t fresh = s().TakeLookups().at(0).id;
+  s().OnLookupFailed("p", Status(ErrorCode::kTimeout, "no answer"), kT0 + 5s, stale);
+  EXPECT_TRUE(Done().empty()) << "a stale failure decided a load waiting for a fresh lookup";
+  s().OnLookup(Engine("p", 1, "2"), kT0 + 5s, fresh);
+  EXPECT_EQ(Pulls().size(), 1u);
+  EXPECT_EQ(s().stats().lookups_stale, 1u);
+}
+
 }  // namespace kvferry::protocol
