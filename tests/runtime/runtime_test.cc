@@ -46,6 +46,20 @@ struct Cluster {
   std::chrono::milliseconds p_abort = 5s;
   // D releases what it gives up (DecodeWorkerOptions::send_releases).
   bool d_releases = true;
+  // Caller-owned KV planes of each P rank and of D (runtime/kv_memory.h), as a serving engine
+  // registers one tensor per layer and K/V half. 0: each worker allocates its one plane.
+  std::size_t p_planes = 0;
+  std::size_t d_planes = 0;
+  std::vector<std::vector<std::byte>> memory;  // every caller-owned plane; outlives the workers
+
+  std::vector<KvPlane> OwnPlanes(std::size_t count, std::uint64_t block_len) {
+    std::vector<KvPlane> planes;
+    for (std::size_t i = 0; i < count; ++i) {
+      memory.emplace_back(block_len * kNumBlocks);
+      planes.push_back({memory.back().data(), memory.back().size()});
+    }
+    return planes;
+  }
 
   // P TP `p_tp` (2 KV heads) → D TP1; leases in seconds (0 = off). D's pull deadline must
   // exceed its abort_request_timeout + write bound (DecodeWorkerOptions).
@@ -82,6 +96,7 @@ struct Cluster {
       o.incarnation = incarnation;
       o.write_timeout = 2s;
       o.cluster_secret = p_secret;
+      o.planes = OwnPlanes(p_planes, o.block_len);
       auto worker = PrefillWorker::Start(
           o, std::shared_ptr<transport::Engine>(std::move(*engine)),
           [](std::uint64_t) -> Result<std::vector<core::BlockId>> { return kSourceBlocks; },
@@ -90,10 +105,12 @@ struct Cluster {
             hold_events.push_back(e);
           });
       ASSERT_TRUE(worker.has_value()) << worker.error().ToString();
-      // Rank r's KV: every byte of block b is (r + 1) * 16 + b.
-      for (core::BlockId b : kSourceBlocks) {
-        std::memset((*worker)->kv() + b * o.block_len, static_cast<int>((r + 1) * 16 + b),
-                    o.block_len);
+      // Rank r's KV: every byte of block b of plane i is (r + 1) * 16 + b + 64 * i.
+      for (std::size_t i = 0; i < (*worker)->num_planes(); ++i) {
+        for (core::BlockId b : kSourceBlocks) {
+          std::memset((*worker)->kv(i) + b * o.block_len,
+                      static_cast<int>((r + 1) * 16 + b + 64 * i), o.block_len);
+        }
       }
       p.push_back(std::move(*worker));
     }
@@ -113,6 +130,7 @@ struct Cluster {
     o.write_bound = write_bound;  // P: 2 s connect + 2 s write + 1 s close + 5 s fence
     o.send_releases = d_releases;
     o.cluster_secret = d_secret;
+    o.planes = OwnPlanes(d_planes, o.block_len);
     auto worker = DecodeWorker::Start(o, std::shared_ptr<transport::Engine>(std::move(*engine)),
                                       [this](std::string_view w) {
                                         std::lock_guard<std::mutex> lock(mu);
@@ -182,6 +200,82 @@ TEST(RuntimeEndToEnd, PrefillTp2ToDecodeTp1LandsEverySliceAndFreesP) {
   while (c.FreedBlocksEvents() < 2 && core::Clock::now() < deadline)
     std::this_thread::sleep_for(5ms);
   EXPECT_EQ(c.FreedBlocksEvents(), 2u);
+}
+
+// A serving engine's KV is several tensors (vLLM: one per layer, K and V halves): every plane of
+// D's caller-owned memory gets the same plane of each P rank's blocks, sliced by TP.
+TEST(RuntimeEndToEnd, EveryPlaneOfCallerOwnedKvLandsInTheSamePlaneOfD) {
+  Cluster c;
+  c.p_planes = 3;
+  c.d_planes = 3;
+  ASSERT_NO_FATAL_FAILURE(c.Start(2, 30, 30));
+  ASSERT_EQ(c.d->num_planes(), 3u);
+  EXPECT_EQ(c.d->kv(2), c.memory.back().data()) << "D registered the caller's memory";
+  c.Prefill("xfer-1");
+  ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
+  ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+  ASSERT_TRUE(r.ok) << r.error.ToString();
+  for (std::size_t plane = 0; plane < 3; ++plane) {
+    for (std::size_t i = 0; i < kDestBlocks.size(); ++i) {
+      const std::byte* block = c.d->kv(plane) + kDestBlocks[i] * kPBlockLen * 2;
+      for (std::uint32_t rank = 0; rank < 2; ++rank) {
+        const auto want = static_cast<std::byte>((rank + 1) * 16 + kSourceBlocks[i] + 64 * plane);
+        for (std::uint64_t k = 0; k < kPBlockLen; ++k) {
+          ASSERT_EQ(block[rank * kPBlockLen + k], want)
+              << "plane " << plane << " block " << i << " rank " << rank;
+        }
+      }
+    }
+  }
+  // Blocks D did not ask for are untouched in every plane.
+  for (std::size_t plane = 0; plane < 3; ++plane) {
+    EXPECT_EQ(c.d->kv(plane)[0], std::byte{0});
+  }
+}
+
+// P and D of different models (or KV layouts) disagree on the plane count: nothing is written
+// and the load fails naming both counts.
+TEST(RuntimeEndToEnd, APlaneCountMismatchFailsTheLoadAndWritesNothing) {
+  Cluster c;
+  c.p_planes = 3;
+  c.d_planes = 2;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
+  c.Prefill("xfer-1");
+  ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
+  ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+  ASSERT_FALSE(r.ok);
+  EXPECT_NE(r.error.message().find("2 KV planes and this prefill worker 3"), std::string::npos)
+      << r.error.ToString();
+  EXPECT_FALSE(r.quarantined) << "P refused before writing: nothing to wait for";
+  for (std::size_t plane = 0; plane < 2; ++plane) {
+    for (core::BlockId b : kDestBlocks) {
+      EXPECT_EQ(c.d->kv(plane)[b * kPBlockLen * 2], std::byte{0});
+    }
+  }
+}
+
+TEST(KvMemoryTest, PlanesShorterThanTheirBlocksOrTooManyAreRefused) {
+  auto fabric = transport::MakeInProcessFabric();
+  auto made = transport::MakeInProcessEngine(fabric, {"e", false});
+  ASSERT_TRUE(made.has_value());
+  std::shared_ptr<transport::Engine> engine(std::move(*made));
+  std::vector<std::byte> buffer(1024);
+  const KvPlane short_plane{buffer.data(), 1023};
+  auto refused = KvMemory::Register(engine, std::span(&short_plane, 1), 64, 16);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_EQ(refused.error().code(), ErrorCode::kInvalidArgument);
+  const KvPlane null_plane{nullptr, 1024};
+  EXPECT_FALSE(KvMemory::Register(engine, std::span(&null_plane, 1), 64, 16).has_value());
+  std::vector<KvPlane> too_many(kMaxKvPlanes + 1, KvPlane{buffer.data(), 1024});
+  EXPECT_FALSE(KvMemory::Register(engine, too_many, 64, 16).has_value());
+  EXPECT_FALSE(KvMemory::Register(engine, {}, std::uint64_t{1} << 62, 1u << 8).has_value())
+      << "a size that overflows";
+  const KvPlane ok_plane{buffer.data(), 1024};
+  auto ok = KvMemory::Register(engine, std::span(&ok_plane, 1), 64, 16);
+  ASSERT_TRUE(ok.has_value()) << ok.error().ToString();
+  EXPECT_EQ(ok->plane(0), buffer.data());
+  EXPECT_TRUE(ok->Deregister(core::Clock::now() + 1s).ok());
+  EXPECT_TRUE(ok->Deregister(core::Clock::now() + 1s).ok()) << "idempotent";
 }
 
 TEST(RuntimeEndToEnd, LatePullFailsWithinMilliseconds) {
