@@ -1,0 +1,583 @@
+// kvferry._native: the Python binding of kvferry's runtime (one P or D rank, and P's bootstrap
+// service), for serving engines written in Python (kvferry.vllm.KvferryConnector).
+//
+// Contracts, on top of the C++ ones (runtime/prefill_worker.h, runtime/decode_worker.h):
+//  - KV memory is the engine's own tensors, passed as planes (address, bytes): host memory only.
+//    A CUDA tensor is refused with a clear error (transport::MemoryKind::kCuda is reserved). The
+//    memory must outlive the worker: the Python classes keep no reference to the tensors, so
+//    the caller holds them until stop() returned.
+//  - No Python runs on a kvferry thread: P's hold events and D's results are queued in C++ and
+//    taken by the caller (take_events / take_finished / wait_finished).
+//  - Every call that may wait (start, the P engine calls, wait_finished, stop) releases the GIL.
+//  - A failed Status raises kvferry._native.KvferryError (a RuntimeError) whose `code` is the
+//    ErrorCode's name (e.g. "INVALID_ARGUMENT") and whose message is the Status message.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "control/bootstrap_server.h"
+#include "control/cluster_auth.h"
+#include "kvferry/status.h"
+#include "kvferry/transport/inprocess.h"
+#include "kvferry/transport/ucx.h"
+#include "runtime/decode_worker.h"
+#include "runtime/prefill_worker.h"
+
+namespace py = pybind11;
+
+namespace kvferry::python {
+namespace {
+
+// kvferry._native.KvferryError, created at import.
+py::object& ErrorType() {
+  static py::object* type = nullptr;
+  if (type == nullptr) type = new py::object();  // lives as long as the interpreter
+  return *type;
+}
+
+[[noreturn]] void Raise(const Status& status) {
+  py::object error = ErrorType()(status.message());
+  error.attr("code") = std::string(ToString(status.code()));
+  PyErr_SetObject(ErrorType().ptr(), error.ptr());
+  throw py::error_already_set();
+}
+
+void Check(const Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+template <typename T>
+T Take(Result<T> result) {
+  if (!result) Raise(result.error());
+  return std::move(*result);
+}
+
+// Planes from Python: (address, bytes) pairs, as torch's tensor.data_ptr() and
+// tensor.untyped_storage().nbytes() (or numel() × element_size()) give them.
+std::vector<runtime::KvPlane> Planes(const std::vector<std::pair<std::uintptr_t, std::size_t>>& in) {
+  std::vector<runtime::KvPlane> out;
+  out.reserve(in.size());
+  for (const auto& [address, bytes] : in) {
+    out.push_back({reinterpret_cast<std::byte*>(address), bytes});
+  }
+  return out;
+}
+
+std::shared_ptr<const control::ClusterSecret> Secret(const std::optional<std::string>& file) {
+  if (!file || file->empty()) return nullptr;
+  return std::make_shared<const control::ClusterSecret>(Take(control::LoadClusterSecret(*file)));
+}
+
+// The data plane of one rank: "ucx" (the default), or "inprocess" for tests within one process
+// (every engine made by this module shares one fabric). Called without the GIL.
+Result<std::shared_ptr<transport::Engine>> MakeEngine(const std::string& data_plane,
+                                                      const std::string& name) {
+  if (data_plane == "ucx") {
+    transport::UcxOptions options;
+    options.name = name;
+    auto engine = transport::MakeUcxEngine(options);
+    if (!engine) return tl::unexpected(engine.error());
+    return std::shared_ptr<transport::Engine>(std::move(*engine));
+  }
+  if (data_plane == "inprocess") {
+    static std::shared_ptr<transport::InProcessFabric> fabric = transport::MakeInProcessFabric();
+    auto engine = transport::MakeInProcessEngine(fabric, {name, false});
+    if (!engine) return tl::unexpected(engine.error());
+    return std::shared_ptr<transport::Engine>(std::move(*engine));
+  }
+  return Err(ErrorCode::kInvalidArgument,
+             "data_plane must be 'ucx' or 'inprocess', not '" + data_plane + "'");
+}
+
+std::chrono::milliseconds Millis(double seconds, const char* what) {
+  if (!(seconds >= 0) || seconds > 1e7) {
+    Raise(Status(ErrorCode::kInvalidArgument,
+                 std::string(what) + " must be a number of seconds in [0, 1e7]"));
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
+}
+
+// ---- P ----
+
+// One P rank. The engine admits a request (with its transfer id), reports its prefill done with
+// the block ids holding its KV, and learns from take_events() when those blocks may be freed
+// ("free") or the request should stop ("abort").
+class PyPrefillWorker {
+ public:
+  struct Config {
+    std::string engine_id;
+    std::uint32_t tp_size = 1;
+    std::uint32_t tp_rank = 0;
+    std::uint32_t dp_rank = 0;
+    std::uint32_t kv_heads = 0;
+    std::uint64_t block_len = 0;
+    std::uint32_t num_blocks = 0;
+    std::vector<std::pair<std::uintptr_t, std::size_t>> planes;
+    double lease_s = 0;
+    double abort_request_timeout_s = 480;
+    std::string bootstrap_address;
+    std::string side_channel_host = "127.0.0.1";
+    std::string incarnation;
+    std::string data_plane = "ucx";
+    std::optional<std::string> cluster_secret_file;
+  };
+
+  explicit PyPrefillWorker(const Config& c)
+      : state_(std::make_shared<State>()), num_blocks_(c.num_blocks) {
+    runtime::PrefillWorkerOptions o;
+    o.engine_id = c.engine_id;
+    o.tp_size = c.tp_size;
+    o.tp_rank = c.tp_rank;
+    o.dp_rank = c.dp_rank;
+    o.kv_heads = c.kv_heads;
+    o.block_len = c.block_len;
+    o.num_blocks = c.num_blocks;
+    o.planes = Planes(c.planes);
+    o.hold.lease = Millis(c.lease_s, "lease_s");
+    o.hold.abort_request_timeout = Millis(c.abort_request_timeout_s, "abort_request_timeout_s");
+    o.bootstrap_address = c.bootstrap_address;
+    o.side_channel_endpoint = "tcp://" + c.side_channel_host + ":0";
+    o.incarnation = c.incarnation;
+    o.cluster_secret = Secret(c.cluster_secret_file);
+    std::shared_ptr<State> state = state_;
+    auto source = [state](std::uint64_t handle) -> Result<std::vector<core::BlockId>> {
+      std::lock_guard<std::mutex> lock(state->mu);
+      auto it = state->blocks.find(handle);
+      if (it == state->blocks.end()) {
+        return Err(ErrorCode::kNotFound, "the engine holds no KV for this request any more");
+      }
+      return it->second;
+    };
+    auto on_hold = [state](const core::HoldEvent& event) {
+      // The listener thread: queue, never call into Python.
+      const char* kind = nullptr;
+      if (event.kind == core::HoldEvent::Kind::kFreeBlocks) kind = "free";
+      if (event.kind == core::HoldEvent::Kind::kAbortPrefill) kind = "abort";
+      if (kind == nullptr) return;
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->events.push_back({kind, event.id, std::string(core::ToString(event.reason))});
+      // The engine frees the blocks (or never fills them): no write may read them any more.
+      state->blocks.erase(event.handle);
+      auto it = state->handles.find(event.id);
+      if (it != state->handles.end() && it->second == event.handle) state->handles.erase(it);
+    };
+    const std::string name = c.engine_id + "-p" + std::to_string(c.tp_rank);
+    Result<std::unique_ptr<runtime::PrefillWorker>> worker =
+        Err(ErrorCode::kInternal, "not started");
+    {
+      py::gil_scoped_release release;
+      auto engine = MakeEngine(c.data_plane, name);
+      if (!engine) {
+        worker = tl::unexpected(engine.error());
+      } else {
+        worker = runtime::PrefillWorker::Start(std::move(o), std::move(*engine),
+                                               std::move(source), std::move(on_hold));
+      }
+    }
+    worker_ = Take(std::move(worker));
+  }
+
+  // A request the engine will prefill; `handle` is the engine's cookie for it (unique while
+  // the request lives). Raises ALREADY_EXISTS for a transfer id in use, TOMBSTONED for one P
+  // already freed or D released.
+  void Admit(const std::string& transfer_id, std::uint64_t handle) {
+    runtime::PrefillWorker& worker = Live();
+    Status admitted;
+    {
+      py::gil_scoped_release release;
+      admitted = worker.Admit(transfer_id, handle).get();
+    }
+    Check(admitted);
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->handles[transfer_id] = handle;
+  }
+
+  // Its prefill is done and its KV sits in `block_ids` (in order); pulls may be served now.
+  void PrefillDone(const std::string& transfer_id, std::vector<core::BlockId> block_ids) {
+    runtime::PrefillWorker& worker = Live();
+    for (core::BlockId b : block_ids) {
+      if (b >= num_blocks_) {
+        Raise(Status(ErrorCode::kOutOfRange, "block " + std::to_string(b) + " outside the " +
+                                                 std::to_string(num_blocks_) +
+                                                 " blocks registered"));
+      }
+    }
+    const auto count = static_cast<std::uint32_t>(block_ids.size());
+    std::uint64_t handle = 0;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      auto it = state_->handles.find(transfer_id);
+      if (it == state_->handles.end()) {
+        Raise(Status(ErrorCode::kNotFound, "transfer " + transfer_id + " was not admitted"));
+      }
+      handle = it->second;
+      state_->blocks[handle] = std::move(block_ids);
+    }
+    Status done;
+    {
+      py::gil_scoped_release release;
+      done = worker.PrefillDone(transfer_id, count).get();
+    }
+    if (!done.ok()) {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->blocks.erase(handle);
+    }
+    Check(done);
+  }
+
+  // The engine finished or aborted the request: if nobody pulled it yet, it goes now.
+  void EngineFinished(const std::string& transfer_id) {
+    runtime::PrefillWorker& worker = Live();
+    Status finished;
+    {
+      py::gil_scoped_release release;
+      finished = worker.EngineFinished(transfer_id).get();
+    }
+    Check(finished);
+  }
+
+  // The engine refused the request (e.g. its prompt is too long): D's pulls fail with `why`.
+  void Refuse(const std::string& transfer_id, const std::string& why) {
+    runtime::PrefillWorker& worker = Live();
+    Status refused;
+    {
+      py::gil_scoped_release release;
+      refused = worker.Refuse(transfer_id, Status(ErrorCode::kRejected, why)).get();
+    }
+    Check(refused);
+  }
+
+  // [(kind, transfer_id, reason)]: kind "free" (return the request's blocks to the pool) or
+  // "abort" (stop prefilling it: nobody will pull it).
+  std::vector<std::tuple<std::string, std::string, std::string>> TakeEvents() {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    std::vector<std::tuple<std::string, std::string, std::string>> out(state_->events.begin(),
+                                                                       state_->events.end());
+    state_->events.clear();
+    return out;
+  }
+
+  py::dict Stats() {
+    runtime::PrefillWorker& worker = Live();
+    control::ListenerStats s;
+    {
+      py::gil_scoped_release release;
+      s = worker.listener().Stats();
+    }
+    py::dict d;
+    d["pulls_received"] = s.pulls_received;
+    d["renewals_accepted"] = s.renewals_accepted;
+    d["renewals_rejected"] = s.renewals_rejected;
+    d["late_pulls_rejected"] = s.late_pulls_rejected;
+    d["writes_started"] = s.writes_started;
+    d["writes_failed"] = s.writes_failed;
+    d["writes_in_flight"] = s.writes_in_flight;
+    d["lease_mismatches"] = s.lease_mismatches;
+    d["bytes_written"] = worker.writer().bytes_written();
+    std::uint64_t held = 0;
+    for (core::HoldPhase phase : core::kAllHoldPhases) held += s.hold.entries[phase];
+    d["held_transfers"] = held;
+    return d;
+  }
+
+  std::string side_channel() { return Live().side_channel(); }
+
+  // Stops serving: in-flight writes drain, then the planes are deregistered. Idempotent.
+  void Stop() {
+    if (!worker_) return;
+    Status stopped;
+    {
+      py::gil_scoped_release release;
+      stopped = worker_->Stop();
+      worker_.reset();
+    }
+    Check(stopped);
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::unordered_map<std::string, std::uint64_t> handles;                 // by transfer id
+    std::unordered_map<std::uint64_t, std::vector<core::BlockId>> blocks;  // by handle
+    std::deque<std::tuple<std::string, std::string, std::string>> events;
+  };
+  runtime::PrefillWorker& Live() {
+    if (!worker_) Raise(Status(ErrorCode::kCancelled, "the prefill worker is stopped"));
+    return *worker_;
+  }
+
+  std::shared_ptr<State> state_;
+  std::unique_ptr<runtime::PrefillWorker> worker_;
+  std::uint32_t num_blocks_ = 0;
+};
+
+// ---- D ----
+
+runtime::RemoteSource Source(const py::dict& d) {
+  auto get = [&](const char* key) -> std::string {
+    if (!d.contains(key)) {
+      Raise(Status(ErrorCode::kInvalidArgument, std::string("source lacks '") + key + "'"));
+    }
+    return py::str(d[key]);
+  };
+  return {get("transfer_id"), get("engine_id"), get("bootstrap_address")};
+}
+
+class PyDecodeWorker {
+ public:
+  struct Config {
+    std::string engine_id;
+    std::uint32_t tp_size = 1;
+    std::uint32_t tp_rank = 0;
+    std::uint64_t block_len = 0;
+    std::uint32_t num_blocks = 0;
+    std::vector<std::pair<std::uintptr_t, std::size_t>> planes;
+    double lease_s = 0;
+    double abort_request_timeout_s = 480;
+    std::string data_plane = "ucx";
+    std::optional<std::string> cluster_secret_file;
+    bool send_releases = true;
+  };
+
+  explicit PyDecodeWorker(const Config& c) {
+    runtime::DecodeWorkerOptions o;
+    o.engine_id = c.engine_id;
+    o.tp_size = c.tp_size;
+    o.tp_rank = c.tp_rank;
+    o.block_len = c.block_len;
+    o.num_blocks = c.num_blocks;
+    o.planes = Planes(c.planes);
+    o.lease = Millis(c.lease_s, "lease_s");
+    o.abort_request_timeout = Millis(c.abort_request_timeout_s, "abort_request_timeout_s");
+    // P answers every pull within abort_request_timeout + its write bound (DecodeWorkerOptions).
+    o.pull_timeout = o.abort_request_timeout + o.write_bound + std::chrono::seconds(30);
+    o.send_releases = c.send_releases;
+    o.cluster_secret = Secret(c.cluster_secret_file);
+    const std::string name = c.engine_id + "-d" + std::to_string(c.tp_rank);
+    Result<std::unique_ptr<runtime::DecodeWorker>> worker =
+        Err(ErrorCode::kInternal, "not started");
+    {
+      py::gil_scoped_release release;
+      auto engine = MakeEngine(c.data_plane, name);
+      if (!engine) {
+        worker = tl::unexpected(engine.error());
+      } else {
+        worker = runtime::DecodeWorker::Start(std::move(o), std::move(*engine));
+      }
+    }
+    worker_ = Take(std::move(worker));
+  }
+
+  void OnNewRequest(const std::string& request, const py::dict& source) {
+    runtime::RemoteSource s = Source(source);
+    Live().OnNewRequest(request, s);
+  }
+  void StartLoad(const std::string& request, const py::dict& source,
+                 std::vector<core::BlockId> blocks) {
+    runtime::RemoteSource s = Source(source);
+    Check(Live().StartLoad(request, s, std::move(blocks)));
+  }
+  void RequestFinished(const std::string& request) { Live().RequestFinished(request); }
+  void ReleaseTransfer(const py::dict& source) { Live().ReleaseTransfer(Source(source)); }
+
+  // {"received": [(request, ok, error, invalid_blocks, quarantined)],
+  //  "released": [(request, blocks)], "aborted": [(request, error)]}
+  py::dict TakeFinished() {
+    runtime::DecodeFinished f = Live().TakeFinished();
+    return ToDict(std::move(f));
+  }
+  py::dict WaitFinished(double timeout_s) {
+    const auto deadline = core::Clock::now() + Millis(timeout_s, "timeout_s");
+    runtime::DecodeFinished f;
+    {
+      runtime::DecodeWorker& worker = Live();
+      py::gil_scoped_release release;
+      f = worker.WaitFinished(deadline);
+    }
+    return ToDict(std::move(f));
+  }
+
+  py::dict Stats() {
+    const runtime::DecodeWorkerStats s = Live().Stats();
+    py::dict d;
+    d["pulls_sent"] = s.pulls_sent;
+    d["pull_timeouts"] = s.pull_timeouts;
+    d["receives_ok"] = s.receives_ok;
+    d["receives_failed"] = s.receives_failed;
+    d["renewal_messages"] = s.renewal_messages;
+    d["renewals_accepted"] = s.renewals_accepted;
+    d["releases_sent"] = s.releases_sent;
+    d["quarantined_blocks"] = s.quarantined_blocks;
+    return d;
+  }
+
+  // Stops the threads, then deregisters the planes (a quarantined pull's P may write until
+  // then). Idempotent.
+  void Stop() {
+    if (!worker_) return;
+    py::gil_scoped_release release;
+    worker_.reset();
+  }
+
+ private:
+  static py::dict ToDict(runtime::DecodeFinished f) {
+    py::list received;
+    for (runtime::ReceiveResult& r : f.received) {
+      received.append(py::make_tuple(r.request, r.ok, r.error.ok() ? "" : r.error.ToString(),
+                                     r.invalid, r.quarantined));
+    }
+    py::list released;
+    for (auto& [request, blocks] : f.released) released.append(py::make_tuple(request, blocks));
+    py::list aborted;
+    for (auto& [request, why] : f.aborted) aborted.append(py::make_tuple(request, why.ToString()));
+    py::dict d;
+    d["received"] = received;
+    d["released"] = released;
+    d["aborted"] = aborted;
+    return d;
+  }
+  runtime::DecodeWorker& Live() {
+    if (!worker_) Raise(Status(ErrorCode::kCancelled, "the decode worker is stopped"));
+    return *worker_;
+  }
+
+  std::unique_ptr<runtime::DecodeWorker> worker_;
+};
+
+// ---- the bootstrap service (P's scheduler process runs one, as vLLM's Mooncake P does) ----
+
+class PyBootstrapServer {
+ public:
+  PyBootstrapServer(const std::string& host, int port,
+                    const std::optional<std::string>& cluster_secret_file) {
+    control::BootstrapServerOptions o;
+    o.cluster_secret = Secret(cluster_secret_file);
+    server_ = std::make_unique<control::BootstrapServer>(o);
+    Result<int> started = Err(ErrorCode::kInternal, "not started");
+    {
+      py::gil_scoped_release release;
+      started = server_->Start(host, port);
+    }
+    port_ = Take(std::move(started));
+  }
+  int port() const { return port_; }
+  void Stop() {
+    py::gil_scoped_release release;
+    server_->Stop();
+  }
+
+ private:
+  std::unique_ptr<control::BootstrapServer> server_;
+  int port_ = 0;
+};
+
+}  // namespace
+}  // namespace kvferry::python
+
+PYBIND11_MODULE(_native, m) {
+  using namespace kvferry::python;
+  using kvferry::python::PyDecodeWorker;
+  using kvferry::python::PyPrefillWorker;
+  m.doc() = "kvferry's runtime: P and D ranks and P's bootstrap service (see kvferry.vllm)";
+  ErrorType() = py::reinterpret_steal<py::object>(
+      PyErr_NewExceptionWithDoc("kvferry._native.KvferryError",
+                                "A kvferry Status that is not OK; `code` names its ErrorCode.",
+                                PyExc_RuntimeError, nullptr));
+  m.attr("KvferryError") = ErrorType();
+
+  py::class_<PyPrefillWorker>(m, "PrefillWorker")
+      .def(py::init([](std::string engine_id, std::uint32_t tp_size, std::uint32_t tp_rank,
+                       std::uint32_t dp_rank, std::uint32_t kv_heads, std::uint64_t block_len,
+                       std::uint32_t num_blocks,
+                       std::vector<std::pair<std::uintptr_t, std::size_t>> planes,
+                       double lease_s, double abort_request_timeout_s,
+                       std::string bootstrap_address, std::string side_channel_host,
+                       std::string incarnation, std::string data_plane,
+                       std::optional<std::string> cluster_secret_file) {
+             PyPrefillWorker::Config c;
+             c.engine_id = std::move(engine_id);
+             c.tp_size = tp_size;
+             c.tp_rank = tp_rank;
+             c.dp_rank = dp_rank;
+             c.kv_heads = kv_heads;
+             c.block_len = block_len;
+             c.num_blocks = num_blocks;
+             c.planes = std::move(planes);
+             c.lease_s = lease_s;
+             c.abort_request_timeout_s = abort_request_timeout_s;
+             c.bootstrap_address = std::move(bootstrap_address);
+             c.side_channel_host = std::move(side_channel_host);
+             c.incarnation = std::move(incarnation);
+             c.data_plane = std::move(data_plane);
+             c.cluster_secret_file = std::move(cluster_secret_file);
+             return std::make_unique<PyPrefillWorker>(c);
+           }),
+           py::kw_only(), py::arg("engine_id"), py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
+           py::arg("dp_rank") = 0, py::arg("kv_heads") = 0, py::arg("block_len"),
+           py::arg("num_blocks"), py::arg("planes"), py::arg("lease_s") = 0.0,
+           py::arg("abort_request_timeout_s") = 480.0, py::arg("bootstrap_address") = "",
+           py::arg("side_channel_host") = "127.0.0.1", py::arg("incarnation"),
+           py::arg("data_plane") = "ucx", py::arg("cluster_secret_file") = py::none())
+      .def("admit", &PyPrefillWorker::Admit, py::arg("transfer_id"), py::arg("handle"))
+      .def("prefill_done", &PyPrefillWorker::PrefillDone, py::arg("transfer_id"),
+           py::arg("block_ids"))
+      .def("engine_finished", &PyPrefillWorker::EngineFinished, py::arg("transfer_id"))
+      .def("refuse", &PyPrefillWorker::Refuse, py::arg("transfer_id"), py::arg("why"))
+      .def("take_events", &PyPrefillWorker::TakeEvents)
+      .def("stats", &PyPrefillWorker::Stats)
+      .def_property_readonly("side_channel", &PyPrefillWorker::side_channel)
+      .def("stop", &PyPrefillWorker::Stop);
+
+  py::class_<PyDecodeWorker>(m, "DecodeWorker")
+      .def(py::init([](std::string engine_id, std::uint32_t tp_size, std::uint32_t tp_rank,
+                       std::uint64_t block_len, std::uint32_t num_blocks,
+                       std::vector<std::pair<std::uintptr_t, std::size_t>> planes,
+                       double lease_s, double abort_request_timeout_s, std::string data_plane,
+                       std::optional<std::string> cluster_secret_file, bool send_releases) {
+             PyDecodeWorker::Config c;
+             c.engine_id = std::move(engine_id);
+             c.tp_size = tp_size;
+             c.tp_rank = tp_rank;
+             c.block_len = block_len;
+             c.num_blocks = num_blocks;
+             c.planes = std::move(planes);
+             c.lease_s = lease_s;
+             c.abort_request_timeout_s = abort_request_timeout_s;
+             c.data_plane = std::move(data_plane);
+             c.cluster_secret_file = std::move(cluster_secret_file);
+             c.send_releases = send_releases;
+             return std::make_unique<PyDecodeWorker>(c);
+           }),
+           py::kw_only(), py::arg("engine_id"), py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
+           py::arg("block_len"), py::arg("num_blocks"), py::arg("planes"),
+           py::arg("lease_s") = 0.0, py::arg("abort_request_timeout_s") = 480.0,
+           py::arg("data_plane") = "ucx", py::arg("cluster_secret_file") = py::none(),
+           py::arg("send_releases") = true)
+      .def("on_new_request", &PyDecodeWorker::OnNewRequest, py::arg("request_id"),
+           py::arg("source"))
+      .def("start_load", &PyDecodeWorker::StartLoad, py::arg("request_id"), py::arg("source"),
+           py::arg("block_ids"))
+      .def("request_finished", &PyDecodeWorker::RequestFinished, py::arg("request_id"))
+      .def("release_transfer", &PyDecodeWorker::ReleaseTransfer, py::arg("source"))
+      .def("take_finished", &PyDecodeWorker::TakeFinished)
+      .def("wait_finished", &PyDecodeWorker::WaitFinished, py::arg("timeout_s"))
+      .def("stats", &PyDecodeWorker::Stats)
+      .def("stop", &PyDecodeWorker::Stop);
+
+  py::class_<PyBootstrapServer>(m, "BootstrapServer")
+      .def(py::init<const std::string&, int, const std::optional<std::string>&>(),
+           py::kw_only(), py::arg("host") = "127.0.0.1", py::arg("port") = 0,
+           py::arg("cluster_secret_file") = py::none())
+      .def_property_readonly("port", &PyBootstrapServer::port)
+      .def("stop", &PyBootstrapServer::Stop);
+}

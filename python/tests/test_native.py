@@ -1,0 +1,204 @@
+"""kvferry._native against itself: real P and D ranks in this process, moving torch CPU tensors
+over UCX on loopback (the data plane the connector uses), with P's bootstrap service.
+
+What the binding adds to the C++ runtime is tested here: planes from tensors, the GIL released
+while waiting, Status errors raised as KvferryError, hold events taken without Python on kvferry
+threads. The lifetime rules themselves are the C++ tests' (docs/design.md, rule -> test).
+"""
+
+import threading
+import time
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+native = pytest.importorskip("kvferry._native", reason="kvferry._native not built (scripts/test.sh builds it)")
+
+NUM_BLOCKS = 32
+BLOCK_SIZE = 16  # tokens per block
+HEADS = 2
+HEAD_SIZE = 8
+LAYERS = 3
+
+
+def kv_tensors(fill=None):
+    """vLLM's flash-attention layout: one [2, blocks, block_size, heads, head_size] per layer."""
+    tensors = []
+    for layer in range(LAYERS):
+        t = torch.zeros((2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE), dtype=torch.float16)
+        if fill is not None:
+            for half in range(2):
+                for b in range(NUM_BLOCKS):
+                    t[half, b].fill_(fill(layer, half, b))
+        tensors.append(t)
+    return tensors
+
+
+def planes(tensors):
+    """Each layer's K half and V half: one plane each, every block block_len bytes."""
+    out = []
+    for t in tensors:
+        for half in range(2):
+            view = t[half]
+            out.append((view.data_ptr(), view.numel() * view.element_size()))
+    return out
+
+
+BLOCK_LEN = BLOCK_SIZE * HEADS * HEAD_SIZE * 2  # float16
+
+
+def receive(d, request_id, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        finished = d.wait_finished(0.5)
+        for result in finished["received"]:
+            if result[0] == request_id:
+                return result
+    raise AssertionError(f"no result for {request_id} within {timeout_s} s")
+
+
+def make_pair(lease_s=5.0, d_lease_s=None, p_kv=None, d_kv=None):
+    bootstrap = native.BootstrapServer(host="127.0.0.1", port=0)
+    engine_id = "p-" + uuid.uuid4().hex[:8]
+    p_kv = p_kv if p_kv is not None else kv_tensors(lambda layer, half, b: layer * 20 + half * 10 + b % 10)
+    d_kv = d_kv if d_kv is not None else kv_tensors()
+    p = native.PrefillWorker(engine_id=engine_id, block_len=BLOCK_LEN, num_blocks=NUM_BLOCKS,
+                             planes=planes(p_kv), lease_s=lease_s, abort_request_timeout_s=30.0,
+                             bootstrap_address=f"127.0.0.1:{bootstrap.port}",
+                             incarnation=uuid.uuid4().hex)
+    d = native.DecodeWorker(engine_id="d-" + uuid.uuid4().hex[:8], block_len=BLOCK_LEN,
+                            num_blocks=NUM_BLOCKS, planes=planes(d_kv),
+                            lease_s=lease_s if d_lease_s is None else d_lease_s,
+                            abort_request_timeout_s=30.0)
+    src = lambda xfer: {"transfer_id": xfer, "engine_id": engine_id,
+                        "bootstrap_address": f"127.0.0.1:{bootstrap.port}"}
+    return bootstrap, p, d, p_kv, d_kv, src
+
+
+def stop(*things):
+    for thing in things:
+        thing.stop()
+
+
+def test_every_plane_of_p_tensors_lands_in_d_tensors_and_p_frees_after_the_pull():
+    bootstrap, p, d, p_kv, d_kv, src = make_pair()
+    try:
+        p.admit("xfer-1", 7)
+        p.prefill_done("xfer-1", [3, 4, 5])
+        d.on_new_request("req-1", src("xfer-1"))
+        d.start_load("req-1", src("xfer-1"), [10, 11, 12])
+        request, ok, error, invalid, quarantined = receive(d, "req-1")
+        assert ok, error
+        assert invalid == [] and not quarantined
+        for layer in range(LAYERS):
+            assert torch.equal(d_kv[layer][:, 10:13], p_kv[layer][:, 3:6]), f"layer {layer}"
+            assert not d_kv[layer][:, :10].any(), "D blocks nobody asked for were written"
+        d.request_finished("req-1")
+        deadline = time.monotonic() + 5
+        events = []
+        while time.monotonic() < deadline and not events:
+            events = p.take_events()
+            time.sleep(0.01)
+        assert events == [("free", "xfer-1", "sent")]
+        assert p.stats()["bytes_written"] == 3 * BLOCK_LEN * 2 * LAYERS
+    finally:
+        stop(d, p, bootstrap)
+
+
+def test_a_pull_of_a_freed_transfer_fails_at_once_with_the_tombstone():
+    bootstrap, p, d, p_kv, d_kv, src = make_pair()
+    try:
+        p.admit("xfer-1", 1)
+        p.prefill_done("xfer-1", [0])
+        d.start_load("req-1", src("xfer-1"), [1])
+        assert receive(d, "req-1")[1]
+        d.request_finished("req-1")
+        start = time.monotonic()
+        d.start_load("req-2", src("xfer-1"), [2])
+        request, ok, error, invalid, quarantined = receive(d, "req-2")
+        assert not ok
+        assert "TOMBSTONED" in error, error
+        assert time.monotonic() - start < 2.0
+        assert not quarantined
+    finally:
+        stop(d, p, bootstrap)
+
+
+def test_a_lease_mismatch_fails_naming_both_values():
+    bootstrap, p, d, p_kv, d_kv, src = make_pair(lease_s=5.0, d_lease_s=7.0)
+    try:
+        p.admit("xfer-1", 1)
+        p.prefill_done("xfer-1", [0])
+        d.start_load("req-1", src("xfer-1"), [1])
+        request, ok, error, invalid, quarantined = receive(d, "req-1")
+        assert not ok
+        assert "5" in error and "7" in error, error
+    finally:
+        stop(d, p, bootstrap)
+
+
+def test_bad_arguments_raise_kvferry_error_with_the_status_code():
+    short = torch.zeros(NUM_BLOCKS * BLOCK_LEN - 1, dtype=torch.uint8)
+    with pytest.raises(native.KvferryError) as error:
+        native.DecodeWorker(engine_id="d", block_len=BLOCK_LEN, num_blocks=NUM_BLOCKS,
+                            planes=[(short.data_ptr(), short.numel())])
+    assert error.value.code == "INVALID_ARGUMENT"
+    assert "plane 0" in str(error.value)
+    with pytest.raises(native.KvferryError) as error:
+        native.DecodeWorker(engine_id="d", block_len=BLOCK_LEN, num_blocks=NUM_BLOCKS,
+                            planes=[], lease_s=-1)
+    assert error.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(native.KvferryError, match="data_plane"):
+        native.DecodeWorker(engine_id="d", block_len=BLOCK_LEN, num_blocks=NUM_BLOCKS,
+                            planes=[], data_plane="rdma")
+    with pytest.raises(TypeError):
+        native.DecodeWorker(engine_id="d", block_len=-1, num_blocks=NUM_BLOCKS, planes=[])
+    bootstrap, p, d, p_kv, d_kv, src = make_pair()
+    try:
+        with pytest.raises(native.KvferryError) as error:
+            p.prefill_done("never-admitted", [0])
+        assert error.value.code == "NOT_FOUND"
+        p.admit("xfer-1", 1)
+        with pytest.raises(native.KvferryError) as error:
+            p.admit("xfer-1", 2)
+        assert error.value.code == "ALREADY_EXISTS"
+        with pytest.raises(native.KvferryError) as error:
+            p.prefill_done("xfer-1", [NUM_BLOCKS])
+        assert error.value.code == "OUT_OF_RANGE"
+        with pytest.raises(native.KvferryError) as error:
+            d.start_load("req-1", {"transfer_id": "x"}, [0])
+        assert "engine_id" in str(error.value)
+        with pytest.raises(native.KvferryError) as error:
+            d.start_load("req-1", src("xfer-1"), [NUM_BLOCKS])
+        assert error.value.code == "OUT_OF_RANGE"
+    finally:
+        stop(d, p, bootstrap)
+    with pytest.raises(native.KvferryError) as error:
+        p.admit("xfer-2", 3)
+    assert error.value.code == "CANCELLED", "a stopped worker says so"
+
+
+def test_waiting_releases_the_gil():
+    bootstrap, p, d, p_kv, d_kv, src = make_pair()
+    try:
+        ticks = []
+        stop_flag = threading.Event()
+
+        def tick():
+            while not stop_flag.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.005)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        start = time.monotonic()
+        d.wait_finished(0.5)  # nothing to wait for: returns at its deadline
+        waited = time.monotonic() - start
+        stop_flag.set()
+        ticker.join()
+        assert waited >= 0.45
+        during = [t for t in ticks if start <= t <= start + waited]
+        assert len(during) >= 20, f"only {len(during)} ticks while waiting: the GIL was held"
+    finally:
+        stop(d, p, bootstrap)
