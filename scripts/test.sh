@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Builds kvferry and runs every test. The README's test command; CI runs it too (.ci/run).
 #
-#   scripts/test.sh            install packages, build (build/), run ctest, then the core and
-#                              wire tests again under AddressSanitizer + UndefinedBehaviorSanitizer
-#                              (build-asan/), and a bounded fuzz run when clang is present.
+#   scripts/test.sh            install packages, build (build/), run ctest, the Python tests of the
+#                              vLLM connector (.venv from scripts/install-python.sh), then the
+#                              core and wire tests again under AddressSanitizer +
+#                              UndefinedBehaviorSanitizer (build-asan/), and a bounded fuzz run
+#                              when clang is present.
 #
 # Environment: JOBS (default: nproc), KVFERRY_SKIP_ASAN=1, KVFERRY_SKIP_FUZZ=1, FUZZ_SECONDS.
 set -euo pipefail
@@ -20,6 +22,10 @@ cmake --build build -j "$jobs"
 
 echo "== tests"
 (cd build && ctest --output-on-failure -j "$jobs" --timeout 300)
+
+echo "== python: the vLLM connector against vLLM's real scheduler (.venv, python/tests)"
+scripts/install-python.sh
+.venv/bin/python -m pytest -q python/tests
 
 if [ "${KVFERRY_SKIP_ASAN:-0}" != 1 ]; then
   echo "== sanitizers: core, wire, protocol and simulator tests under ASan + UBSan (build-asan/)"

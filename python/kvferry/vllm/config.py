@@ -105,10 +105,10 @@ def parse_settings(
     env = os.environ if env is None else env
 
     lease = 0.0
-    if extra.get("kv_lease_duration") is not None:
+    if "kv_lease_duration" in extra:
         lease = _seconds(extra["kv_lease_duration"], "kv_lease_duration", allow_zero=True)
 
-    if extra.get("abort_request_timeout") is not None:
+    if "abort_request_timeout" in extra:
         timeout = _seconds(
             extra["abort_request_timeout"], "abort_request_timeout", allow_zero=False
         )
@@ -119,7 +119,7 @@ def parse_settings(
             or DEFAULT_ABORT_REQUEST_TIMEOUT
         )
 
-    if extra.get("bootstrap_port") is not None:
+    if "bootstrap_port" in extra:
         port = _port(extra["bootstrap_port"], "bootstrap_port")
     elif env.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "") != "":
         text = env["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
@@ -133,7 +133,7 @@ def parse_settings(
         port = DEFAULT_BOOTSTRAP_PORT
 
     address = extra.get("bootstrap_server_address")
-    if address is not None:
+    if "bootstrap_server_address" in extra:
         if not isinstance(address, str) or not 0 < len(address) <= 256:
             raise ConfigError(
                 f"bootstrap_server_address must be a 'host:port' string, not {address!r}"
