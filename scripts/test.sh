@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Builds kvferry and runs every test. The README's test command; CI runs it too (.ci/run).
 #
-#   scripts/test.sh            install packages, build (build/), run ctest, then the core and
-#                              wire tests again under AddressSanitizer + UndefinedBehaviorSanitizer
-#                              (build-asan/), and a bounded fuzz run when clang is present.
+#   scripts/test.sh            install packages, build (build/), run ctest, the Python tests of the
+#                              vLLM connector (.venv from scripts/install-python.sh), then the
+#                              core and wire tests again under AddressSanitizer +
+#                              UndefinedBehaviorSanitizer (build-asan/), and a bounded fuzz run
+#                              when clang is present.
 #
 # Environment: JOBS (default: nproc), KVFERRY_SKIP_ASAN=1, KVFERRY_SKIP_FUZZ=1, FUZZ_SECONDS.
 set -euo pipefail
@@ -14,12 +16,20 @@ scripts/install-deps.sh
 jobs=${JOBS:-$(nproc)}
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 
-echo "== build (build/)"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+# The Python environment first: the build compiles kvferry._native against it.
+scripts/install-python.sh
+
+echo "== build (build/, with the Python module kvferry._native)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_PYTHON=ON \
+  -DPython_EXECUTABLE="$PWD/.venv/bin/python" \
+  -Dpybind11_DIR="$(.venv/bin/python -m pybind11 --cmakedir)" >/dev/null
 cmake --build build -j "$jobs"
 
 echo "== tests"
 (cd build && ctest --output-on-failure -j "$jobs" --timeout 300)
+
+echo "== python: kvferry._native and the vLLM connector against vLLM's real scheduler"
+.venv/bin/python -m pytest -q python/tests
 
 if [ "${KVFERRY_SKIP_ASAN:-0}" != 1 ]; then
   echo "== sanitizers: core, wire, protocol and simulator tests under ASan + UBSan (build-asan/)"

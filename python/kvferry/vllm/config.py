@@ -1,0 +1,156 @@
+"""kvferry's settings in vLLM's ``--kv-transfer-config``, parsed with the same names and bounds as
+``kvferry serve`` (src/harness/serve_config.cc), so that a MooncakeConnector user switches by
+changing ``kv_connector`` and ``kv_connector_module_path`` only.
+
+Keys of ``kv_connector_extra_config``:
+
+``kv_lease_duration``
+    Seconds, 0 or absent = off (today's behaviour). With it, D renews every request it has seen
+    and P frees KV whose renewals stopped after one lease. Set the same value on P and D.
+``abort_request_timeout``
+    Seconds, default 480. When absent: env ``KVFERRY_ABORT_REQUEST_TIMEOUT``, then
+    ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` (MooncakeConnector's name for it), then 480.
+``bootstrap_port``
+    The port of P's bootstrap service, 0..65535 (0: pick a free one). When absent:
+    ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (MooncakeConnector's only way to set it), then 8998.
+``bootstrap_server_address``
+    ``host:port`` of a bootstrap service running elsewhere; P registers there instead of
+    starting its own (MooncakeConnector's key).
+``kv_release``
+    D releases a transfer to P the moment its request no longer needs it; default true.
+
+This module imports nothing from vLLM, so the parsing is testable anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Durations are seconds; anything above a day is a typo, not a lease (as in serve_config.cc).
+MAX_SECONDS = 86400.0
+DEFAULT_ABORT_REQUEST_TIMEOUT = 480.0
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+KNOWN_KEYS = frozenset(
+    {
+        "kv_lease_duration",
+        "abort_request_timeout",
+        "bootstrap_port",
+        "bootstrap_server_address",
+        "kv_release",
+    }
+)
+
+
+class ConfigError(ValueError):
+    """A kvferry key of kv_connector_extra_config (or its environment fallback) is invalid."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    kv_lease_duration: float  # seconds; 0.0 = no lease
+    abort_request_timeout: float  # seconds, > 0
+    bootstrap_port: int
+    bootstrap_server_address: str | None
+    kv_release: bool
+    ignored_keys: tuple[str, ...] = ()  # extra-config keys kvferry does not know (logged)
+
+    @property
+    def lease_enabled(self) -> bool:
+        return self.kv_lease_duration > 0
+
+
+def _seconds(value: Any, key: str, *, allow_zero: bool) -> float:
+    # bool is an int in Python; JSON true is not a number of seconds.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key} must be a number of seconds, not {value!r}")
+    seconds = float(value)
+    if (
+        not math.isfinite(seconds)
+        or seconds < 0
+        or (seconds == 0 and not allow_zero)
+        or seconds > MAX_SECONDS
+    ):
+        low = "[0" if allow_zero else "(0"
+        raise ConfigError(f"{key} = {value!r} is out of range {low}, {MAX_SECONDS:g}] s")
+    return seconds
+
+
+def _env_seconds(env: Mapping[str, str], name: str) -> float | None:
+    text = env.get(name, "")
+    if text == "":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a number") from None
+    return _seconds(value, name, allow_zero=False)
+
+
+def _port(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(f"{key} must be an integer 0..65535, not {value!r}")
+    return value
+
+
+def parse_settings(
+    extra_config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> ConnectorSettings:
+    """Reads kvferry's keys of ``kv_connector_extra_config``; raises ConfigError on a bad one."""
+    extra = dict(extra_config or {})
+    env = os.environ if env is None else env
+
+    lease = 0.0
+    if "kv_lease_duration" in extra:
+        lease = _seconds(extra["kv_lease_duration"], "kv_lease_duration", allow_zero=True)
+
+    if "abort_request_timeout" in extra:
+        timeout = _seconds(
+            extra["abort_request_timeout"], "abort_request_timeout", allow_zero=False
+        )
+    else:
+        timeout = (
+            _env_seconds(env, "KVFERRY_ABORT_REQUEST_TIMEOUT")
+            or _env_seconds(env, "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT")
+            or DEFAULT_ABORT_REQUEST_TIMEOUT
+        )
+
+    if "bootstrap_port" in extra:
+        port = _port(extra["bootstrap_port"], "bootstrap_port")
+    elif env.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "") != "":
+        text = env["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
+        try:
+            port = _port(int(text), "VLLM_MOONCAKE_BOOTSTRAP_PORT")
+        except ValueError:
+            raise ConfigError(
+                f"VLLM_MOONCAKE_BOOTSTRAP_PORT={text!r} is not an integer 0..65535"
+            ) from None
+    else:
+        port = DEFAULT_BOOTSTRAP_PORT
+
+    address = extra.get("bootstrap_server_address")
+    if "bootstrap_server_address" in extra:
+        if not isinstance(address, str) or not 0 < len(address) <= 256:
+            raise ConfigError(
+                f"bootstrap_server_address must be a 'host:port' string, not {address!r}"
+            )
+        host, sep, addr_port = address.removeprefix("http://").rpartition(":")
+        if not sep or not host or not addr_port.isdigit() or not 0 < int(addr_port) <= 65535:
+            raise ConfigError(f"bootstrap_server_address {address!r} is not 'host:port'")
+
+    release = extra.get("kv_release", True)
+    if not isinstance(release, bool):
+        raise ConfigError(f"kv_release must be true or false, not {release!r}")
+
+    return ConnectorSettings(
+        kv_lease_duration=lease,
+        abort_request_timeout=timeout,
+        bootstrap_port=port,
+        bootstrap_server_address=address,
+        kv_release=release,
+        ignored_keys=tuple(sorted(k for k in extra if k not in KNOWN_KEYS)),
+    )

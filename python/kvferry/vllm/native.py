@@ -1,0 +1,159 @@
+"""The interface the connector's worker half needs from the native module ``kvferry._native``.
+
+The native module does not exist yet: it will wrap the C++ runtime (``src/runtime/``:
+``PrefillWorker`` / ``DecodeWorker``, one per vLLM worker process, i.e. per TP rank) with
+pybind11. This file is its specification; ``KvferryConnectorWorker`` (worker.py) is written
+against it and nothing else.
+
+``kvferry._native`` must provide::
+
+    PrefillWorker(regions: list[KvRegion], options: WorkerOptions) -> PrefillWorker
+    DecodeWorker(regions: list[KvRegion], options: WorkerOptions) -> DecodeWorker
+
+taking the two dataclasses below (it reads their attributes), with the methods of the two
+Protocols below. Every method returns at once (the runtime's threads do the work) and may be
+called only from the thread that constructed the object (vLLM's model-runner thread); every
+method is idempotent for an id it no longer knows, because vLLM may tell the same ending twice.
+
+Identifiers: ``transfer_id`` is the P/D join key the router puts in ``kv_transfer_params``;
+``request_id`` / ``handle`` are vLLM's request ids in this engine. Block ids are given per KV-cache
+transfer group (``block_ids[g]`` addresses the regions whose ``group`` is ``g``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
+
+
+@dataclass(frozen=True)
+class KvRegion:
+    """One registered span of KV memory of one layer: block ``i`` of this layer is the
+    ``block_bytes`` bytes at ``data_ptr + i * block_stride``; ``nbytes`` is the whole span
+    (``(num_blocks - 1) * block_stride + block_bytes``). P and D register their layers in the same
+    order; a layer stored as separate K and V tensors gives two regions (``part`` "k" and "v")."""
+
+    layer_name: str
+    part: str  # "kv" (K and V together, or MLA's latent), "k" or "v"
+    group: int  # transfer-group index whose block ids address this region
+    data_ptr: int
+    nbytes: int
+    num_blocks: int
+    block_stride: int
+    block_bytes: int
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    kv_lease_duration: float  # seconds, 0 = no lease
+    abort_request_timeout: float  # seconds
+    bootstrap_port: int  # P: the port of the bootstrap service it starts on its rank 0
+    bootstrap_server_address: str | None  # P: register there instead (host:port)
+    kv_release: bool  # D: release transfers whose request no longer needs them
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """Where D pulls a request's KV from: the fields of D's ``kv_transfer_params``."""
+
+    engine_id: str  # remote_engine_id
+    bootstrap_addr: str  # remote_bootstrap_addr, "http://host:port"
+    transfer_id: str
+
+
+EventKind = Literal["free", "abort"]
+
+
+class PrefillWorker(Protocol):
+    def admit(self, transfer_id: str, handle: str) -> None:
+        """P's scheduler admitted the request ``handle`` carrying ``transfer_id``: pulls for it
+        may park until its prefill is done; with a lease, a decoder's renewals may already
+        arrive and D's release can drop it."""
+
+    def prefill_done(self, transfer_id: str, block_ids: Sequence[Sequence[int]]) -> None:
+        """Its prefill finished and its KV lies in ``block_ids`` (per group), which P's
+        scheduler keeps until this worker reports ``("free", transfer_id)``. The hold starts
+        now (lease or abort_request_timeout). For a transfer dropped before (released, expired,
+        tombstoned) the worker reports "free" at once."""
+
+    def engine_finished(self, transfer_id: str) -> None:
+        """The engine finished the request without KV to hand over (aborted, failed, preempted
+        for good): nothing will be held; a pull waiting for it fails at once with that reason,
+        and a later one finds a tombstone."""
+
+    def take_events(self) -> list[tuple[EventKind, str]]:
+        """Events since the last call, in order, each once:
+
+        - ``("free", transfer_id)``: a transfer passed to prefill_done is no longer held (every
+          paired D rank pulled it, its lease or abort_request_timeout expired, or D released
+          it); its blocks may be freed.
+        - ``("abort", transfer_id)``: a transfer admitted but not yet prefill_done was dropped
+          (D released it, or its decoder stopped renewing for a whole lease); computing its
+          prefill is wasted work.
+        """
+
+    def stop(self) -> None:
+        """Stops serving: answers parked pulls with an error, waits for in-flight writes to
+        finish (or fail), deregisters the memory and joins the threads."""
+
+
+class DecodeFinished(NamedTuple):
+    """What ``DecodeWorker.take_finished`` returns: request ids, each at most once overall."""
+
+    received: list[str]  # every paired P rank wrote its slice: the blocks hold P's KV
+    released: list[str]  # request_finished was handled and no P rank can write to them anymore
+    aborted: list[tuple[str, str]]  # (request_id, reason): the load failed, and no P rank can
+    # write to its blocks anymore (failures whose writers are unknown are quarantined until
+    # they settle, so they appear here only then)
+
+
+class DecodeWorker(Protocol):
+    def on_new_request(self, request_id: str, source: RemoteSource) -> None:
+        """A request that will pull from ``source`` entered D's queue: with a lease, renew
+        ``source.transfer_id`` from now on, while it waits for blocks."""
+
+    def start_load(
+        self, request_id: str, source: RemoteSource, block_ids: Sequence[Sequence[int]]
+    ) -> None:
+        """Blocks are allocated: pull the KV into ``block_ids`` (per group, never all empty).
+        The request is settled later in take_finished as received or aborted."""
+
+    def request_finished(self, request_id: str) -> None:
+        """The request no longer needs its transfer (finished, aborted, refused): stop renewing
+        and (kv_release) release it to P. A request with a pull in flight is settled as
+        released once no P rank can write to its blocks. A no-op for unknown or settled ids."""
+
+    def take_finished(self) -> DecodeFinished:
+        """Requests settled since the last call."""
+
+    def stop(self) -> None:
+        """Stops: releases what it tracks, waits until no peer writes to its memory (or fences
+        it), deregisters the memory and joins the threads."""
+
+
+class NativeModule(Protocol):
+    def PrefillWorker(  # noqa: N802 (a class in the native module)
+        self, regions: list[KvRegion], options: WorkerOptions
+    ) -> PrefillWorker: ...
+
+    def DecodeWorker(  # noqa: N802
+        self, regions: list[KvRegion], options: WorkerOptions
+    ) -> DecodeWorker: ...
+
+
+def load_native() -> NativeModule:
+    """Imports ``kvferry._native``; raises ImportError saying what is missing."""
+    try:
+        return importlib.import_module("kvferry._native")  # type: ignore[return-value]
+    except ImportError as e:
+        raise ImportError(
+            "kvferry's native module kvferry._native is not available, so the worker half of "
+            "KvferryConnector cannot run (the scheduler half needs no native module). Build "
+            "and install the kvferry package with the native module (CMake option "
+            f"KVFERRY_PYTHON=ON, see pyproject.toml). Import error: {e}"
+        ) from e

@@ -1,0 +1,268 @@
+"""The worker half of KvferryConnector: runs in each vLLM worker process (one per TP rank),
+registers the KV cache with kvferry's native runtime and turns each step's metadata into calls on
+it (native.py specifies that interface), and its results into what vLLM's scheduler expects.
+
+vLLM's rules this half enforces, because breaking them crashes vLLM's scheduler:
+- a request id appears in ``finished_recving`` only if the scheduler allocated blocks for its
+  load, and exactly once (the scheduler asserts the request still exists);
+- a request id appears in ``finished_sending`` only after its request finished and its blocks
+  were handed to P's runtime to hold, and exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvferry.vllm.config import ConnectorSettings
+from kvferry.vllm.metadata import KvferryConnectorMetadata, KvferryWorkerMetadata
+from kvferry.vllm.native import (
+    DecodeWorker,
+    KvRegion,
+    NativeModule,
+    PrefillWorker,
+    WorkerOptions,
+    load_native,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("kvferry.vllm")
+
+
+def _dense_bytes(t: torch.Tensor) -> int | None:
+    """Bytes of ``t`` if its elements fill one contiguous run in some dimension order (a
+    permuted layout such as HND inside a block), else None."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return t.numel() * t.element_size()
+
+
+def kv_regions(
+    layer_name: str, cache: torch.Tensor, group: int, num_blocks: int
+) -> list[KvRegion]:
+    """The regions of one layer's KV cache tensor, for the layouts vLLM hands connectors:
+
+    - block-major, ``cache.shape[0]`` blocks: vLLM 0.32's per-layer ``[B, H, N, C]`` views
+      (C in bytes), MLA's latent cache ``[num_blocks, block_size, head_size]``, and kernel
+      blocks that split each scheduler block into ``cache.shape[0] // num_blocks`` pieces;
+    - flash-attention's separate K and V: ``[2, num_blocks, block_size, heads, head_size]``.
+
+    Each block's bytes must be one dense run (any order inside it), or ValueError names why.
+    """
+    element = cache.element_size()
+    if cache.dim() == 5 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
+        parts = [("k", cache[0]), ("v", cache[1])]
+    elif cache.dim() >= 2 and cache.shape[0] % num_blocks == 0:
+        parts = [("kv", cache)]
+    else:
+        raise ValueError(
+            f"layer {layer_name}: KV cache of shape {tuple(cache.shape)} is neither block-major "
+            f"({num_blocks} blocks in dim 0) nor flash-attention's [2, {num_blocks}, ...]"
+        )
+    regions = []
+    for part, t in parts:
+        per_block = t.shape[0] // num_blocks  # kernel blocks per scheduler block
+        block = t[:per_block]
+        block_bytes = _dense_bytes(block)
+        if block_bytes is None:
+            raise ValueError(
+                f"layer {layer_name}: a block's KV is not one contiguous run "
+                f"(shape {tuple(t.shape)}, strides {t.stride()}); use a block-contiguous "
+                "KV cache layout such as LBHNC"
+            )
+        block_stride = t.stride(0) * per_block * element
+        regions.append(
+            KvRegion(
+                layer_name=layer_name,
+                part=part,
+                group=group,
+                data_ptr=t.data_ptr(),
+                nbytes=(num_blocks - 1) * block_stride + block_bytes,
+                num_blocks=num_blocks,
+                block_stride=block_stride,
+                block_bytes=block_bytes,
+            )
+        )
+    return regions
+
+
+class KvferryConnectorWorker:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        settings: ConnectorSettings,
+        native: NativeModule | None = None,
+    ):
+        # The native module is needed from here on: fail at construction, with its reason.
+        self._native = native if native is not None else load_native()
+        transfer_config = vllm_config.kv_transfer_config
+        assert transfer_config is not None
+        self.kv_cache_config = kv_cache_config
+        self.is_producer = transfer_config.is_kv_producer
+        self.is_consumer = transfer_config.is_kv_consumer
+        parallel = vllm_config.parallel_config
+        self.options = WorkerOptions(
+            engine_id=engine_id,
+            tp_rank=getattr(parallel, "rank", 0) % max(parallel.tensor_parallel_size, 1),
+            tp_size=parallel.tensor_parallel_size,
+            kv_lease_duration=settings.kv_lease_duration,
+            abort_request_timeout=settings.abort_request_timeout,
+            bootstrap_port=settings.bootstrap_port,
+            bootstrap_server_address=settings.bootstrap_server_address,
+            kv_release=settings.kv_release,
+        )
+        self.regions: list[KvRegion] = []
+        self.prefill: PrefillWorker | None = None
+        self.decode: DecodeWorker | None = None
+
+        # D: requests whose load was started and not yet reported to vLLM, with their blocks.
+        self._loading: dict[str, list[list[int]]] = {}
+        # P: transfer id -> request id, for requests whose blocks P's runtime holds.
+        self._held: dict[str, str] = {}
+        # P: transfer ids admitted but not yet held (to tell a drop from a stray event).
+        self._admitted: dict[str, str] = {}
+        # Results not yet handed to vLLM.
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: dict[str, list[list[int]]] = {}
+        self._invalid_block_ids: set[int] = set()
+        self._dropped: list[str] = []
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        group_of = self.kv_cache_config.transfer_group_index_by_layer
+        num_blocks = self.kv_cache_config.num_blocks
+        regions: list[KvRegion] = []
+        seen: set[tuple[int, str]] = set()
+        for layer_name, cache in kv_caches.items():
+            if layer_name not in group_of:
+                continue  # a layer that takes no part in transfers (vLLM decides)
+            for region in kv_regions(layer_name, cache, group_of[layer_name], num_blocks):
+                # Layers that share a cache (cross-layer KV sharing) are registered once.
+                if (region.data_ptr, region.part) in seen:
+                    continue
+                seen.add((region.data_ptr, region.part))
+                regions.append(region)
+        if not regions:
+            raise ValueError("KvferryConnector: no KV cache tensor to register")
+        self.regions = regions
+        if self.is_producer:
+            self.prefill = self._native.PrefillWorker(regions, self.options)
+        if self.is_consumer:
+            self.decode = self._native.DecodeWorker(regions, self.options)
+        logger.info(
+            "kvferry registered %d KV regions (%d blocks, %d bytes per block of the first)",
+            len(regions),
+            num_blocks,
+            regions[0].block_bytes,
+        )
+
+    # -- each step ------------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvferryConnectorMetadata) -> None:
+        if self.decode is not None:
+            for request_id, source in meta.track.items():
+                self.decode.on_new_request(request_id, source)
+            for request_id, spec in meta.load.items():
+                self.decode.start_load(request_id, spec.source, spec.block_ids)
+                self._loading[request_id] = spec.block_ids
+            for request_id in meta.release:
+                self.decode.request_finished(request_id)
+        if self.prefill is not None:
+            for request_id, transfer_id in meta.admit.items():
+                self.prefill.admit(transfer_id, request_id)
+                self._admitted[transfer_id] = request_id
+            for request_id, spec in meta.hold.items():
+                self._admitted.pop(spec.transfer_id, None)
+                self._held[spec.transfer_id] = request_id
+                self.prefill.prefill_done(spec.transfer_id, spec.block_ids)
+            for request_id, transfer_id in meta.drop.items():
+                self._admitted.pop(transfer_id, None)
+                self.prefill.engine_finished(transfer_id)
+
+    def _collect(self) -> None:
+        if self.decode is not None:
+            finished = self.decode.take_finished()
+            for request_id in (*finished.received, *finished.released):
+                if self._loading.pop(request_id, None) is not None:
+                    self._finished_recving.add(request_id)
+            for request_id, reason in finished.aborted:
+                block_ids = self._loading.pop(request_id, None)
+                if block_ids is not None:
+                    self._finished_recving.add(request_id)
+                    self._failed_recving[request_id] = block_ids
+                    logger.warning("KV load of request %s failed: %s", request_id, reason)
+        if self.prefill is not None:
+            for kind, transfer_id in self.prefill.take_events():
+                if kind == "free":
+                    request_id = self._held.pop(transfer_id, None)
+                    if request_id is None:
+                        logger.error("P runtime freed %s, which it did not hold", transfer_id)
+                    else:
+                        self._finished_sending.add(request_id)
+                elif kind == "abort":
+                    if self._admitted.pop(transfer_id, None) is not None:
+                        self._dropped.append(transfer_id)
+                else:
+                    logger.error("P runtime sent an unknown event %r for %s", kind, transfer_id)
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        """vLLM 0.32's path: failed loads are named per request (failed_recving), which stays
+        unambiguous when several KV-cache groups share block ids."""
+        self._collect()
+        results = KVConnectorTransferResults(
+            finished_sending=self._finished_sending,
+            finished_recving=self._finished_recving,
+            failed_recving=set(self._failed_recving),
+        )
+        self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), {}
+        return results
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """The older two-set path: a failed load is reported finished, and its blocks through
+        get_block_ids_with_load_errors (possible only with one KV-cache group)."""
+        self._collect()
+        for request_id, block_ids in self._failed_recving.items():
+            if len(block_ids) == 1:
+                self._invalid_block_ids.update(block_ids[0])
+            else:
+                logger.error(
+                    "request %s failed to load, but with %d KV-cache groups its blocks cannot "
+                    "be named by id; use vLLM's get_transfer_results path",
+                    request_id,
+                    len(block_ids),
+                )
+        sending, recving = self._finished_sending, self._finished_recving
+        self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), {}
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    def build_worker_meta(self) -> KvferryWorkerMetadata | None:
+        if not self._dropped:
+            return None
+        meta = KvferryWorkerMetadata(dropped_transfers=self._dropped)
+        self._dropped = []
+        return meta
+
+    def shutdown(self) -> None:
+        for worker in (self.decode, self.prefill):
+            if worker is not None:
+                worker.stop()
+        self.decode = None
+        self.prefill = None

@@ -1,0 +1,19 @@
+"""Test setup: python/ and the build's python/ on sys.path (the kvferry package is not installed
+for tests; the build holds kvferry._native), and no network for vLLM and Hugging Face."""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# kvferry._native from the C++ build (scripts/test.sh builds it in build/ with KVFERRY_PYTHON=ON).
+_build = Path(os.environ.get("KVFERRY_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
+sys.path.insert(1, str(_build / "python"))
+
+# Set before vLLM or huggingface_hub is imported: they read these once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")

@@ -1,0 +1,100 @@
+"""kvferry's kv_connector_extra_config keys: names and bounds as kvferry serve reads them.
+Needs no vLLM (kvferry.vllm.config imports nothing from it)."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+# Load the module by path: importing the package kvferry.vllm would import vLLM.
+_spec = importlib.util.spec_from_file_location(
+    "kvferry_vllm_config", Path(__file__).resolve().parents[1] / "kvferry/vllm/config.py"
+)
+config = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = config
+_spec.loader.exec_module(config)
+
+
+def test_defaults_are_mooncakes():
+    s = config.parse_settings({}, env={})
+    assert s.kv_lease_duration == 0.0 and not s.lease_enabled
+    assert s.abort_request_timeout == 480.0
+    assert s.bootstrap_port == 8998
+    assert s.bootstrap_server_address is None
+    assert s.kv_release is True
+
+
+def test_values_are_read():
+    s = config.parse_settings(
+        {
+            "kv_lease_duration": 2.5,
+            "abort_request_timeout": 20,
+            "bootstrap_port": 9000,
+            "bootstrap_server_address": "10.0.0.1:8998",
+            "kv_release": False,
+            "num_workers": 10,  # a MooncakeConnector key kvferry does not use
+        },
+        env={},
+    )
+    assert (s.kv_lease_duration, s.abort_request_timeout, s.bootstrap_port) == (2.5, 20.0, 9000)
+    assert s.bootstrap_server_address == "10.0.0.1:8998"
+    assert s.kv_release is False
+    assert s.ignored_keys == ("num_workers",)
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, "30", True, None, [30], math.nan, math.inf, 86401])
+def test_lease_out_of_bounds_or_not_a_number_is_an_error(bad):
+    with pytest.raises(config.ConfigError, match="kv_lease_duration"):
+        config.parse_settings({"kv_lease_duration": bad}, env={})
+
+
+def test_lease_zero_is_off_and_a_day_is_the_limit():
+    assert not config.parse_settings({"kv_lease_duration": 0}, env={}).lease_enabled
+    assert config.parse_settings({"kv_lease_duration": 86400}, env={}).kv_lease_duration == 86400
+
+
+@pytest.mark.parametrize("bad", [0, -5, "480", False, None, 1e9])
+def test_abort_request_timeout_must_be_positive_seconds(bad):
+    with pytest.raises(config.ConfigError, match="abort_request_timeout"):
+        config.parse_settings({"abort_request_timeout": bad}, env={})
+
+
+def test_abort_request_timeout_from_the_environment():
+    env = {"KVFERRY_ABORT_REQUEST_TIMEOUT": "30", "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "40"}
+    assert config.parse_settings({}, env=env).abort_request_timeout == 30
+    env = {"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "40"}
+    assert config.parse_settings({}, env=env).abort_request_timeout == 40
+    # The JSON wins over the environment.
+    assert config.parse_settings({"abort_request_timeout": 5}, env=env).abort_request_timeout == 5
+    with pytest.raises(config.ConfigError, match="KVFERRY_ABORT_REQUEST_TIMEOUT"):
+        config.parse_settings({}, env={"KVFERRY_ABORT_REQUEST_TIMEOUT": "soon"})
+    with pytest.raises(config.ConfigError, match="VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"):
+        config.parse_settings({}, env={"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": "-3"})
+
+
+def test_bootstrap_port_key_then_mooncakes_environment():
+    assert config.parse_settings({}, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "9100"}).bootstrap_port == 9100
+    assert (
+        config.parse_settings(
+            {"bootstrap_port": 0}, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "9100"}
+        ).bootstrap_port
+        == 0
+    )
+    for bad in (-1, 65536, "8998", 1.5, True):
+        with pytest.raises(config.ConfigError, match="bootstrap_port"):
+            config.parse_settings({"bootstrap_port": bad}, env={})
+    with pytest.raises(config.ConfigError, match="VLLM_MOONCAKE_BOOTSTRAP_PORT"):
+        config.parse_settings({}, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "x"})
+
+
+@pytest.mark.parametrize("bad", ["", "host", "host:", ":8998", "host:99999", 8998, None])
+def test_bootstrap_server_address_must_be_host_port(bad):
+    with pytest.raises(config.ConfigError, match="bootstrap_server_address"):
+        config.parse_settings({"bootstrap_server_address": bad}, env={})
+
+
+def test_kv_release_must_be_a_boolean():
+    with pytest.raises(config.ConfigError, match="kv_release"):
+        config.parse_settings({"kv_release": "yes"}, env={})

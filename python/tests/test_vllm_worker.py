@@ -1,0 +1,322 @@
+"""The worker half of KvferryConnector. kvferry._native does not exist yet, so these tests give the
+worker a recording stand-in (FakeNative, below) of the interface native.py specifies, and check
+the worker's side of the contract: which native calls each step's metadata makes, how KV tensors
+become regions, and that vLLM's real Scheduler accepts what the worker reports (each request
+exactly once, failures per kv_load_failure_policy)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import pytest
+
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed: run scripts/install-python.sh and use .venv/bin/python"
+)
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+import kvferry.vllm.worker as worker_module  # noqa: E402
+from kvferry.vllm import KvferryConnector  # noqa: E402
+from kvferry.vllm.native import DecodeFinished, RemoteSource  # noqa: E402
+from kvferry.vllm.worker import kv_regions  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    BLOCK_SIZE,
+    assert_scheduler_empty,
+    d_params,
+    make_kv_cache_config,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    p_params,
+    runner_output,
+    write_model_dir,
+)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+class FakeDecode:
+    def __init__(self, regions, options):
+        self.regions, self.options = regions, options
+        self.calls: list[tuple] = []
+        self.pending = DecodeFinished([], [], [])
+
+    def on_new_request(self, request_id, source):
+        self.calls.append(("on_new_request", request_id, source))
+
+    def start_load(self, request_id, source, block_ids):
+        self.calls.append(("start_load", request_id, source, block_ids))
+
+    def request_finished(self, request_id):
+        self.calls.append(("request_finished", request_id))
+
+    def take_finished(self):
+        out, self.pending = self.pending, DecodeFinished([], [], [])
+        return out
+
+    def stop(self):
+        self.calls.append(("stop",))
+
+
+class FakePrefill:
+    def __init__(self, regions, options):
+        self.regions, self.options = regions, options
+        self.calls: list[tuple] = []
+        self.events: list[tuple[str, str]] = []
+
+    def admit(self, transfer_id, handle):
+        self.calls.append(("admit", transfer_id, handle))
+
+    def prefill_done(self, transfer_id, block_ids):
+        self.calls.append(("prefill_done", transfer_id, block_ids))
+
+    def engine_finished(self, transfer_id):
+        self.calls.append(("engine_finished", transfer_id))
+
+    def take_events(self):
+        out, self.events = self.events, []
+        return out
+
+    def stop(self):
+        self.calls.append(("stop",))
+
+
+class FakeNative:
+    PrefillWorker = FakePrefill
+    DecodeWorker = FakeDecode
+
+
+def worker_connector(model_dir, role, monkeypatch, **kw):
+    monkeypatch.setattr(worker_module, "load_native", lambda: FakeNative)
+    config = make_vllm_config(model_dir, role, **kw)
+    connector = KvferryConnector(config, KVConnectorRole.WORKER, make_kv_cache_config())
+    caches = {"layer.0": torch.zeros(2, 200, BLOCK_SIZE, 1, 1)}
+    connector.register_kv_caches(caches)
+    return connector
+
+
+def engine_step(scheduler, connector, before_results=None):
+    """One step through both halves: the scheduler's metadata goes to the worker, the worker's
+    results (after the native reported, by before_results) come back to the scheduler."""
+    out = scheduler.schedule()
+    connector.bind_connector_metadata(out.kv_connector_metadata)
+    connector.start_load_kv(None)
+    connector.wait_for_save()
+    if before_results is not None:
+        before_results()
+    results = connector.get_transfer_results(out.finished_req_ids)
+    kv_output = KVConnectorOutput(
+        finished_sending=results.finished_sending,
+        finished_recving=results.finished_recving,
+        failed_recving=results.failed_recving,
+        invalid_block_ids=connector.get_block_ids_with_load_errors(),
+        kv_connector_worker_meta=connector.build_connector_worker_meta(),
+    )
+    connector.clear_connector_metadata()
+    scheduler.update_from_output(out, runner_output(out, kv_output=kv_output))
+    return out, results
+
+
+def test_worker_role_without_the_native_module_is_a_clear_import_error(model_dir):
+    config = make_vllm_config(model_dir, "kv_consumer")
+    with pytest.raises(ImportError, match=r"kvferry\._native"):
+        KvferryConnector(config, KVConnectorRole.WORKER, make_kv_cache_config())
+
+
+def test_d_worker_loads_and_reports_each_request_once(model_dir, monkeypatch):
+    d = make_scheduler(make_vllm_config(model_dir, "kv_consumer"))
+    connector = worker_connector(model_dir, "kv_consumer", monkeypatch)
+    native = connector.connector_worker.decode
+    assert connector.connector_worker.prefill is None
+    d.add_request(make_request("d1", 40, d_params("xfer-1"), max_tokens=2))
+    engine_step(d, connector)
+    source = RemoteSource("prefill-0", "http://127.0.0.1:8998", "xfer-1")
+    (blocks,) = d.kv_cache_manager.get_block_ids("d1")
+    assert native.calls == [
+        ("on_new_request", "d1", source),
+        ("start_load", "d1", source, [blocks]),
+    ]
+
+    def received():
+        # The runtime reports the request received, and again, and one it never loaded.
+        native.pending = DecodeFinished(["d1", "d1", "stranger"], ["d1"], [])
+
+    _, results = engine_step(d, connector, received)
+    assert results.finished_recving == {"d1"} and not results.failed_recving
+    out, results = engine_step(d, connector, lambda: setattr(
+        native, "pending", DecodeFinished(["d1"], [], [("d1", "late duplicate")])))
+    assert not results.finished_recving  # reported once only: vLLM asserts on a repeat
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 39
+    while d.requests:
+        engine_step(d, connector)
+    assert_scheduler_empty(d)
+    connector.shutdown()
+    assert native.calls[-1] == ("stop",)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_d_worker_reports_a_failed_load_per_policy(model_dir, monkeypatch, policy):
+    d = make_scheduler(make_vllm_config(model_dir, "kv_consumer", kv_load_failure_policy=policy))
+    connector = worker_connector(model_dir, "kv_consumer", monkeypatch)
+    native = connector.connector_worker.decode
+    d.add_request(make_request("d1", 40, d_params("xfer-1"), max_tokens=2))
+    engine_step(d, connector)
+
+    def failed():
+        native.pending = DecodeFinished([], [], [("d1", "TOMBSTONED: P freed xfer-1")])
+
+    _, results = engine_step(d, connector, failed)
+    assert results.finished_recving == {"d1"} and results.failed_recving == {"d1"}
+    if policy == "fail":
+        assert "d1" not in d.requests
+    else:
+        out, _ = engine_step(d, connector)
+        assert out.scheduled_new_reqs[0].num_computed_tokens == 0  # recomputed here
+        while d.requests:
+            engine_step(d, connector)
+    assert_scheduler_empty(d)
+
+
+def test_d_worker_releases_an_aborted_receive_and_vllm_frees_after_it_settles(
+    model_dir, monkeypatch
+):
+    d = make_scheduler(make_vllm_config(model_dir, "kv_consumer"))
+    connector = worker_connector(model_dir, "kv_consumer", monkeypatch)
+    native = connector.connector_worker.decode
+    d.add_request(make_request("d1", 40, d_params("xfer-1")))
+    engine_step(d, connector)
+    d.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+    engine_step(d, connector)
+    assert native.calls[-1] == ("request_finished", "d1")
+    assert "d1" in d.requests  # a P rank may still write: vLLM keeps the blocks
+    engine_step(d, connector, lambda: setattr(native, "pending", DecodeFinished([], ["d1"], [])))
+    assert_scheduler_empty(d)
+
+
+def test_old_two_set_path_names_failed_blocks(model_dir, monkeypatch):
+    d = make_scheduler(make_vllm_config(model_dir, "kv_consumer"))
+    connector = worker_connector(model_dir, "kv_consumer", monkeypatch)
+    native = connector.connector_worker.decode
+    d.add_request(make_request("d1", 40, d_params("xfer-1")))
+    out = d.schedule()
+    connector.bind_connector_metadata(out.kv_connector_metadata)
+    connector.start_load_kv(None)
+    native.pending = DecodeFinished([], [], [("d1", "peer failed")])
+    sending, recving = connector.get_finished(set())
+    assert sending is None and recving == {"d1"}
+    (blocks,) = d.kv_cache_manager.get_block_ids("d1")
+    assert connector.get_block_ids_with_load_errors() == set(blocks)
+    assert connector.get_block_ids_with_load_errors() == set()
+
+
+def test_p_worker_holds_until_the_runtime_frees(model_dir, monkeypatch, caplog):
+    p = make_scheduler(make_vllm_config(model_dir, "kv_producer"))
+    connector = worker_connector(model_dir, "kv_producer", monkeypatch)
+    native = connector.connector_worker.prefill
+    assert connector.connector_worker.decode is None
+    p.add_request(make_request("p1", 40, p_params("xfer-1"), max_tokens=1))
+    p.add_request(make_request("p2", 40, p_params("xfer-2"), max_tokens=1))
+    engine_step(p, connector)
+    assert native.calls == [("admit", "xfer-1", "p1"), ("admit", "xfer-2", "p2")]
+    (blocks,) = p.kv_cache_manager.get_block_ids("p1")
+    engine_step(p, connector)
+    assert ("prefill_done", "xfer-1", [blocks]) in native.calls
+    for _ in range(2):
+        engine_step(p, connector)
+    assert set(p.requests) == {"p1", "p2"}
+
+    # A stray "free" for a transfer never held is not passed on (vLLM would free a request
+    # that is not finished, or none at all).
+    _, results = engine_step(p, connector, lambda: native.events.extend(
+        [("free", "xfer-1"), ("free", "xfer-9")]))
+    assert results.finished_sending == {"p1"}
+    assert set(p.requests) == {"p2"}
+    engine_step(p, connector, lambda: native.events.append(("free", "xfer-2")))
+    assert_scheduler_empty(p)
+
+
+def test_p_worker_passes_dropped_transfers_to_the_scheduler_half(model_dir, monkeypatch, caplog):
+    p = make_scheduler(make_vllm_config(model_dir, "kv_producer"))
+    connector = worker_connector(model_dir, "kv_producer", monkeypatch)
+    native = connector.connector_worker.prefill
+    p.add_request(make_request("p1", 300, p_params("xfer-1"), max_tokens=1))
+    engine_step(p, connector)  # admitted, its prefill runs over two steps
+    with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+        engine_step(p, connector, lambda: native.events.append(("abort", "xfer-1")))
+    assert "xfer-1" in caplog.text and "dropped 1 transfer" in caplog.text
+    engine_step(p, connector)  # the prefill finishes; the runtime frees a dropped one at once
+    engine_step(p, connector, lambda: native.events.append(("free", "xfer-1")))
+    assert_scheduler_empty(p)
+
+
+def layer_bytes(region, block):
+    """The bytes of one block of one region, read through its pointer as the runtime will."""
+    return ctypes.string_at(region.data_ptr + block * region.block_stride, region.block_bytes)
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC])
+def test_regions_of_vllm_032_layer_views(layout):
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    page, num_blocks, layers = spec.page_size_bytes, 6, ["l0", "l1", "l2"]
+    if layout == KVCacheLayout.LBHNC:
+        placement = dict(layer_stride=page * num_blocks, block_stride=page)
+    else:  # block-outermost: a block holds every layer's page
+        placement = dict(layer_stride=page, block_stride=page * len(layers))
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * num_blocks * len(layers), layers=layers, **placement)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+    views = allocate_kv_cache(config, torch.device("cpu"), layout)
+    for name, view in views.items():
+        regions = kv_regions(name, view, 0, num_blocks)
+        assert len(regions) == 1
+        (region,) = regions
+        assert region.block_bytes == page
+        assert region.block_stride == placement["block_stride"]
+        assert region.nbytes == (num_blocks - 1) * region.block_stride + page
+        # Each block of the region is exactly that layer's block b: write, read back by pointer.
+        for b in range(num_blocks):
+            pattern = torch.arange(view[b].numel(), dtype=view.dtype) + b
+            view[b].copy_(pattern.reshape(view[b].shape))
+        for b in range(num_blocks):
+            assert layer_bytes(region, b) == view[b].contiguous().numpy().tobytes()
+
+
+def test_regions_of_flash_attention_kv_and_mla_tensors():
+    nb, bs, heads, dim = 7, 16, 2, 8
+    fa = torch.zeros(2, nb, bs, heads, dim, dtype=torch.float16)
+    k, v = kv_regions("fa", fa, 0, nb)
+    assert (k.part, v.part) == ("k", "v")
+    assert k.block_stride == k.block_bytes == bs * heads * dim * 2
+    assert v.data_ptr - k.data_ptr == nb * k.block_stride
+    # HND inside each block (heads before tokens in memory) is still one run per block.
+    hnd = torch.zeros(2, nb, heads, bs, dim).permute(0, 1, 3, 2, 4)
+    assert kv_regions("hnd", hnd, 0, nb)[0].block_bytes == bs * heads * dim * 4
+    (mla,) = kv_regions("mla", torch.zeros(nb, bs, 576, dtype=torch.bfloat16), 1, nb)
+    assert (mla.part, mla.group, mla.block_bytes) == ("kv", 1, bs * 576 * 2)
+    # Heads outermost across blocks: a block is not one run; the error says what to use.
+    heads_outer = torch.zeros(heads, nb, bs, dim).permute(1, 0, 2, 3)
+    with pytest.raises(ValueError, match="LBHNC"):
+        kv_regions("bad", heads_outer, 0, nb)
+    with pytest.raises(ValueError, match="block-major"):
+        kv_regions("bad", torch.zeros(5, 3), 0, nb)
