@@ -1,5 +1,5 @@
-"""The worker half of KvferryConnector. kvferry._native does not exist yet, so these tests give the
-worker a recording stand-in (FakeNative, below) of the interface native.py specifies, and check
+"""The worker half of KvferryConnector, alone: these tests give the worker a recording stand-in
+(FakeNative, below) of the interface native.py specifies, and check
 the worker's side of the contract: which native calls each step's metadata makes, how KV tensors
 become regions, and that vLLM's real Scheduler accepts what the worker reports (each request
 exactly once, failures per kv_load_failure_policy)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 
 import pytest
 
@@ -132,7 +133,9 @@ def engine_step(scheduler, connector, before_results=None):
     return out, results
 
 
-def test_worker_role_without_the_native_module_is_a_clear_import_error(model_dir):
+def test_worker_role_without_the_native_module_is_a_clear_import_error(model_dir, monkeypatch):
+    # A package installed without the native module: importing it fails.
+    monkeypatch.setitem(sys.modules, "kvferry._native", None)
     config = make_vllm_config(model_dir, "kv_consumer")
     with pytest.raises(ImportError, match=r"kvferry\._native"):
         KvferryConnector(config, KVConnectorRole.WORKER, make_kv_cache_config())

@@ -18,6 +18,9 @@ Keys of ``kv_connector_extra_config``:
     starting its own (MooncakeConnector's key).
 ``kv_release``
     D releases a transfer to P the moment its request no longer needs it; default true.
+``cluster_secret_file``
+    A file (mode 0600, 32..4096 bytes) holding the cluster secret: signed bootstrap traffic and a
+    CURVE side channel (docs/security.md), as ``kvferry serve`` takes it. Absent: an open cluster.
 
 This module imports nothing from vLLM, so the parsing is testable anywhere.
 """
@@ -42,6 +45,7 @@ KNOWN_KEYS = frozenset(
         "bootstrap_port",
         "bootstrap_server_address",
         "kv_release",
+        "cluster_secret_file",
     }
 )
 
@@ -57,6 +61,7 @@ class ConnectorSettings:
     bootstrap_port: int
     bootstrap_server_address: str | None
     kv_release: bool
+    cluster_secret_file: str | None = None
     ignored_keys: tuple[str, ...] = ()  # extra-config keys kvferry does not know (logged)
 
     @property
@@ -146,7 +151,14 @@ def parse_settings(
     if not isinstance(release, bool):
         raise ConfigError(f"kv_release must be true or false, not {release!r}")
 
+    secret = extra.get("cluster_secret_file")
+    if "cluster_secret_file" in extra and (
+        not isinstance(secret, str) or not 0 < len(secret) <= 4096
+    ):
+        raise ConfigError(f"cluster_secret_file must be a path, not {secret!r}")
+
     return ConnectorSettings(
+        cluster_secret_file=secret,
         kv_lease_duration=lease,
         abort_request_timeout=timeout,
         bootstrap_port=port,

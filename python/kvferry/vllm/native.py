@@ -1,11 +1,9 @@
 """The interface the connector's worker half needs from the native module ``kvferry._native``.
 
-The native module does not exist yet: it will wrap the C++ runtime (``src/runtime/``:
-``PrefillWorker`` / ``DecodeWorker``, one per vLLM worker process, i.e. per TP rank) with
-pybind11. This file is its specification; ``KvferryConnectorWorker`` (worker.py) is written
-against it and nothing else.
-
-``kvferry._native`` must provide::
+``kvferry._native`` (python/src/native.cc) binds the C++ runtime (``src/runtime/``:
+``PrefillWorker`` / ``DecodeWorker``, one per vLLM worker process, i.e. per TP rank);
+runtime.py adapts it to this interface, which ``KvferryConnectorWorker`` (worker.py) is written
+against and nothing else (its tests give it a recording stand-in). The interface::
 
     PrefillWorker(regions: list[KvRegion], options: WorkerOptions) -> PrefillWorker
     DecodeWorker(regions: list[KvRegion], options: WorkerOptions) -> DecodeWorker
@@ -55,6 +53,13 @@ class WorkerOptions:
     bootstrap_port: int  # P: the port of the bootstrap service it starts on its rank 0
     bootstrap_server_address: str | None  # P: register there instead (host:port)
     kv_release: bool  # D: release transfers whose request no longer needs them
+    kv_heads: int = 0  # the model's KV heads (1 for MLA: replicated on every TP rank)
+    # P: the same for every rank of one engine start, new at the next (a restart is a new
+    # process to D: runtime/prefill_worker.h).
+    incarnation: str = ""
+    side_channel_host: str = "127.0.0.1"  # P: the address D reaches this rank's side channel at
+    data_plane: str = "ucx"  # "ucx", or "inprocess" for tests within one process
+    cluster_secret_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,9 +152,12 @@ class NativeModule(Protocol):
 
 
 def load_native() -> NativeModule:
-    """Imports ``kvferry._native``; raises ImportError saying what is missing."""
+    """``kvferry._native`` behind this interface (runtime.py); raises ImportError saying what is
+    missing."""
     try:
-        return importlib.import_module("kvferry._native")  # type: ignore[return-value]
+        from kvferry.vllm.runtime import NativeRuntime
+
+        return NativeRuntime(importlib.import_module("kvferry._native"))
     except ImportError as e:
         raise ImportError(
             "kvferry's native module kvferry._native is not available, so the worker half of "

@@ -11,7 +11,9 @@ vLLM's rules this half enforces, because breaking them crashes vLLM's scheduler:
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,6 +98,38 @@ def kv_regions(
     return regions
 
 
+def _kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV heads, which TP ranks split (1 for MLA: its latent KV is replicated)."""
+    model = vllm_config.model_config
+    if model is None:
+        return 0
+    if getattr(model, "use_mla", False):
+        return 1
+    try:
+        return int(model.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0  # unknown: the runtime assumes as many as the larger TP of a pair
+
+
+def _incarnation(engine_id: str, vllm_config: VllmConfig) -> str:
+    """The same for every TP rank of one engine start and new at the next: vLLM draws
+    ``instance_id`` once per configuration in the engine's process and hands it to every
+    worker with the configuration."""
+    digest = hashlib.sha256(f"{engine_id}/{vllm_config.instance_id}".encode()).hexdigest()
+    return digest[:16]
+
+
+def _host_ip() -> str:
+    """Where D reaches P's side channel: vLLM's own choice of this host's address
+    (``VLLM_HOST_IP`` when set), as MooncakeConnector advertises it."""
+    try:
+        from vllm.utils.network_utils import get_ip
+
+        return get_ip()
+    except ImportError:
+        return os.environ.get("VLLM_HOST_IP", "127.0.0.1")
+
+
 class KvferryConnectorWorker:
     def __init__(
         self,
@@ -122,6 +156,10 @@ class KvferryConnectorWorker:
             bootstrap_port=settings.bootstrap_port,
             bootstrap_server_address=settings.bootstrap_server_address,
             kv_release=settings.kv_release,
+            kv_heads=_kv_heads(vllm_config),
+            incarnation=_incarnation(engine_id, vllm_config),
+            side_channel_host=_host_ip(),
+            cluster_secret_file=settings.cluster_secret_file,
         )
         self.regions: list[KvRegion] = []
         self.prefill: PrefillWorker | None = None

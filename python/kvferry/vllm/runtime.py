@@ -1,0 +1,258 @@
+"""kvferry._native behind the interface native.py specifies: what the connector's worker half
+calls, turned into calls on the C++ runtime (python/src/native.cc).
+
+What this layer decides:
+
+- **Planes.** The runtime moves a rank's KV as planes that share block ids and a block size
+  (runtime/kv_memory.h): block ``b`` of a plane is ``block_len`` bytes at ``base + b * block_len``.
+  Regions whose blocks are dense (stride = bytes: vLLM's heads-outermost LBHNC layout, one plane
+  per layer; flash-attention's K and V halves) become one plane each. Regions that tile one
+  block holding every layer's page (stride > bytes, side by side) become a single plane of
+  ``stride`` bytes — only for a model whose KV is replicated across TP ranks (MLA: one KV head),
+  since a head slice of such a block is not one byte range. Anything else is refused with the
+  reason at registration, never moved wrongly.
+- **One KV-cache group.** The runtime moves one list of block ids per request; a hybrid model's
+  several groups are refused at registration (vLLM then runs without the connector's HMA).
+- **P's bootstrap service** runs in P's rank-0 worker (port ``bootstrap_port``) unless
+  ``bootstrap_server_address`` names one elsewhere; every rank registers with it.
+- **Idempotence.** vLLM may tell an ending twice, and a transfer may be gone (released by D,
+  expired) before the engine reports it: such calls settle at once instead of raising, and a
+  prefill done for a transfer the runtime no longer holds is reported free at once, so its
+  blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvferry.vllm.native import (
+    DecodeFinished,
+    KvRegion,
+    RemoteSource,
+    WorkerOptions,
+)
+
+logger = logging.getLogger("kvferry.vllm")
+
+
+class LayoutError(ValueError):
+    """The KV cache's layout is one kvferry cannot move correctly."""
+
+
+def planes_of(regions: Sequence[KvRegion], kv_heads: int) -> tuple[list[tuple[int, int]], int, int]:
+    """(planes as (address, bytes), block_len, num_blocks) for the runtime; see the module doc."""
+    if not regions:
+        raise LayoutError("no KV cache region to register")
+    groups = sorted({r.group for r in regions})
+    if len(groups) > 1:
+        raise LayoutError(
+            f"the KV cache has {len(groups)} KV-cache groups (a hybrid model); kvferry moves one "
+            "group's blocks per request: run vLLM with --disable-hybrid-kv-cache-manager or a "
+            "model with one attention type"
+        )
+    num_blocks = regions[0].num_blocks
+    if any(r.num_blocks != num_blocks for r in regions):
+        raise LayoutError("KV cache regions disagree on the number of blocks")
+    if all(r.block_stride == r.block_bytes for r in regions):
+        sizes = sorted({r.block_bytes for r in regions})
+        if len(sizes) > 1:
+            raise LayoutError(
+                f"layers with different block sizes ({sizes[0]} .. {sizes[-1]} bytes): kvferry "
+                "moves planes of one block size"
+            )
+        return [(r.data_ptr, num_blocks * r.block_bytes) for r in regions], sizes[0], num_blocks
+    # Blocks that hold every layer's page: the regions must tile one block exactly.
+    stride = regions[0].block_stride
+    ordered = sorted(regions, key=lambda r: r.data_ptr)
+    tiles = all(r.block_stride == stride for r in regions)
+    for a, b in zip(ordered, ordered[1:]):
+        tiles = tiles and a.data_ptr + a.block_bytes == b.data_ptr
+    tiles = tiles and ordered[-1].data_ptr + ordered[-1].block_bytes - ordered[0].data_ptr == stride
+    if not tiles:
+        raise LayoutError(
+            "the KV cache's blocks are neither dense per layer nor one block across every layer "
+            f"(strides {sorted({r.block_stride for r in regions})}, "
+            f"block bytes {sorted({r.block_bytes for r in regions})})"
+        )
+    if kv_heads != 1:
+        raise LayoutError(
+            "each block holds every layer's page (a cross-layer layout), and a TP head slice of "
+            "such a block is not one byte range: kvferry needs the heads-outermost layout "
+            "(vLLM's LBHNC, which KvferryConnector asks for) for a model with several KV heads"
+        )
+    return [(ordered[0].data_ptr, num_blocks * stride)], stride, num_blocks
+
+
+
+def _source(source: RemoteSource) -> dict[str, str]:
+    return {
+        "transfer_id": source.transfer_id,
+        "engine_id": source.engine_id,
+        "bootstrap_address": source.bootstrap_addr,
+    }
+
+
+def _single_group(block_ids: Sequence[Sequence[int]]) -> list[int]:
+    if len(block_ids) != 1:
+        raise LayoutError(f"{len(block_ids)} KV-cache groups in one request; kvferry moves one")
+    return list(block_ids[0])
+
+
+class PrefillRuntime:
+    """One P rank (PrefillWorker in native.py)."""
+
+    def __init__(self, native: Any, regions: Sequence[KvRegion], options: WorkerOptions):
+        self._native = native
+        planes, block_len, num_blocks = planes_of(regions, options.kv_heads)
+        self._bootstrap = None
+        address = options.bootstrap_server_address
+        if not address:
+            if options.tp_rank == 0:
+                # Reachable from D and the proxy on other hosts, as MooncakeConnector's is.
+                self._bootstrap = native.BootstrapServer(
+                    host="0.0.0.0", port=options.bootstrap_port,
+                    cluster_secret_file=options.cluster_secret_file)
+                port = self._bootstrap.port
+            elif options.bootstrap_port == 0:
+                raise ValueError("bootstrap_port 0 (any free port) works only with TP 1: the "
+                                 "other ranks must know where rank 0's service listens")
+            else:
+                port = options.bootstrap_port
+            address = f"127.0.0.1:{port}"
+        self.bootstrap_port = self._bootstrap.port if self._bootstrap is not None else None
+        try:
+            self._worker = native.PrefillWorker(
+                engine_id=options.engine_id, tp_size=options.tp_size, tp_rank=options.tp_rank,
+                kv_heads=options.kv_heads, block_len=block_len, num_blocks=num_blocks,
+                planes=planes, lease_s=options.kv_lease_duration,
+                abort_request_timeout_s=options.abort_request_timeout,
+                bootstrap_address=address, side_channel_host=options.side_channel_host,
+                incarnation=options.incarnation, data_plane=options.data_plane,
+                cluster_secret_file=options.cluster_secret_file)
+        except BaseException:
+            if self._bootstrap is not None:
+                self._bootstrap.stop()
+            raise
+        self._handles = itertools.count(1)
+        self._refused: set[str] = set()  # admissions the runtime refused (tombstoned, ...)
+        self._events: list[tuple[str, str]] = []
+
+    def admit(self, transfer_id: str, handle: str) -> None:
+        try:
+            self._worker.admit(transfer_id, next(self._handles))
+        except self._native.KvferryError as e:
+            # Released by D or expired before P admitted it (TOMBSTONED), or a duplicate id:
+            # nothing will be held; its prefill done is answered "free" at once.
+            logger.warning("kvferry: P did not admit transfer %s (request %s): %s",
+                           transfer_id, handle, e)
+            self._refused.add(transfer_id)
+
+    def prefill_done(self, transfer_id: str, block_ids: Sequence[Sequence[int]]) -> None:
+        blocks = _single_group(block_ids)
+        if transfer_id in self._refused:
+            self._refused.discard(transfer_id)
+            self._events.append(("free", transfer_id))
+            return
+        try:
+            self._worker.prefill_done(transfer_id, blocks)
+        except self._native.KvferryError as e:
+            # Dropped while it prefilled (D released it, its lease lapsed): free its blocks now.
+            logger.info("kvferry: transfer %s is not held (%s); its blocks are free", transfer_id, e)
+            self._events.append(("free", transfer_id))
+
+    def engine_finished(self, transfer_id: str) -> None:
+        self._refused.discard(transfer_id)
+        try:
+            self._worker.engine_finished(transfer_id)
+        except self._native.KvferryError as e:
+            logger.debug("kvferry: engine_finished(%s): %s", transfer_id, e)
+
+    def take_events(self) -> list[tuple[str, str]]:
+        events, self._events = self._events, []
+        events += [(kind, transfer_id) for kind, transfer_id, _ in self._worker.take_events()]
+        return events
+
+    def stats(self) -> dict[str, int]:
+        return self._worker.stats()
+
+    def stop(self) -> None:
+        try:
+            self._worker.stop()
+        finally:
+            if self._bootstrap is not None:
+                self._bootstrap.stop()
+                self._bootstrap = None
+
+
+class DecodeRuntime:
+    """One D rank (DecodeWorker in native.py)."""
+
+    def __init__(self, native: Any, regions: Sequence[KvRegion], options: WorkerOptions):
+        self._native = native
+        planes, block_len, num_blocks = planes_of(regions, options.kv_heads)
+        self._worker = native.DecodeWorker(
+            engine_id=options.engine_id, tp_size=options.tp_size, tp_rank=options.tp_rank,
+            block_len=block_len, num_blocks=num_blocks, planes=planes,
+            lease_s=options.kv_lease_duration,
+            abort_request_timeout_s=options.abort_request_timeout,
+            data_plane=options.data_plane, cluster_secret_file=options.cluster_secret_file,
+            send_releases=options.kv_release)
+        # Failed loads whose blocks a P peer may still write: reported once they are released.
+        self._quarantined: dict[str, str] = {}
+        self._failed: list[tuple[str, str]] = []  # loads refused before anything was sent
+
+    def on_new_request(self, request_id: str, source: RemoteSource) -> None:
+        self._worker.on_new_request(request_id, _source(source))
+
+    def start_load(self, request_id: str, source: RemoteSource,
+                   block_ids: Sequence[Sequence[int]]) -> None:
+        try:
+            self._worker.start_load(request_id, _source(source), _single_group(block_ids))
+        except (self._native.KvferryError, LayoutError) as e:
+            self._failed.append((request_id, str(e)))  # nothing was sent: nothing can write
+
+    def request_finished(self, request_id: str) -> None:
+        self._worker.request_finished(request_id)
+
+    def take_finished(self) -> DecodeFinished:
+        got = self._worker.take_finished()
+        received: list[str] = []
+        aborted, self._failed = self._failed, []
+        for request_id, ok, error, _invalid, quarantined in got["received"]:
+            if ok:
+                received.append(request_id)
+            elif quarantined:
+                self._quarantined[request_id] = error
+            else:
+                aborted.append((request_id, error))
+        for request_id, _blocks in got["released"]:
+            error = self._quarantined.pop(request_id, None)
+            if error is not None:
+                aborted.append((request_id, error))
+        # Transfers P dropped while their request still queued here: the worker half has no
+        # load for them, so they need no report; their load, if it comes, fails at once.
+        for request_id, why in got["aborted"]:
+            logger.info("kvferry: P dropped the transfer of queued request %s: %s", request_id, why)
+        return DecodeFinished(received=received, released=[], aborted=aborted)
+
+    def stats(self) -> dict[str, int]:
+        return self._worker.stats()
+
+    def stop(self) -> None:
+        self._worker.stop()
+
+
+class NativeRuntime:
+    """The NativeModule of native.py over kvferry._native."""
+
+    def __init__(self, native: Any):
+        self._native = native
+
+    def PrefillWorker(self, regions: list[KvRegion], options: WorkerOptions) -> PrefillRuntime:  # noqa: N802
+        return PrefillRuntime(self._native, regions, options)
+
+    def DecodeWorker(self, regions: list[KvRegion], options: WorkerOptions) -> DecodeRuntime:  # noqa: N802
+        return DecodeRuntime(self._native, regions, options)
