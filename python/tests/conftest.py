@@ -10,6 +10,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # kvferry._native from the C++ build (scripts/test.sh builds it in build/ with KVFERRY_PYTHON=ON).
 _build = Path(os.environ.get("KVFERRY_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
 sys.path.insert(1, str(_build / "python"))
+# For processes the tests start (python/tests/p_rank_process.py): the same two directories.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(Path(__file__).resolve().parents[1]), str(_build / "python")]
+    + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+)
 
 # Set before vLLM or huggingface_hub is imported: they read these once.
 os.environ["HF_HUB_OFFLINE"] = "1"
