@@ -53,3 +53,13 @@ def test_layers_of_different_block_sizes_are_refused():
 def test_no_region_is_refused():
     with pytest.raises(LayoutError):
         planes_of([], 8)
+
+
+def test_a_kv_cache_off_the_host_is_refused_before_anything_is_registered():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm", reason="kvferry.vllm.worker imports vLLM")
+    from kvferry.vllm.worker import kv_regions
+
+    on_device = torch.empty((2, 8, 16, 2, 8), device="meta")  # no host memory behind it
+    with pytest.raises(ValueError, match="host memory only"):
+        kv_regions("layer.0", on_device, 0, 8)

@@ -60,7 +60,14 @@ def kv_regions(
     - flash-attention's separate K and V: ``[2, num_blocks, block_size, heads, head_size]``.
 
     Each block's bytes must be one dense run (any order inside it), or ValueError names why.
+    Host memory only: kvferry's data plane registers no device memory (transport::MemoryKind
+    kCuda is reserved), so a KV cache on a GPU is refused here, before anything is registered.
     """
+    if cache.device.type != "cpu":
+        raise ValueError(
+            f"layer {layer_name}: the KV cache lives on {cache.device}; kvferry moves host "
+            "memory only (its CUDA memory kind is reserved, docs/vllm.md)"
+        )
     element = cache.element_size()
     if cache.dim() == 5 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
         parts = [("k", cache[0]), ("v", cache[1])]
