@@ -316,3 +316,55 @@ def test_an_abort_during_the_load_frees_ds_blocks_only_once_it_settled(model_dir
     finally:
         d.shutdown()
         p.shutdown()
+
+
+HOSTILE_D_PARAMS = [
+    {"do_remote_prefill": "yes", "remote_engine_id": 7, "remote_bootstrap_addr": None,
+     "transfer_id": ["x"]},                                   # mistyped: prefilled here
+    {"do_remote_prefill": True, "transfer_id": "xfer-h1"},    # fields missing: prefilled here
+    {"do_remote_prefill": True, "remote_engine_id": "e" * 100000,
+     "remote_bootstrap_addr": "http://127.0.0.1:1", "transfer_id": "t" * 100000},  # huge ids
+    {"do_remote_prefill": True, "remote_engine_id": "prefill-nowhere",
+     "remote_bootstrap_addr": "http://127.0.0.1:1", "transfer_id": "xfer-h3"},  # no bootstrap
+    {"do_remote_prefill": True, "remote_engine_id": "prefill-x",
+     "remote_bootstrap_addr": "gopher://[::1", "transfer_id": "xfer-h4"},  # not an address
+]
+
+
+def test_hostile_kv_transfer_params_fail_their_request_and_crash_nothing(model_dir):
+    """What an HTTP client puts in kv_transfer_params reaches the connector unchecked by vLLM
+    (beyond being a dict): every request either prefills locally or fails with a reason, the
+    engine keeps serving, and nothing leaks."""
+    p, d, engine_id = pair(model_dir)
+    try:
+        for i, params in enumerate(HOSTILE_D_PARAMS):
+            d.scheduler.add_request(make_request(f"h{i}", len(PROMPT), params, max_tokens=2,
+                                                 prompt=PROMPT))
+        run_until([d], lambda: not d.scheduler.requests, timeout_s=20)
+        # P: a transfer id far beyond the wire's bound is refused by the runtime, and the
+        # request's blocks still go back to vLLM.
+        prefill(p, "p-huge", "x" * 100000, PROMPT)
+        run_until([p], lambda: not p.scheduler.requests)
+        # Both still serve a well-formed transfer afterwards.
+        prefill(p, "p1", "xfer-ok", PROMPT)
+        d.scheduler.add_request(make_request("d-ok", len(PROMPT),
+                                             d_params("xfer-ok", p, engine_id), max_tokens=2,
+                                             prompt=PROMPT))
+        received = []
+
+        def watch():
+            _, results, _ = d.step()
+            received.extend(results.finished_recving - results.failed_recving)
+            p.step()
+
+        deadline = time.monotonic() + 10
+        while d.scheduler.requests or p.scheduler.requests:
+            assert time.monotonic() < deadline
+            watch()
+            time.sleep(0.005)
+        assert received == ["d-ok"]
+        assert_scheduler_empty(d.scheduler, 64)
+        assert_scheduler_empty(p.scheduler, 64)
+    finally:
+        d.shutdown()
+        p.shutdown()
