@@ -107,6 +107,20 @@ std::chrono::milliseconds Millis(double seconds, const char* what) {
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
 }
 
+// What every rank takes, P or D.
+struct RankConfig {
+  std::string engine_id;
+  std::uint32_t tp_size = 1;
+  std::uint32_t tp_rank = 0;
+  std::uint64_t block_len = 0;
+  std::uint32_t num_blocks = 0;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> planes;
+  double lease_s = 0;
+  double abort_request_timeout_s = 480;
+  std::string data_plane = "ucx";
+  std::optional<std::string> cluster_secret_file;
+};
+
 // ---- P ----
 
 // One P rank. The engine admits a request (with its transfer id), reports its prefill done with
@@ -114,22 +128,12 @@ std::chrono::milliseconds Millis(double seconds, const char* what) {
 // ("free") or the request should stop ("abort").
 class PyPrefillWorker {
  public:
-  struct Config {
-    std::string engine_id;
-    std::uint32_t tp_size = 1;
-    std::uint32_t tp_rank = 0;
+  struct Config : RankConfig {
     std::uint32_t dp_rank = 0;
     std::uint32_t kv_heads = 0;
-    std::uint64_t block_len = 0;
-    std::uint32_t num_blocks = 0;
-    std::vector<std::pair<std::uintptr_t, std::size_t>> planes;
-    double lease_s = 0;
-    double abort_request_timeout_s = 480;
     std::string bootstrap_address;
     std::string side_channel_host = "127.0.0.1";
     std::string incarnation;
-    std::string data_plane = "ucx";
-    std::optional<std::string> cluster_secret_file;
   };
 
   explicit PyPrefillWorker(const Config& c)
@@ -335,17 +339,7 @@ runtime::RemoteSource Source(const py::dict& d) {
 
 class PyDecodeWorker {
  public:
-  struct Config {
-    std::string engine_id;
-    std::uint32_t tp_size = 1;
-    std::uint32_t tp_rank = 0;
-    std::uint64_t block_len = 0;
-    std::uint32_t num_blocks = 0;
-    std::vector<std::pair<std::uintptr_t, std::size_t>> planes;
-    double lease_s = 0;
-    double abort_request_timeout_s = 480;
-    std::string data_plane = "ucx";
-    std::optional<std::string> cluster_secret_file;
+  struct Config : RankConfig {
     bool send_releases = true;
   };
 
@@ -454,6 +448,23 @@ class PyDecodeWorker {
   std::unique_ptr<runtime::DecodeWorker> worker_;
 };
 
+void SetRank(RankConfig& c, std::string engine_id, std::uint32_t tp_size, std::uint32_t tp_rank,
+             std::uint64_t block_len, std::uint32_t num_blocks,
+             std::vector<std::pair<std::uintptr_t, std::size_t>> planes, double lease_s,
+             double abort_request_timeout_s, std::string data_plane,
+             std::optional<std::string> cluster_secret_file) {
+  c.engine_id = std::move(engine_id);
+  c.tp_size = tp_size;
+  c.tp_rank = tp_rank;
+  c.block_len = block_len;
+  c.num_blocks = num_blocks;
+  c.planes = std::move(planes);
+  c.lease_s = lease_s;
+  c.abort_request_timeout_s = abort_request_timeout_s;
+  c.data_plane = std::move(data_plane);
+  c.cluster_secret_file = std::move(cluster_secret_file);
+}
+
 // ---- the bootstrap service (P's scheduler process runs one, as vLLM's Mooncake P does) ----
 
 class PyBootstrapServer {
@@ -505,21 +516,14 @@ PYBIND11_MODULE(_native, m) {
                        std::string incarnation, std::string data_plane,
                        std::optional<std::string> cluster_secret_file) {
              PyPrefillWorker::Config c;
-             c.engine_id = std::move(engine_id);
-             c.tp_size = tp_size;
-             c.tp_rank = tp_rank;
+             SetRank(c, std::move(engine_id), tp_size, tp_rank, block_len, num_blocks,
+                     std::move(planes), lease_s, abort_request_timeout_s, std::move(data_plane),
+                     std::move(cluster_secret_file));
              c.dp_rank = dp_rank;
              c.kv_heads = kv_heads;
-             c.block_len = block_len;
-             c.num_blocks = num_blocks;
-             c.planes = std::move(planes);
-             c.lease_s = lease_s;
-             c.abort_request_timeout_s = abort_request_timeout_s;
              c.bootstrap_address = std::move(bootstrap_address);
              c.side_channel_host = std::move(side_channel_host);
              c.incarnation = std::move(incarnation);
-             c.data_plane = std::move(data_plane);
-             c.cluster_secret_file = std::move(cluster_secret_file);
              return std::make_unique<PyPrefillWorker>(c);
            }),
            py::kw_only(), py::arg("engine_id"), py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
@@ -545,16 +549,9 @@ PYBIND11_MODULE(_native, m) {
                        double lease_s, double abort_request_timeout_s, std::string data_plane,
                        std::optional<std::string> cluster_secret_file, bool send_releases) {
              PyDecodeWorker::Config c;
-             c.engine_id = std::move(engine_id);
-             c.tp_size = tp_size;
-             c.tp_rank = tp_rank;
-             c.block_len = block_len;
-             c.num_blocks = num_blocks;
-             c.planes = std::move(planes);
-             c.lease_s = lease_s;
-             c.abort_request_timeout_s = abort_request_timeout_s;
-             c.data_plane = std::move(data_plane);
-             c.cluster_secret_file = std::move(cluster_secret_file);
+             SetRank(c, std::move(engine_id), tp_size, tp_rank, block_len, num_blocks,
+                     std::move(planes), lease_s, abort_request_timeout_s, std::move(data_plane),
+                     std::move(cluster_secret_file));
              c.send_releases = send_releases;
              return std::make_unique<PyDecodeWorker>(c);
            }),
