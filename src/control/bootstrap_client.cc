@@ -20,10 +20,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Answer size limits: one engine of kMaxWorkersPerEngine workers with maximal strings is about
-// 600 KB; a full listing is bounded by kMaxRank such engines but is a debugging aid, so a
-// smaller cap is fine.
+// 600 KB; a full listing (kMaxListAnswerBytes, bootstrap_json.h) is bounded by kMaxRank such
+// engines, far beyond any real deployment, so a smaller cap is fine.
 constexpr std::size_t kMaxEngineAnswer = 1 << 20;
-constexpr std::size_t kMaxListAnswer = 16 << 20;
 constexpr std::size_t kMaxSmallAnswer = 64 << 10;
 
 bool IsPrintable(std::string_view s) {
@@ -369,7 +368,8 @@ Result<EngineInfo> BootstrapClient::Query(const std::string& engine_id, Timeout 
 }
 
 Result<std::vector<EngineInfo>> BootstrapClient::QueryAll(Timeout timeout) const {
-  auto reply = Call(address_, "GET", "/query", nullptr, Clock::now() + timeout, kMaxListAnswer);
+  auto reply =
+      Call(address_, "GET", "/query", nullptr, Clock::now() + timeout, kMaxListAnswerBytes);
   if (!reply) return tl::unexpected(reply.error());
   const std::string what = fmt::format("listing engines at bootstrap {}", address_.ToString());
   if (Status s = CheckAnswer(secret_, *reply, "/query", what, /*refuse_signed_if_open=*/false);
@@ -378,6 +378,23 @@ Result<std::vector<EngineInfo>> BootstrapClient::QueryAll(Timeout timeout) const
   }
   if (reply->status != 200) return tl::unexpected(StatusForAnswer(*reply, what));
   auto engines = DecodeEngines(reply->body);
+  if (!engines) {
+    return Err(ErrorCode::kProtocol, fmt::format("{}: {}", what, engines.error().message()));
+  }
+  return engines;
+}
+
+Result<std::vector<DpEngine>> BootstrapClient::QueryDpEngines(Timeout timeout) const {
+  auto reply =
+      Call(address_, "GET", "/query", nullptr, Clock::now() + timeout, kMaxListAnswerBytes);
+  if (!reply) return tl::unexpected(reply.error());
+  const std::string what = fmt::format("listing engines at bootstrap {}", address_.ToString());
+  if (Status s = CheckAnswer(secret_, *reply, "/query", what, /*refuse_signed_if_open=*/false);
+      !s.ok()) {
+    return tl::unexpected(std::move(s));
+  }
+  if (reply->status != 200) return tl::unexpected(StatusForAnswer(*reply, what));
+  auto engines = DecodeDpEngines(reply->body);
   if (!engines) {
     return Err(ErrorCode::kProtocol, fmt::format("{}: {}", what, engines.error().message()));
   }

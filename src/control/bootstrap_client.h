@@ -81,8 +81,16 @@ class BootstrapClient {
   // answer about another engine), kUnauthenticated for an answer whose signature is missing or
   // wrong (see the class comment), kTimeout / kUnavailable for transport failures.
   [[nodiscard]] Result<EngineInfo> Query(const std::string& engine_id, Timeout timeout) const;
-  // Every engine the service knows, sorted by engine_id.
+  // Every engine the service knows (GET /query), sorted by dp_rank; one attempt. Errors as
+  // Query's, except that a signed answer is accepted without a secret.
   [[nodiscard]] Result<std::vector<EngineInfo>> QueryAll(Timeout timeout) const;
+  // The same listing read as a router reads it (DecodeDpEngines): the engine id of each dp
+  // rank, from kvferry's bootstrap or a vLLM Mooncake bootstrap; one attempt. Without a secret
+  // a signed answer is accepted (a router takes no part in the cluster's side channels); with
+  // one, only an answer signed with it (kUnauthenticated otherwise). kProtocol for an answer
+  // that is malformed or breaks a limit (over kMaxListAnswerBytes included), kTimeout /
+  // kUnavailable for transport failures, the server's reason for a non-200 answer.
+  [[nodiscard]] Result<std::vector<DpEngine>> QueryDpEngines(Timeout timeout) const;
   // OK if GET /health answers 200 {"status":"ok"} in time.
   [[nodiscard]] Status Health(Timeout timeout) const;
 

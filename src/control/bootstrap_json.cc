@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "control/json_limits.h"
 
@@ -136,6 +138,63 @@ json EngineToJson(const EngineInfo& info) {
           {"workers", std::move(workers)}};
 }
 
+// A listing entry: the engine object plus Mooncake's worker_addr map (tp_rank -> pp_rank ->
+// side channel), so that a router written for vLLM's Mooncake bootstrap reads it too.
+json EngineToListEntry(const EngineInfo& info) {
+  json entry = EngineToJson(info);
+  json addresses = json::object();
+  for (const WorkerAddress& w : info.workers) {
+    addresses[std::to_string(w.tp_rank)][std::to_string(w.pp_rank)] = w.side_channel;
+  }
+  entry["worker_addr"] = std::move(addresses);
+  return entry;
+}
+
+// At most 32 printable bytes of text from the network, for an error message.
+std::string Excerpt(std::string_view text) {
+  std::string out;
+  for (char c : text.substr(0, 32)) out.push_back(c >= 0x20 && c <= 0x7e ? c : '?');
+  if (text.size() > 32) out += "...";
+  return out;
+}
+
+// A listing's key: the decimal dp rank, as Python writes an int key ("0", "17"; no sign, no
+// leading zero), below kMaxRank.
+bool ParseDpKey(std::string_view key, std::uint32_t& out) {
+  if (key.empty() || key.size() > 4 || (key.size() > 1 && key[0] == '0')) return false;
+  std::uint32_t value = 0;
+  for (char c : key) {
+    if (c < '0' || c > '9') return false;
+    value = value * 10 + static_cast<std::uint32_t>(c - '0');
+  }
+  if (value >= kMaxRank) return false;
+  out = value;
+  return true;
+}
+
+// The outer object of a listing, bounded before the parser sees it.
+Result<json> ParseListing(std::string_view body) {
+  constexpr ErrorCode kBad = ErrorCode::kProtocol;
+  if (body.size() > kMaxListAnswerBytes) {
+    return Err(
+        kBad, fmt::format("listing: body is {} bytes, limit {}", body.size(), kMaxListAnswerBytes));
+  }
+  if (JsonDepth(body) > kMaxJsonDepth) {
+    return Err(kBad, fmt::format("listing: JSON nested deeper than {} levels", kMaxJsonDepth));
+  }
+  if (JsonValues(body) > kMaxJsonValues) {
+    return Err(kBad, fmt::format("listing: more than {} JSON values", kMaxJsonValues));
+  }
+  json j = json::parse(body, /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Err(kBad, "listing: body is not valid JSON");
+  if (!j.is_object()) return Err(kBad, "listing: body must be a JSON object keyed by dp rank");
+  if (j.size() > kMaxRank) {
+    return Err(kBad,
+               fmt::format("listing: {} entries, limit {} (one per dp rank)", j.size(), kMaxRank));
+  }
+  return j;
+}
+
 Result<EngineInfo> EngineFromJson(const json& j) {
   constexpr ErrorCode kBad = ErrorCode::kProtocol;
   if (!j.is_object()) return Err(kBad, "query answer: an engine must be a JSON object");
@@ -212,9 +271,9 @@ Result<WorkerRegistration> DecodeRegistration(std::string_view body) {
 std::string EncodeEngine(const EngineInfo& info) { return Dump(EngineToJson(info)); }
 
 std::string EncodeEngines(const std::vector<EngineInfo>& engines) {
-  json list = json::array();
-  for (const EngineInfo& e : engines) list.push_back(EngineToJson(e));
-  return Dump({{"engines", std::move(list)}});
+  json listing = json::object();
+  for (const EngineInfo& e : engines) listing[std::to_string(e.dp_rank)] = EngineToListEntry(e);
+  return Dump(listing);
 }
 
 Result<EngineInfo> DecodeEngine(std::string_view body) {
@@ -224,21 +283,72 @@ Result<EngineInfo> DecodeEngine(std::string_view body) {
 }
 
 Result<std::vector<EngineInfo>> DecodeEngines(std::string_view body) {
-  // A full listing may exceed one request body's limit; the caller bounds the response size.
-  json j = json::parse(body, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) {
-    return Err(ErrorCode::kProtocol, "query answer: body is not a JSON object");
-  }
-  Reader in(j, "query answer");
-  const json* list = in.Array("engines");
-  if (list == nullptr) return Err(ErrorCode::kProtocol, in.error());
+  constexpr ErrorCode kBad = ErrorCode::kProtocol;
+  auto j = ParseListing(body);
+  if (!j) return tl::unexpected(j.error());
   std::vector<EngineInfo> out;
-  out.reserve(std::min<std::size_t>(list->size(), kMaxRank));
-  for (const json& e : *list) {
-    auto info = EngineFromJson(e);
+  out.reserve(j->size());
+  for (const auto& [key, value] : j->items()) {
+    std::uint32_t dp_rank = 0;
+    if (!ParseDpKey(key, dp_rank)) {
+      return Err(
+          kBad, fmt::format("listing: key '{}' is not a dp rank below {}", Excerpt(key), kMaxRank));
+    }
+    auto info = EngineFromJson(value);
     if (!info) return tl::unexpected(info.error());
+    if (info->dp_rank != dp_rank) {
+      return Err(kBad, fmt::format("listing: the entry of dp rank {} is engine {} of dp rank {}",
+                                   dp_rank, info->engine_id, info->dp_rank));
+    }
     out.push_back(std::move(*info));
   }
+  std::sort(out.begin(), out.end(),
+            [](const EngineInfo& a, const EngineInfo& b) { return a.dp_rank < b.dp_rank; });
+  return out;
+}
+
+Result<std::vector<DpEngine>> DecodeDpEngines(std::string_view body) {
+  constexpr ErrorCode kBad = ErrorCode::kProtocol;
+  auto j = ParseListing(body);
+  if (!j) return tl::unexpected(j.error());
+  std::vector<DpEngine> out;
+  out.reserve(j->size());
+  std::set<std::string> seen;
+  for (const auto& [key, value] : j->items()) {
+    DpEngine e;
+    if (!ParseDpKey(key, e.dp_rank)) {
+      return Err(
+          kBad, fmt::format("listing: key '{}' is not a dp rank below {}", Excerpt(key), kMaxRank));
+    }
+    if (!value.is_object()) {
+      return Err(kBad,
+                 fmt::format("listing: the entry of dp rank {} must be a JSON object", e.dp_rank));
+    }
+    const std::string what = fmt::format("listing: dp rank {}", e.dp_rank);
+    Reader in(value, what);
+    if (!in.String("engine_id", e.engine_id)) return Err(kBad, in.error());
+    if (e.engine_id.empty() || !std::all_of(e.engine_id.begin(), e.engine_id.end(),
+                                            [](char c) { return c >= 0x20 && c <= 0x7e; })) {
+      return Err(kBad, fmt::format("{}: engine_id must be 1 to {} bytes of printable ASCII", what,
+                                   kMaxStringBytes));
+    }
+    if (value.contains("complete") && !in.Bool("complete", e.complete)) {
+      return Err(kBad, in.error());
+    }
+    if (value.contains("dp_rank")) {
+      std::uint32_t stated = 0;
+      if (!in.Uint("dp_rank", stated)) return Err(kBad, in.error());
+      if (stated != e.dp_rank) {
+        return Err(kBad, fmt::format("{}: the entry says dp_rank {}", what, stated));
+      }
+    }
+    if (!seen.insert(e.engine_id).second) {
+      return Err(kBad, fmt::format("{}: engine {} is listed on two dp ranks", what, e.engine_id));
+    }
+    out.push_back(std::move(e));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const DpEngine& a, const DpEngine& b) { return a.dp_rank < b.dp_rank; });
   return out;
 }
 

@@ -6,7 +6,8 @@
 //                                                      400 malformed, 409 conflict, 503 full,
 //                                                      401 unsigned/forged (with a secret)
 //   GET  /query?engine_id=X  one engine (EngineInfo) -> 200, 400 bad id, 404 unknown engine
-//   GET  /query              {"engines":[...]}       -> 200
+//   GET  /query              every engine by dp rank -> 200 {"<dp_rank>": {<engine>,
+//                            "worker_addr": ...}}: vLLM's Mooncake bootstrap's shape
 //   GET  /health             {"status":"ok"}         -> 200
 // Every 4xx/5xx answer is {"error": reason}. The registration rules are BootstrapRegistry's;
 // wire formats and limits are in docs/bootstrap.md. The HTTP side is control::HttpServer

@@ -95,6 +95,19 @@ struct EngineInfo {
   friend bool operator==(const EngineInfo&, const EngineInfo&) = default;
 };
 
+// One engine of a bootstrap service as its listing (GET /query without a parameter) names it:
+// what a router needs to send requests to that engine. The listing of a vLLM Mooncake
+// bootstrap has the same shape, without kvferry's fields (docs/bootstrap.md).
+struct DpEngine {
+  std::uint32_t dp_rank = 0;  // < kMaxRank; one engine per dp_rank
+  std::string engine_id;      // 1..kMaxStringBytes of printable ASCII
+  // False while some of the engine's ranks have not registered (kvferry's `complete`): D would
+  // refuse to pair with it. A listing without the field (Mooncake's) counts as complete.
+  bool complete = true;
+
+  friend bool operator==(const DpEngine&, const DpEngine&) = default;
+};
+
 // OK, or kProtocol describing why `info` cannot have come from a correct bootstrap service
 // (limits as in Validate, a worker outside tp_size x pp_size or of another dp_rank, duplicates,
 // unsorted workers, or `complete` disagreeing with the workers). D checks every query answer.

@@ -149,10 +149,11 @@ CompletionOutcome PostCompletion(const CompletionCall& call) {
 
   httplib::Request req;
   req.method = "POST";
-  req.path = "/v1/completions";
+  req.path = call.path;
   req.body = call.body;
   req.set_header("Content-Type", "application/json");
   if (call.stream) req.set_header("Accept", "text/event-stream");
+  for (const auto& [name, value] : call.headers) req.set_header(name, value);
   // A cancel that lands before the request is on the wire only closes an idle socket (httplib
   // then reconnects): checking the group here makes it stick.
   auto cancelled_now = [&] { return call.cancel != nullptr && call.cancel->cancelled(); };

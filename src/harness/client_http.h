@@ -13,6 +13,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kvferry::harness {
@@ -94,6 +95,8 @@ struct CompletionCall {
   double timeout_s = 600;         // overall deadline (also the per-read timeout)
   CancelGroup* cancel = nullptr;  // optional: CancelAll() aborts the call
   ConnectGate* gate = nullptr;    // optional: connect through the gate (see ConnectGate)
+  std::string path = "/v1/completions";                           // or /v1/chat/completions
+  std::vector<std::pair<std::string, std::string>> headers = {};  // sent besides Content-Type
 };
 CompletionOutcome PostCompletion(const CompletionCall& call);
 

@@ -1,14 +1,25 @@
-// `kvferry proxy`: the disaggregated-serving router (src/harness/client_proxy.h).
+// `kvferry proxy`: the disaggregated-serving router (src/harness/client_proxy.h). It takes the
+// command line of vLLM's example Mooncake proxy as well as kvferry's own:
 //
+//   kvferry proxy --host 127.0.0.1 --port 8000 --prefill http://10.0.0.1:8010 [8998|none]
+//                 --prefill http://10.0.0.2:8010 --decode http://10.0.0.3:8020
 //   kvferry proxy --port 8000 --prefill http://127.0.0.1:8010 --prefill-bootstrap 127.0.0.1:8998
 //                 --prefill-engine-id p0 --decode http://127.0.0.1:8020
 //
-// --prefill, --prefill-bootstrap and --prefill-engine-id may be repeated (the i-th of each make
-// one P instance), as may --decode; requests go round-robin. Stops on SIGINT/SIGTERM.
+// --prefill and --decode may be repeated. The value after a --prefill URL is P's bootstrap port
+// on the URL's host (8998 when absent; `none`: P has no bootstrap). --prefill-bootstrap and
+// --prefill-engine-id, when given, are given once per --prefill (the i-th of each belongs to
+// the i-th P); a P's bootstrap named twice, or a count of either that does not match the Ps,
+// is refused at start with the rule (harness::PrefillTargetsFromFlags, which states them all).
+// A P without --prefill-engine-id has its engine ids learned from its bootstrap once it
+// answers /health: until every P is ready, completions get 503 with the reason. Requests go
+// round-robin over (P, dp rank) and over D. Exits 2 on a refused command line, 1 when it cannot
+// start; stops on SIGINT/SIGTERM.
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -20,33 +31,45 @@ namespace kvferry::tools {
 namespace {
 
 struct ProxyCli {
+  std::string host = "127.0.0.1";
   int port = 8000;
-  std::vector<std::string> prefill, bootstrap, engine_id, decode;
+  harness::ProxyPrefillFlags prefill;
+  std::vector<std::string> decode;
   double prefill_timeout_s = 900, decode_timeout_s = 900;
   int threads = 512;
+  double ready_attempt_timeout_s = 2, ready_retry_interval_s = 1, ready_log_interval_s = 10;
+  std::string cluster_secret_file;
 };
 
 int RunProxy(const ProxyCli& c) {
-  if (c.prefill.empty() || c.decode.empty()) {
-    std::fprintf(stderr, "proxy: need at least one --prefill and one --decode\n");
+  auto prefills = harness::PrefillTargetsFromFlags(c.prefill);
+  if (!prefills) {
+    std::fprintf(stderr, "proxy: %s\n", prefills.error().message().c_str());
     return 2;
   }
-  if (c.bootstrap.size() != c.prefill.size() || c.engine_id.size() != c.prefill.size()) {
+  if (c.decode.empty()) {
+    std::fprintf(stderr, "proxy: give at least one --decode URL\n");
+    return 2;
+  }
+  if (!(c.ready_attempt_timeout_s > 0) || !(c.ready_retry_interval_s > 0) ||
+      !(c.ready_log_interval_s > 0)) {
     std::fprintf(stderr,
-                 "proxy: give one --prefill-bootstrap and one --prefill-engine-id per --prefill "
-                 "(%zu prefill, %zu bootstrap, %zu engine id)\n",
-                 c.prefill.size(), c.bootstrap.size(), c.engine_id.size());
+                 "proxy: --ready-attempt-timeout, --ready-retry-interval and "
+                 "--ready-log-interval must be positive\n");
     return 2;
   }
   harness::ProxyOptions o;
+  o.host = c.host;
   o.port = c.port;
-  for (std::size_t i = 0; i < c.prefill.size(); ++i) {
-    o.prefills.push_back({c.prefill[i], c.bootstrap[i], c.engine_id[i]});
-  }
+  o.prefills = std::move(*prefills);
   o.decodes = c.decode;
   o.prefill_timeout_s = c.prefill_timeout_s;
   o.decode_timeout_s = c.decode_timeout_s;
   o.threads = c.threads;
+  o.ready_attempt_timeout_s = c.ready_attempt_timeout_s;
+  o.ready_retry_interval_s = c.ready_retry_interval_s;
+  o.ready_log_interval_s = c.ready_log_interval_s;
+  o.cluster_secret_file = c.cluster_secret_file;
 
   // Signals are taken synchronously by this thread; every thread the proxy starts inherits
   // the blocked mask.
@@ -66,8 +89,10 @@ int RunProxy(const ProxyCli& c) {
     std::fprintf(stderr, "proxy: %s\n", error.c_str());
     return 1;
   }
-  std::fprintf(stderr, "proxy: listening on 127.0.0.1:%d (%zu prefill, %zu decode)\n", proxy.port(),
-               o.prefills.size(), o.decodes.size());
+  const bool v6 = o.host.find(':') != std::string::npos;
+  std::fprintf(stderr, "proxy: listening on %s%s%s:%d (%zu prefill, %zu decode)%s\n", v6 ? "[" : "",
+               o.host.c_str(), v6 ? "]" : "", proxy.port(), o.prefills.size(), o.decodes.size(),
+               proxy.readiness().ready ? "" : "; learning prefill engine ids, 503 until ready");
   int sig = 0;
   sigwait(&set, &sig);
   std::fprintf(stderr, "proxy: signal %d, stopping\n", sig);
@@ -87,14 +112,18 @@ void AddProxyCommand(CLI::App& app, int& exit_code) {
   CLI::App* cmd = app.add_subcommand("proxy",
                                      "P/D router: P's copy in the background, D's "
                                      "answer streamed back");
-  cmd->add_option("--port", c->port, "listen on 127.0.0.1:PORT")->capture_default_str();
-  cmd->add_option("--prefill", c->prefill, "P's URL, e.g. http://127.0.0.1:8010 (repeatable)")
+  cmd->add_option("--host", c->host, "listen on this address")->capture_default_str();
+  cmd->add_option("--port", c->port, "listen on this port")->capture_default_str();
+  // Each occurrence is kept apart: `--prefill URL 8998 --prefill URL2` is two Ps.
+  cmd->add_option("--prefill", c->prefill.prefill,
+                  "P's URL and, optionally, its bootstrap port on the URL's host (default 8998) "
+                  "or 'none' (repeatable): --prefill http://10.0.0.1:8010 [8998|none]")
+      ->expected(1, 2)
       ->required();
-  cmd->add_option("--prefill-bootstrap", c->bootstrap,
-                  "P's bootstrap address, e.g. 127.0.0.1:8998 (one per --prefill)")
-      ->required();
-  cmd->add_option("--prefill-engine-id", c->engine_id, "P's engine_id (one per --prefill)")
-      ->required();
+  cmd->add_option("--prefill-bootstrap", c->prefill.bootstrap,
+                  "P's bootstrap address, e.g. 127.0.0.1:8998 (one per --prefill, or none)");
+  cmd->add_option("--prefill-engine-id", c->prefill.engine_id,
+                  "P's engine_id (one per --prefill, or none: learned from P's bootstrap)");
   cmd->add_option("--decode", c->decode, "D's URL, e.g. http://127.0.0.1:8020 (repeatable)")
       ->required();
   cmd->add_option("--prefill-timeout", c->prefill_timeout_s, "deadline of P's request (s)")
@@ -102,6 +131,18 @@ void AddProxyCommand(CLI::App& app, int& exit_code) {
   cmd->add_option("--decode-timeout", c->decode_timeout_s, "read deadline of D's request (s)")
       ->capture_default_str();
   cmd->add_option("--threads", c->threads, "concurrent client connections")->capture_default_str();
+  cmd->add_option("--ready-attempt-timeout", c->ready_attempt_timeout_s,
+                  "learning engine ids: deadline of each P /health and bootstrap query (s)")
+      ->capture_default_str();
+  cmd->add_option("--ready-retry-interval", c->ready_retry_interval_s,
+                  "learning engine ids: pause between attempts (s)")
+      ->capture_default_str();
+  cmd->add_option("--ready-log-interval", c->ready_log_interval_s,
+                  "learning engine ids: how often a P still not ready is logged again (s)")
+      ->capture_default_str();
+  cmd->add_option("--cluster-secret-file", c->cluster_secret_file,
+                  "believe only bootstrap answers signed with this cluster secret "
+                  "(docs/security.md)");
   cmd->callback([c, &exit_code] { exit_code = RunProxy(*c); });
 }
 

@@ -1,12 +1,13 @@
 // Bootstrap JSON bodies: round trips, malformed input, hostile answers; and the lease check.
 #include "control/bootstrap_json.h"
-#include "control/json_limits.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <nlohmann/json.hpp>
 
 #include "bootstrap_test_util.h"
+#include "control/json_limits.h"
 
 namespace kvferry::control {
 namespace {
@@ -174,9 +175,118 @@ TEST(BootstrapJson, EngineRoundTrips) {
   auto back = DecodeEngine(EncodeEngine(info));
   ASSERT_TRUE(back) << back.error().ToString();
   EXPECT_EQ(*back, info);
-  auto list = DecodeEngines(EncodeEngines({info, info}));
-  ASSERT_TRUE(list);
-  EXPECT_EQ(list->size(), 2u);
+  EngineInfo other = info;
+  other.engine_id = "p1";
+  other.dp_rank = 1;
+  for (WorkerAddress& w : other.workers) w.dp_rank = 1;
+  auto list = DecodeEngines(EncodeEngines({other, info}));
+  ASSERT_TRUE(list) << list.error().ToString();
+  ASSERT_EQ(list->size(), 2u);
+  EXPECT_EQ((*list)[0], info) << "sorted by dp rank";
+  EXPECT_EQ((*list)[1], other);
+}
+
+// GET /query lists engines keyed by dp rank, each with Mooncake's worker_addr map beside
+// kvferry's fields, so a router written for vLLM's Mooncake bootstrap reads it as is.
+TEST(BootstrapJson, ListingIsKeyedByDpRankInMooncakesShape) {
+  EngineInfo p0 = SampleEngine();
+  EngineInfo p1 = SampleEngine();
+  p1.engine_id = "p1";
+  p1.dp_rank = 1;
+  for (WorkerAddress& w : p1.workers) w.dp_rank = 1;
+  p1.complete = false;
+  p1.workers.pop_back();
+  const std::string text = EncodeEngines({p0, p1});
+  const nlohmann::json j = nlohmann::json::parse(text);
+  ASSERT_TRUE(j.is_object()) << text;
+  EXPECT_EQ(j.size(), 2u);
+  EXPECT_EQ(j["0"]["engine_id"], "p0");
+  EXPECT_EQ(j["1"]["engine_id"], "p1");
+  EXPECT_EQ(j["0"]["worker_addr"]["0"]["0"], "tcp://a:1");
+  EXPECT_EQ(j["0"]["worker_addr"]["1"]["0"], "tcp://a:2");
+  EXPECT_EQ(j["1"]["worker_addr"].size(), 1u);
+  auto routes = DecodeDpEngines(text);
+  ASSERT_TRUE(routes) << routes.error().ToString();
+  EXPECT_EQ(*routes, (std::vector<DpEngine>{{0, "p0", true}, {1, "p1", false}}));
+  EXPECT_TRUE(DecodeDpEngines("{}").value().empty()) << "a service with no engine yet";
+}
+
+// A vLLM Mooncake bootstrap's listing has engine_id and worker_addr only: a router reads it (its
+// engines count as complete); kvferry's D, which needs the rest, does not.
+TEST(BootstrapJson, AMooncakeListingIsReadAsARouterReadsIt) {
+  const std::string mooncake =
+      R"({"1":{"engine_id":"e1","worker_addr":{"0":{"0":"tcp://h:2"}}},)"
+      R"("0":{"engine_id":"e0","worker_addr":{"0":{"0":"tcp://h:1"},"1":{"0":"tcp://h:3"}}}})";
+  auto routes = DecodeDpEngines(mooncake);
+  ASSERT_TRUE(routes) << routes.error().ToString();
+  EXPECT_EQ(*routes, (std::vector<DpEngine>{{0, "e0", true}, {1, "e1", true}}));
+  auto full = DecodeEngines(mooncake);
+  ASSERT_FALSE(full);
+  EXPECT_EQ(full.error().code(), ErrorCode::kProtocol);
+  EXPECT_NE(full.error().message().find("missing field incarnation"), std::string::npos)
+      << full.error().message();
+}
+
+// What a router reads from a bootstrap is bounded before it is parsed and checked field by
+// field: every hostile answer is a kProtocol error naming the problem, never a crash or an
+// allocation the answer chose.
+TEST(BootstrapJson, HostileListingsAreProtocolErrorsNamingTheProblem) {
+  auto entries = [](std::size_t n) {
+    std::string out = "{";
+    for (std::size_t i = 0; i < n; ++i) {
+      out += (i ? ",\"" : "\"") + std::to_string(i) + "\":{\"engine_id\":\"e" + std::to_string(i) +
+             "\"}";
+    }
+    return out + "}";
+  };
+  std::string many_values = "{\"0\":{\"engine_id\":\"e\",\"x\":[";
+  for (std::size_t i = 0; i <= kMaxJsonValues; ++i) many_values += "0,";
+  many_values += "0]}}";
+  const struct Case {
+    std::string name;
+    std::string body;
+    std::string reason;
+  } cases[] = {
+      {"not json", "<html>", "not valid JSON"},
+      {"an array", "[]", "keyed by dp rank"},
+      {"kvferry's old shape", R"({"engines":[]})", "key 'engines' is not a dp rank"},
+      {"deep", "{\"0\":" + std::string(100000, '[') + std::string(100000, ']') + "}",
+       "deeper than 32 levels"},
+      {"too many values", many_values, "more than 1048576 JSON values"},
+      {"huge", "{\"0\":{\"engine_id\":\"e\",\"pad\":\"" + std::string(17 << 20, 'x') + "\"}}",
+       "limit 16777216"},
+      {"too many entries", entries(kMaxRank + 1), "1025 entries, limit 1024"},
+      {"leading zero", R"({"01":{"engine_id":"e"}})", "key '01'"},
+      {"negative", R"({"-1":{"engine_id":"e"}})", "key '-1'"},
+      {"rank too high", R"({"1024":{"engine_id":"e"}})", "key '1024'"},
+      {"huge rank", R"({"99999999999999999999":{"engine_id":"e"}})", "key '9999"},
+      {"control bytes in a key", "{\"\\u0001x\":{\"engine_id\":\"e\"}}", "key '?x'"},
+      {"entry not an object", R"({"0":"e0"})", "must be a JSON object"},
+      {"no engine_id", R"({"0":{"worker_addr":{}}})", "missing field engine_id"},
+      {"engine_id a number", R"({"0":{"engine_id":7}})", "engine_id must be a string"},
+      {"engine_id empty", R"({"0":{"engine_id":""}})", "printable ASCII"},
+      {"engine_id too long", "{\"0\":{\"engine_id\":\"" + std::string(300, 'e') + "\"}}",
+       "300 bytes, limit 256"},
+      {"engine_id with a newline", R"({"0":{"engine_id":"a\nb"}})", "printable ASCII"},
+      {"complete not a boolean", R"({"0":{"engine_id":"e","complete":"yes"}})",
+       "complete must be a boolean"},
+      {"dp_rank disagreeing", R"({"0":{"engine_id":"e","dp_rank":1}})", "says dp_rank 1"},
+      {"dp_rank a string", R"({"0":{"engine_id":"e","dp_rank":"0"}})",
+       "dp_rank must be a non-negative integer"},
+      {"one engine on two ranks", R"({"0":{"engine_id":"e"},"1":{"engine_id":"e"}})",
+       "listed on two dp ranks"},
+  };
+  for (const Case& c : cases) {
+    auto r = DecodeDpEngines(c.body);
+    ASSERT_FALSE(r) << c.name;
+    EXPECT_EQ(r.error().code(), ErrorCode::kProtocol) << c.name;
+    EXPECT_NE(r.error().message().find(c.reason), std::string::npos)
+        << c.name << ": " << r.error().message();
+    EXPECT_FALSE(DecodeEngines(c.body)) << c.name;
+  }
+  auto most = DecodeDpEngines(entries(kMaxRank));
+  ASSERT_TRUE(most) << most.error().ToString();
+  EXPECT_EQ(most->size(), kMaxRank);
 }
 
 TEST(BootstrapJson, InconsistentAnswersAreProtocolErrors) {
@@ -200,7 +310,7 @@ TEST(BootstrapJson, InconsistentAnswersAreProtocolErrors) {
   expect_bad(info, "3 workers");
   EXPECT_EQ(DecodeEngine("{\"engine_id\":\"p0\"}").error().code(), ErrorCode::kProtocol);
   EXPECT_EQ(DecodeEngine("nope").error().code(), ErrorCode::kProtocol);
-  EXPECT_EQ(DecodeEngines("{\"engines\":{}}").error().code(), ErrorCode::kProtocol);
+  EXPECT_EQ(DecodeEngines("{\"0\":{}}").error().code(), ErrorCode::kProtocol);
 }
 
 TEST(BootstrapJson, ErrorBodies) {

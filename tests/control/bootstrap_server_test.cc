@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -276,6 +277,34 @@ TEST_F(BootstrapServerTest, QueryErrors) {
   EXPECT_TRUE(info->complete);
 }
 
+// GET /query without a parameter lists every engine by dp rank, in the shape of vLLM's
+// Mooncake bootstrap ({"<dp>": {"engine_id", "worker_addr": {tp: {pp: addr}}}}) with
+// kvferry's fields beside; a router reads it with QueryDpEngines.
+TEST_F(BootstrapServerTest, ListingAnswersEveryEngineByDpRankInMooncakesShape) {
+  ASSERT_TRUE(client_->Register(MakeWorker("p-a", 0, 2, "inc-a", 1), kTimeout).ok());
+  ASSERT_TRUE(client_->Register(MakeWorker("p-a", 1, 2, "inc-a", 1), kTimeout).ok());
+  ASSERT_TRUE(client_->Register(MakeWorker("p-b", 0, 2, "inc-b", 0), kTimeout).ok());
+  auto res = RawGet("/query");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const nlohmann::json j = nlohmann::json::parse(res->body, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << res->body;
+  EXPECT_EQ(j.size(), 2u) << res->body;
+  EXPECT_EQ(j["1"]["engine_id"], "p-a");
+  EXPECT_EQ(j["1"]["worker_addr"]["1"]["0"], "tcp://127.0.0.1:5551");
+  EXPECT_EQ(j["0"]["engine_id"], "p-b");
+  EXPECT_EQ(j["0"]["complete"], false);
+
+  auto routes = client_->QueryDpEngines(kTimeout);
+  ASSERT_TRUE(routes) << routes.error().ToString();
+  EXPECT_EQ(*routes, (std::vector<DpEngine>{{0, "p-b", false}, {1, "p-a", true}}));
+  auto all = client_->QueryAll(kTimeout);
+  ASSERT_TRUE(all) << all.error().ToString();
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[0].engine_id, "p-b");
+  EXPECT_EQ((*all)[1].engine_id, "p-a");
+}
+
 TEST_F(BootstrapServerTest, SecondServerOnTheSamePortFailsToStart) {
   BootstrapServer other;
   auto r = other.Start("127.0.0.1", port_);
@@ -504,6 +533,35 @@ TEST_F(AuthenticatedBootstrapTest, QueryAnswersAreSignedAndOnlyTheClusterBelieve
   ASSERT_FALSE(open);
   EXPECT_EQ(open.error().code(), ErrorCode::kUnauthenticated);
   EXPECT_NE(open.error().message().find("has no cluster secret"), std::string::npos);
+}
+
+// A router verifies the listing as D verifies an engine's answer: with the secret only a
+// signed answer is believed; without one, a signed answer is still read (a router takes no
+// part in the side channels that would shut it out).
+TEST_F(AuthenticatedBootstrapTest, TheListingIsSignedAndARouterWithTheSecretBelievesNothingElse) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  ASSERT_TRUE(Client(secret_).Register(MakeWorker("p0", 0, 1), kTimeout).ok());
+  auto member = Client(secret_).QueryDpEngines(kTimeout);
+  ASSERT_TRUE(member) << member.error().ToString();
+  EXPECT_EQ(*member, (std::vector<DpEngine>{{0, "p0", true}}));
+  auto other = Client(TestSecret('b')).QueryDpEngines(kTimeout);
+  ASSERT_FALSE(other);
+  EXPECT_EQ(other.error().code(), ErrorCode::kUnauthenticated);
+  EXPECT_NE(other.error().message().find("does not match"), std::string::npos)
+      << other.error().message();
+  auto open = Client(nullptr).QueryDpEngines(kTimeout);
+  ASSERT_TRUE(open) << open.error().ToString();
+
+  // An open service's unsigned listing is not believed by a router with the secret.
+  BootstrapServer open_server;
+  auto port = open_server.Start("127.0.0.1", 0);
+  ASSERT_TRUE(port);
+  BootstrapClient router({"127.0.0.1", *port}, secret_);
+  auto unsigned_listing = router.QueryDpEngines(kTimeout);
+  ASSERT_FALSE(unsigned_listing);
+  EXPECT_EQ(unsigned_listing.error().code(), ErrorCode::kUnauthenticated);
+  EXPECT_NE(unsigned_listing.error().message().find("not signed"), std::string::npos)
+      << unsigned_listing.error().message();
 }
 
 TEST_F(AuthenticatedBootstrapTest, UnsignedAnswerOfAnOpenServiceIsRefusedByAMember) {

@@ -66,49 +66,17 @@ std::chrono::microseconds TimedHealth(int port, const std::string& path) {
   return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
 }
 
-// `kvferry proxy` as a child process (it has no ready file: it is up once /health answers).
-class ProxyProcess {
- public:
-  ProxyProcess(const fs::path& dir, const ServeProcess& p, const ServeProcess& d)
-      : port_(FreePort()), log_(dir / "proxy.log") {
-    std::vector<std::string> argv = {KVFERRY_BINARY,
-                                     "proxy",
-                                     "--port",
-                                     std::to_string(port_),
-                                     "--prefill",
-                                     "http://127.0.0.1:" + std::to_string(p.port()),
-                                     "--prefill-bootstrap",
-                                     p.bootstrap_addr(),
-                                     "--prefill-engine-id",
-                                     p.engine_id(),
-                                     "--decode",
-                                     "http://127.0.0.1:" + std::to_string(d.port()),
-                                     "--threads",
-                                     "32"};
-    pid_ = kvferry::testing::SpawnWithLog(std::move(argv), log_.string());
-  }
-  ~ProxyProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  bool WaitReady() {
-    const auto deadline = Clock::now() + 10s;
-    while (Clock::now() < deadline) {
-      if (TimedHealth(port_, "/health").count() > 0) return true;
-      std::this_thread::sleep_for(20ms);
-    }
-    return false;
-  }
-  int port() const { return port_; }
-  pid_t pid() const { return pid_; }
-
- private:
-  int port_;
-  fs::path log_;
-  pid_t pid_ = -1;
-};
+// `kvferry proxy` in front of `p` and `d` in kvferry's own form: with P's engine id given, it is
+// ready as soon as it listens.
+std::unique_ptr<ProxyProcess> StartProxy(const fs::path& dir, const ServeProcess& p,
+                                         const ServeProcess& d) {
+  return std::make_unique<ProxyProcess>(
+      dir, "proxy", FreePort(),
+      std::vector<std::string>{"--prefill", "http://127.0.0.1:" + std::to_string(p.port()),
+                               "--prefill-bootstrap", p.bootstrap_addr(), "--prefill-engine-id",
+                               p.engine_id(), "--decode",
+                               "http://127.0.0.1:" + std::to_string(d.port()), "--threads", "32"});
+}
 
 struct Target {
   std::string name;
@@ -139,8 +107,8 @@ class FrontDoorAttack : public ::testing::Test {
             "--num-blocks", "256", "--decode-us-per-step", "500"});
     ASSERT_TRUE(p_->WaitReady()) << p_->Log();
     ASSERT_TRUE(d_->WaitReady()) << d_->Log();
-    proxy_ = std::make_unique<ProxyProcess>(dir_, *p_, *d_);
-    ASSERT_TRUE(proxy_->WaitReady());
+    proxy_ = StartProxy(dir_, *p_, *d_);
+    ASSERT_TRUE(proxy_->WaitHealth(200, 10s)) << proxy_->Log();
     const std::string boot = p_->bootstrap_addr();
     const int boot_port = std::stoi(boot.substr(boot.rfind(':') + 1));
     targets_ = {{"P", p_->port(), p_->pid(), "/v1/completions"},

@@ -7,8 +7,11 @@
 #include <signal.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -17,6 +20,9 @@
 #include "client_load.h"
 #include "client_probe.h"
 #include "client_proxy.h"
+#include "control/bootstrap_client.h"
+#include "control/bootstrap_server.h"
+#include "control/cluster_auth.h"
 #include "demo_process.h"
 
 namespace kvferry::harness {
@@ -72,15 +78,26 @@ class FakeServer {
   // Streams: the 200 and its headers go out at once, the events only after this long.
   double stream_delay_s = 0;
 
+  // What /health answers (the proxy polls a P's before learning its engine ids).
+  std::atomic<int> health_status{200};
+
+  // One request as received.
+  struct Seen {
+    std::string path;
+    json body;
+    httplib::Headers headers;
+  };
+
   FakeServer() {
     svr_.new_task_queue = [] { return new httplib::ThreadPool(64); };
-    svr_.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    auto completion = [this](const httplib::Request& req, httplib::Response& res) {
       const json body = json::parse(req.body);
       int n = 0;
       {
         std::lock_guard<std::mutex> lock(mu_);
         n = static_cast<int>(bodies_.size());
         bodies_.push_back(body);
+        seen_.push_back({req.path, body, req.headers});
       }
       const double d = delay_s(body, n);
       if (d > 0) std::this_thread::sleep_for(std::chrono::duration<double>(d));
@@ -94,7 +111,8 @@ class FakeServer {
             "application/json");
         return;
       }
-      const int tokens = body.value("max_tokens", 1);
+      const int tokens = body.contains("max_tokens") ? body.value("max_tokens", 1)
+                                                     : body.value("max_completion_tokens", 1);
       if (!body.value("stream", false)) {
         res.set_content(json{{"choices", {{{"text", "x"}, {"index", 0}}}}}.dump(),
                         "application/json");
@@ -117,6 +135,12 @@ class FakeServer {
             sink.done();
             return true;
           });
+    };
+    svr_.Post("/v1/completions", completion);
+    svr_.Post("/v1/chat/completions", completion);
+    svr_.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      res.status = health_status.load();
+      res.set_content("{}", "application/json");
     });
     svr_.Get("/metrics", [](const httplib::Request&, httplib::Response& res) {
       res.set_content(
@@ -138,6 +162,10 @@ class FakeServer {
     std::lock_guard<std::mutex> lock(mu_);
     return bodies_;
   }
+  std::vector<Seen> seen() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return seen_;
+  }
 
  private:
   httplib::Server svr_;
@@ -145,6 +173,7 @@ class FakeServer {
   std::thread thread_;
   std::mutex mu_;
   std::vector<json> bodies_;
+  std::vector<Seen> seen_;
 };
 
 TEST(ClientHttp, ParseUrl) {
@@ -416,6 +445,462 @@ TEST(Proxy, BurstOfConnectionsDoesNotStall) {
   const LoadResult r = RunLoad(lo);
   EXPECT_EQ(r.summary.succeeded, 64);
   EXPECT_LT(r.summary.latency_max, 0.9) << "a connect waited for a SYN retransmission";
+}
+
+// ---- vLLM's Mooncake proxy's command line, and engine ids learned from P's bootstrap.
+
+// A header of a request a fake server received ("" when absent; names are case-insensitive).
+std::string HeaderOf(const httplib::Headers& headers, const char* name) {
+  const auto it = headers.find(name);
+  return it == headers.end() ? std::string() : it->second;
+}
+
+ProxyPrefillFlags Flags(std::vector<std::vector<std::string>> prefill,
+                        std::vector<std::string> bootstrap = {},
+                        std::vector<std::string> engine_id = {}) {
+  return {std::move(prefill), std::move(bootstrap), std::move(engine_id)};
+}
+
+TEST(ProxyFlags, MooncakeAndKvferryFormsResolveAsDocumented) {
+  struct Case {
+    const char* name;
+    ProxyPrefillFlags flags;
+    std::vector<std::pair<std::string, std::string>> want;  // bootstrap, engine id per P
+  };
+  const std::vector<Case> cases = {
+      {"URL alone: bootstrap on the URL's host at 8998, engine learned",
+       Flags({{"http://10.0.0.1:8010"}}),
+       {{"10.0.0.1:8998", ""}}},
+      {"URL and port", Flags({{"http://10.0.0.1:8010", "9000"}}), {{"10.0.0.1:9000", ""}}},
+      {"none, with the engine id",
+       Flags({{"http://10.0.0.1:8010", "NONE"}}, {}, {"e"}),
+       {{"", "e"}}},
+      {"kvferry's form",
+       Flags({{"http://127.0.0.1:8010"}, {"http://127.0.0.1:8011"}},
+             {"127.0.0.1:8998", "http://127.0.0.1:8999"}, {"p0", "p1"}),
+       {{"127.0.0.1:8998", "p0"}, {"127.0.0.1:8999", "p1"}}},
+      {"Mooncake's form with engine ids",
+       Flags({{"http://a:1", "9000"}, {"http://b:2"}}, {}, {"x", "y"}),
+       {{"a:9000", "x"}, {"b:8998", "y"}}},
+      {"IPv6", Flags({{"http://[::1]:8010"}}), {{"[::1]:8998", ""}}},
+  };
+  for (const Case& c : cases) {
+    auto targets = PrefillTargetsFromFlags(c.flags);
+    ASSERT_TRUE(targets) << c.name << ": " << targets.error().ToString();
+    ASSERT_EQ(targets->size(), c.want.size()) << c.name;
+    for (std::size_t i = 0; i < c.want.size(); ++i) {
+      EXPECT_EQ((*targets)[i].url, c.flags.prefill[i][0]) << c.name;
+      EXPECT_EQ((*targets)[i].bootstrap, c.want[i].first) << c.name;
+      EXPECT_EQ((*targets)[i].engine_id, c.want[i].second) << c.name;
+    }
+  }
+}
+
+TEST(ProxyFlags, AmbiguousOrMalformedCommandLinesAreRefusedNamingTheRule) {
+  const struct Case {
+    const char* name;
+    ProxyPrefillFlags flags;
+    const char* reason;
+  } cases[] = {
+      {"no prefill", Flags({}), "at least one --prefill"},
+      {"a port and --prefill-bootstrap", Flags({{"http://a:1", "9000"}}, {"a:9001"}, {"e"}),
+       "both name this P's bootstrap"},
+      {"none and --prefill-bootstrap", Flags({{"http://a:1", "none"}}, {"a:9001"}),
+       "both name this P's bootstrap"},
+      {"fewer bootstraps than Ps", Flags({{"http://a:1"}, {"http://b:1"}}, {"a:9000"}),
+       "1 --prefill-bootstrap for 2 --prefill"},
+      {"fewer engine ids than Ps", Flags({{"http://a:1"}, {"http://b:1"}}, {}, {"e"}),
+       "1 --prefill-engine-id for 2 --prefill"},
+      {"more engine ids than Ps", Flags({{"http://a:1"}}, {}, {"e", "f"}),
+       "2 --prefill-engine-id for 1 --prefill"},
+      {"none without an engine id", Flags({{"http://a:1", "none"}}),
+       "no bootstrap to learn its engine id from"},
+      {"two values after the URL", Flags({{"http://a:1", "9000", "9001"}}),
+       "has 2 values after the URL"},
+      {"a port out of range", Flags({{"http://a:1", "70000"}}),
+       "is not a bootstrap port (1..65535) or 'none'"},
+      {"a port that is a word", Flags({{"http://a:1", "auto"}}),
+       "is not a bootstrap port (1..65535) or 'none'"},
+      {"a URL without a port", Flags({{"http://a"}}), "not a URL of the form"},
+      {"an https URL", Flags({{"https://a:1"}}), "not a URL of the form"},
+      {"an empty engine id", Flags({{"http://a:1"}}, {}, {""}), "an engine id is 1 to 256"},
+      {"an engine id too long", Flags({{"http://a:1"}}, {}, {std::string(300, 'e')}),
+       "an engine id is 1 to 256"},
+      {"a bootstrap that is no address", Flags({{"http://a:1"}}, {"a"}, {"e"}),
+       "bootstrap address 'a'"},
+  };
+  for (const Case& c : cases) {
+    auto targets = PrefillTargetsFromFlags(c.flags);
+    ASSERT_FALSE(targets) << c.name;
+    EXPECT_EQ(targets.error().code(), ErrorCode::kInvalidArgument) << c.name;
+    EXPECT_NE(targets.error().message().find(c.reason), std::string::npos)
+        << c.name << ": " << targets.error().message();
+  }
+}
+
+// A bootstrap service whose GET /query answer the test chooses (a hostile one, say).
+class FakeBootstrap {
+ public:
+  FakeBootstrap() {
+    svr_.Get("/query", [this](const httplib::Request&, httplib::Response& res) {
+      std::lock_guard<std::mutex> lock(mu_);
+      res.status = status_;
+      res.set_content(body_, "application/json");
+    });
+    port_ = svr_.bind_to_any_port("127.0.0.1");
+    thread_ = std::thread([this] { svr_.listen_after_bind(); });
+    WaitFor([this] { return svr_.is_running(); }, 5);
+  }
+  ~FakeBootstrap() {
+    svr_.stop();
+    thread_.join();
+  }
+  void Answer(int status, std::string body) {
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = status;
+    body_ = std::move(body);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  httplib::Server svr_;
+  int port_ = 0;
+  std::thread thread_;
+  std::mutex mu_;
+  int status_ = 200;
+  std::string body_ = "{}";
+};
+
+// Lines a proxy logged (ProxyOptions::log), for tests that check what it says.
+class LogLines {
+ public:
+  std::function<void(std::string_view)> sink() {
+    return [this](std::string_view line) {
+      std::lock_guard<std::mutex> lock(mu_);
+      text_ += std::string(line) + "\n";
+    };
+  }
+  std::string text() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return text_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::string text_;
+};
+
+// A proxy in front of one fake P, whose engine ids it learns from `bootstrap`, and one fake D.
+ProxyOptions LearningOptions(const FakeServer& p, const std::string& bootstrap,
+                             const FakeServer& d) {
+  ProxyOptions o;
+  o.prefills = {{p.url(), bootstrap, ""}};
+  o.decodes = {d.url()};
+  o.ready_attempt_timeout_s = 2;
+  o.ready_retry_interval_s = 0.05;
+  o.ready_log_interval_s = 0.2;
+  return o;
+}
+
+struct Answer {
+  int status = 0;
+  std::string body;
+};
+Answer Get(const Proxy& proxy, const std::string& path) {
+  httplib::Client cli("127.0.0.1", proxy.port());
+  cli.set_read_timeout(std::chrono::seconds(5));
+  auto res = cli.Get(path.c_str());
+  return res ? Answer{res->status, res->body} : Answer{};
+}
+Answer PostJson(const Proxy& proxy, const std::string& path, const json& body) {
+  httplib::Client cli("127.0.0.1", proxy.port());
+  cli.set_read_timeout(std::chrono::seconds(10));
+  auto res = cli.Post(path.c_str(), body.dump(), "application/json");
+  return res ? Answer{res->status, res->body} : Answer{};
+}
+
+// Until P answers /health with 200 the proxy does not ask its bootstrap: completions get 503
+// naming P and why, /health answers 503 with every P's state, the log names P. Once P is
+// healthy the proxy learns its engine and serves.
+TEST(Proxy, IsNotReadyUntilItsPrefillIsHealthyAndItsEngineKnown) {
+  FakeServer p, d;
+  p.health_status = 503;
+  control::BootstrapServer bootstrap;
+  auto bport = bootstrap.Start("127.0.0.1", 0);
+  ASSERT_TRUE(bport) << bport.error().ToString();
+  const std::string baddr = "127.0.0.1:" + std::to_string(*bport);
+  control::WorkerRegistration r;
+  r.engine_id = "engine-a";
+  r.side_channel = "tcp://127.0.0.1:5555";
+  r.protocol_version = 1;
+  r.incarnation = "i1";
+  ASSERT_TRUE(control::BootstrapClient::Create(baddr)->Register(r, control::Timeout{5000}).ok());
+  LogLines log;
+  ProxyOptions o = LearningOptions(p, baddr, d);
+  o.log = log.sink();
+  Proxy proxy(o);
+  std::string err;
+  ASSERT_TRUE(proxy.Start(&err)) << err;
+  ASSERT_TRUE(WaitFor(
+      [&] { return proxy.readiness().reason.find("answered HTTP 503") != std::string::npos; }, 5))
+      << proxy.readiness().reason;
+  EXPECT_FALSE(proxy.readiness().ready);
+  EXPECT_NE(proxy.readiness().reason.find("prefill " + p.url() + " is not ready"),
+            std::string::npos)
+      << proxy.readiness().reason;
+  const Answer refused =
+      PostJson(proxy, "/v1/completions", {{"prompt", {1, 2}}, {"max_tokens", 2}});
+  EXPECT_EQ(refused.status, 503);
+  EXPECT_NE(refused.body.find("proxy is not ready: prefill " + p.url()), std::string::npos)
+      << refused.body;
+  const Answer health = Get(proxy, "/health");
+  EXPECT_EQ(health.status, 503);
+  const json h = json::parse(health.body, nullptr, false);
+  ASSERT_TRUE(h.is_object()) << health.body;
+  EXPECT_EQ(h["prefills"][0]["url"], p.url());
+  EXPECT_EQ(h["prefills"][0]["ready"], false);
+  EXPECT_TRUE(WaitFor(
+      [&] { return log.text().find("prefill " + p.url() + " is not ready") != std::string::npos; },
+      5))
+      << log.text();
+  EXPECT_TRUE(p.bodies().empty());
+  EXPECT_TRUE(d.bodies().empty());
+  EXPECT_EQ(proxy.stats().not_ready, 1u);
+
+  p.health_status = 200;
+  ASSERT_TRUE(WaitFor([&] { return proxy.readiness().ready; }, 5)) << proxy.readiness().reason;
+  EXPECT_EQ(Get(proxy, "/health").status, 200);
+  EXPECT_NE(log.text().find("prefill " + p.url() + " is ready: engine-a (dp rank 0)"),
+            std::string::npos)
+      << log.text();
+  const std::string url = UrlOf(proxy);
+  const CompletionOutcome ok =
+      PostCompletion({url, CompletionBody({1, 2}, 3, true, true), true, 10, nullptr});
+  ASSERT_TRUE(ok.ok) << ok.error;
+  EXPECT_EQ(d.bodies().at(0)["kv_transfer_params"]["remote_engine_id"], "engine-a");
+  EXPECT_EQ(d.bodies().at(0)["kv_transfer_params"]["remote_bootstrap_addr"], "http://" + baddr);
+}
+
+// A P with several dp ranks (a vLLM DP deployment registers one engine per rank): the proxy
+// learns each, and requests go round-robin over them, P told its rank in X-data-parallel-rank
+// and D the rank's engine id, as vLLM's Mooncake proxy does.
+TEST(Proxy, LearnsEveryDpRankOfItsPrefillAndRoundRobinsOverThem) {
+  FakeServer p, d;
+  control::BootstrapServer bootstrap;
+  auto bport = bootstrap.Start("127.0.0.1", 0);
+  ASSERT_TRUE(bport) << bport.error().ToString();
+  const std::string baddr = "127.0.0.1:" + std::to_string(*bport);
+  auto client = control::BootstrapClient::Create(baddr);
+  for (std::uint32_t dp : {1u, 0u}) {
+    control::WorkerRegistration r;
+    r.engine_id = "engine-dp" + std::to_string(dp);
+    r.dp_rank = dp;
+    r.side_channel = "tcp://127.0.0.1:" + std::to_string(5555 + dp);
+    r.protocol_version = 1;
+    r.incarnation = "i1";
+    ASSERT_TRUE(client->Register(r, control::Timeout{5000}).ok());
+  }
+  Proxy proxy(LearningOptions(p, baddr, d));
+  ASSERT_TRUE(proxy.Start(nullptr));
+  ASSERT_TRUE(WaitFor([&] { return proxy.readiness().ready; }, 5)) << proxy.readiness().reason;
+  const std::string url = UrlOf(proxy);
+  for (int i = 0; i < 4; ++i) {
+    const auto r = PostCompletion({url, CompletionBody({1}, 2, false, true), false, 10, nullptr});
+    ASSERT_TRUE(r.ok) << r.error;
+  }
+  ASSERT_TRUE(WaitFor([&] { return p.seen().size() == 4; }, 5));
+  const auto d_seen = d.seen();
+  const auto p_seen = p.seen();
+  ASSERT_EQ(d_seen.size(), 4u);
+  for (std::size_t i = 0; i < d_seen.size(); ++i) {
+    const json& params = d_seen[i].body["kv_transfer_params"];
+    const std::string dp = std::to_string(i % 2);
+    EXPECT_EQ(params["remote_engine_id"], "engine-dp" + dp) << i;
+    const std::string tid = params["transfer_id"];
+    const auto p_copy = std::find_if(p_seen.begin(), p_seen.end(), [&](const FakeServer::Seen& s) {
+      return s.body["kv_transfer_params"]["transfer_id"] == tid;
+    });
+    ASSERT_NE(p_copy, p_seen.end()) << tid;
+    EXPECT_EQ(HeaderOf(p_copy->headers, "X-data-parallel-rank"), dp) << tid;
+    EXPECT_EQ("xfer-" + HeaderOf(p_copy->headers, "X-Request-Id"), tid);
+    EXPECT_EQ("xfer-" + HeaderOf(d_seen[i].headers, "X-Request-Id"), tid);
+    EXPECT_FALSE(d_seen[i].headers.count("X-data-parallel-rank")) << "D is not told P's rank";
+  }
+}
+
+// POST /v1/chat/completions goes to the same path on P and D; P's copy has
+// max_completion_tokens (chat's name) cut to 1 as well as max_tokens, D's keeps the client's.
+TEST(Proxy, ChatCompletionsGoToTheSamePathOnPAndD) {
+  FakeServer p, d;
+  Proxy proxy(PairOptions(p, d));
+  ASSERT_TRUE(proxy.Start(nullptr));
+  const json body = {{"model", "m"},
+                     {"messages", {{{"role", "user"}, {"content", "hello"}}}},
+                     {"max_completion_tokens", 4},
+                     {"stream", true},
+                     {"stream_options", {{"include_usage", true}}}};
+  CompletionCall call{UrlOf(proxy), body.dump(), true, 10, nullptr};
+  call.path = "/v1/chat/completions";
+  call.headers = {{"Authorization", "Bearer client-key"}};
+  const CompletionOutcome r = PostCompletion(call);
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.tokens, 4);
+  ASSERT_TRUE(WaitFor([&] { return p.seen().size() == 1; }, 5));
+  const FakeServer::Seen pc = p.seen()[0];
+  const FakeServer::Seen dc = d.seen().at(0);
+  EXPECT_EQ(pc.path, "/v1/chat/completions");
+  EXPECT_EQ(dc.path, "/v1/chat/completions");
+  EXPECT_EQ(pc.body["max_completion_tokens"], 1);
+  EXPECT_EQ(pc.body["max_tokens"], 1);
+  EXPECT_FALSE(pc.body.contains("stream_options"));
+  EXPECT_EQ(pc.body["messages"], body["messages"]);
+  EXPECT_EQ(dc.body["max_completion_tokens"], 4);
+  EXPECT_EQ(dc.body["kv_transfer_params"]["do_remote_prefill"], true);
+  EXPECT_EQ(HeaderOf(pc.headers, "Authorization"), "Bearer client-key");
+  EXPECT_EQ(HeaderOf(dc.headers, "Authorization"), "Bearer client-key");
+  // What only D would refuse never reaches P.
+  EXPECT_EQ(PostJson(proxy, "/v1/chat/completions", {{"messages", "hello"}}).status, 400);
+  EXPECT_EQ(PostJson(proxy, "/v1/chat/completions",
+                     {{"messages", json::array({{{"role", "user"}, {"content", "x"}}})},
+                      {"max_completion_tokens", 0}})
+                .status,
+            400);
+  EXPECT_EQ(p.seen().size(), 1u);
+  EXPECT_EQ(d.seen().size(), 1u);
+}
+
+// A P with no bootstrap (`--prefill URL none`): its engine id is given, and D is sent no
+// remote_bootstrap_addr (it finds P another way, e.g. through etcd).
+TEST(Proxy, APrefillWithoutABootstrapSendsDNoBootstrapAddress) {
+  FakeServer p, d;
+  ProxyOptions o;
+  o.prefills = {{p.url(), "", "engine-n"}};
+  o.decodes = {d.url()};
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  EXPECT_TRUE(proxy.readiness().ready);
+  const auto r =
+      PostCompletion({UrlOf(proxy), CompletionBody({1}, 2, true, true), true, 10, nullptr});
+  ASSERT_TRUE(r.ok) << r.error;
+  const json params = d.bodies().at(0)["kv_transfer_params"];
+  EXPECT_EQ(params["remote_engine_id"], "engine-n");
+  EXPECT_FALSE(params.contains("remote_bootstrap_addr")) << params.dump();
+}
+
+// Whatever P's bootstrap answers (huge, deep, mistyped, bad ids, inconsistent, an error), the
+// proxy stays up at 503 with the reason, and serves once the answer is good.
+TEST(Proxy, HostileBootstrapAnswersKeepItAt503WithTheReasonAndItRecovers) {
+  FakeServer p, d;
+  FakeBootstrap bootstrap;
+  LogLines log;
+  ProxyOptions o = LearningOptions(p, bootstrap.address(), d);
+  o.log = log.sink();
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  const struct Case {
+    const char* name;
+    int status;
+    std::string body;
+    const char* reason;
+  } cases[] = {
+      {"huge", 200, "{\"0\":{\"engine_id\":\"e\",\"pad\":\"" + std::string(20 << 20, 'x') + "\"}}",
+       "answer exceeds 16777216 bytes"},
+      {"deep", 200, "{\"0\":" + std::string(200000, '[') + std::string(200000, ']') + "}",
+       "deeper than 32 levels"},
+      {"not JSON", 200, "<html>", "not valid JSON"},
+      {"an array", 200, "[1,2]", "keyed by dp rank"},
+      {"an engine_id of the wrong type", 200, R"({"0":{"engine_id":["e"]}})",
+       "engine_id must be a string"},
+      {"an empty engine_id", 200, R"({"0":{"engine_id":""}})", "printable ASCII"},
+      {"an engine_id with control bytes", 200, R"({"0":{"engine_id":"e\u0007"}})",
+       "printable ASCII"},
+      {"a key that is no dp rank", 200, R"({"dp0":{"engine_id":"e"}})", "key 'dp0'"},
+      {"one engine on two ranks", 200, R"({"0":{"engine_id":"e"},"1":{"engine_id":"e"}})",
+       "listed on two dp ranks"},
+      {"complete of the wrong type", 200, R"({"0":{"engine_id":"e","complete":1}})",
+       "complete must be a boolean"},
+      {"an incomplete engine", 200, R"({"0":{"engine_id":"e","complete":false}})",
+       "waits for some of its ranks"},
+      {"no engine yet", 200, "{}", "lists no engine yet"},
+      {"an error", 500, R"({"error":"boom"})", "boom (HTTP 500)"},
+  };
+  const std::string url = UrlOf(proxy);
+  for (const Case& c : cases) {
+    bootstrap.Answer(c.status, c.body);
+    EXPECT_TRUE(
+        WaitFor([&] { return proxy.readiness().reason.find(c.reason) != std::string::npos; }, 10))
+        << c.name << ": " << proxy.readiness().reason;
+    EXPECT_FALSE(proxy.readiness().ready) << c.name;
+    const Answer refused = PostJson(proxy, "/v1/completions", {{"prompt", {1}}});
+    EXPECT_EQ(refused.status, 503) << c.name;
+    EXPECT_NE(refused.body.find("proxy is not ready"), std::string::npos) << refused.body;
+  }
+  EXPECT_EQ(Get(proxy, "/health").status, 503);
+  EXPECT_NE(log.text().find("not valid JSON"), std::string::npos) << log.text();
+  EXPECT_TRUE(p.bodies().empty());
+  EXPECT_TRUE(d.bodies().empty());
+
+  bootstrap.Answer(200, R"({"0":{"engine_id":"good","worker_addr":{"0":{"0":"tcp://x:1"}}}})");
+  ASSERT_TRUE(WaitFor([&] { return proxy.readiness().ready; }, 5)) << proxy.readiness().reason;
+  const auto r = PostCompletion({url, CompletionBody({1}, 2, true, true), true, 10, nullptr});
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(d.bodies().at(0)["kv_transfer_params"]["remote_engine_id"], "good");
+}
+
+// With a cluster secret the proxy believes only a listing signed with it, as D believes only
+// signed engine answers; with the cluster's secret it is ready.
+TEST(Proxy, WithAClusterSecretOnlyAListingSignedWithItIsBelieved) {
+  const std::string dir = ::testing::TempDir() + "kvferry_proxy_secret_" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  auto write_secret = [&](const std::string& name, char fill) {
+    const std::string path = dir + "/" + name;
+    std::ofstream(path) << std::string(48, fill) << "\n";
+    std::filesystem::permissions(
+        path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write,
+        std::filesystem::perm_options::replace);
+    return path;
+  };
+  const std::string cluster = write_secret("cluster", 'a');
+  const std::string other = write_secret("other", 'b');
+  auto secret = control::LoadClusterSecret(cluster);
+  ASSERT_TRUE(secret) << secret.error().ToString();
+  auto shared = std::make_shared<const control::ClusterSecret>(std::move(*secret));
+  control::BootstrapServerOptions bo;
+  bo.cluster_secret = shared;
+  control::BootstrapServer bootstrap(bo);
+  auto bport = bootstrap.Start("127.0.0.1", 0);
+  ASSERT_TRUE(bport) << bport.error().ToString();
+  const std::string baddr = "127.0.0.1:" + std::to_string(*bport);
+  control::WorkerRegistration r;
+  r.engine_id = "engine-s";
+  r.side_channel = "tcp://127.0.0.1:5555";
+  r.protocol_version = 1;
+  r.incarnation = "i1";
+  ASSERT_TRUE(
+      control::BootstrapClient::Create(baddr, shared)->Register(r, control::Timeout{5000}).ok());
+
+  FakeServer p, d;
+  ProxyOptions wrong = LearningOptions(p, baddr, d);
+  wrong.cluster_secret_file = other;
+  Proxy outsider(wrong);
+  ASSERT_TRUE(outsider.Start(nullptr));
+  ProxyOptions right = LearningOptions(p, baddr, d);
+  right.cluster_secret_file = cluster;
+  Proxy member(right);
+  ASSERT_TRUE(member.Start(nullptr));
+  EXPECT_TRUE(WaitFor([&] { return member.readiness().ready; }, 5)) << member.readiness().reason;
+  EXPECT_TRUE(WaitFor(
+      [&] { return outsider.readiness().reason.find("does not match") != std::string::npos; }, 5))
+      << outsider.readiness().reason;
+  EXPECT_FALSE(outsider.readiness().ready);
+  // A secret file that is refused stops the proxy from starting, with the reason.
+  ProxyOptions missing = LearningOptions(p, baddr, d);
+  missing.cluster_secret_file = dir + "/absent";
+  Proxy unstarted(missing);
+  std::string err;
+  EXPECT_FALSE(unstarted.Start(&err));
+  EXPECT_NE(err.find("absent"), std::string::npos) << err;
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Load, CountsSuccessesAndFailureReasons) {

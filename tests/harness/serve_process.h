@@ -35,8 +35,11 @@ class ServeProcess {
       : dir_(dir), name_(name) {
     ready_ = dir / (name + ".ready.json");
     log_ = dir / (name + ".log");
-    std::vector<std::string> argv = {KVFERRY_BINARY, "serve",        "--port", "0",
-                                     "--ready-file", ready_.string()};
+    std::vector<std::string> argv = {KVFERRY_BINARY, "serve", "--ready-file", ready_.string()};
+    // Any free port unless the test chose one (to start a P where a proxy already expects it).
+    if (std::find(args.begin(), args.end(), "--port") == args.end()) {
+      argv.insert(argv.end(), {"--port", "0"});
+    }
     if (std::find(args.begin(), args.end(), "--http-threads") == args.end()) {
       argv.insert(argv.end(), {"--http-threads", "32"});
     }
@@ -91,6 +94,8 @@ class ServeProcess {
   pid_t pid() const { return pid_; }
   std::string engine_id() const { return info_.value("engine_id", ""); }
   std::string bootstrap_addr() const { return info_.value("bootstrap_addr", ""); }
+  int bootstrap_port() const { return info_.value("bootstrap_port", 0); }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port()); }
   std::string Log() const {
     std::ifstream in(log_);
     std::stringstream ss;
@@ -113,10 +118,81 @@ struct HttpResult {
   std::string body;
 };
 
-inline HttpResult Post(int port, const json& body, double timeout_s = 15) {
+// One `kvferry proxy` child process on 127.0.0.1:`port`, its output in `name`.log; SIGKILL on
+// destruction. It has no ready file: it listens once /health answers (503 while it learns
+// engine ids, 200 once ready).
+class ProxyProcess {
+ public:
+  ProxyProcess(const fs::path& dir, const std::string& name, int port,
+               std::vector<std::string> args)
+      : port_(port), log_(dir / (name + ".log")) {
+    std::vector<std::string> argv = {KVFERRY_BINARY, "proxy", "--port", std::to_string(port)};
+    argv.insert(argv.end(), args.begin(), args.end());
+    pid_ = testing::SpawnWithLog(std::move(argv), log_.string());
+  }
+  ~ProxyProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  // GET /health: {0, ""} while nothing answers.
+  HttpResult Health() const {
+    httplib::Client cli("127.0.0.1", port_);
+    cli.set_connection_timeout(std::chrono::seconds(2));
+    cli.set_read_timeout(std::chrono::seconds(5));
+    auto res = cli.Get("/health");
+    return res ? HttpResult{res->status, res->body} : HttpResult{};
+  }
+  // Waits until /health answers `status`; false after `timeout` or if the process exited.
+  bool WaitHealth(int status, std::chrono::seconds timeout = std::chrono::seconds(15)) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline && Running()) {
+      if (Health().status == status) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+  bool Running() {
+    if (pid_ <= 0) return false;
+    if (waitpid(pid_, &status_, WNOHANG) == pid_) {
+      pid_ = -1;
+      return false;
+    }
+    return true;
+  }
+  // Waits for the process to exit; its exit code, or -1 (killed by a signal, or still running
+  // after `timeout`).
+  int WaitExit(std::chrono::seconds timeout = std::chrono::seconds(10)) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      if (!Running()) return WIFEXITED(status_) ? WEXITSTATUS(status_) : -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+  int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  std::string Log() const {
+    std::ifstream in(log_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+ private:
+  int port_;
+  fs::path log_;
+  pid_t pid_ = -1;
+  int status_ = 0;
+};
+
+inline HttpResult Post(int port, const json& body, double timeout_s = 15,
+                       const std::string& path = "/v1/completions") {
   httplib::Client cli("127.0.0.1", port);
   cli.set_read_timeout(std::chrono::milliseconds(static_cast<int>(timeout_s * 1000)));
-  auto res = cli.Post("/v1/completions", body.dump(), "application/json");
+  auto res = cli.Post(path.c_str(), body.dump(), "application/json");
   if (!res) return {};
   return {res->status, res->body};
 }

@@ -1,6 +1,8 @@
 // Real `kvferry serve` processes on 127.0.0.1: a P and a D instance, UCX over lo, requests sent
 // by hand as the proxy would (P: do_remote_decode; D: do_remote_prefill with the same
 // transfer_id). Every process a test starts is killed in its teardown.
+#include "serve_process.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -19,6 +21,7 @@
 #include <fstream>
 #include <future>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -26,7 +29,6 @@
 #include <vector>
 
 #include "harness/client_proxy.h"
-#include "serve_process.h"
 #include "support/etcd_process.h"
 #include "support/raw_socket.h"
 
@@ -104,7 +106,11 @@ class ServeTest : public ::testing::Test {
   void TearDown() override {
     if (HasFailure()) {
       for (auto& p : procs_) std::fprintf(stderr, "---- log ----\n%s\n", p->Log().c_str());
+      for (auto& p : proxies_) {
+        std::fprintf(stderr, "---- proxy log ----\n%s\n", p->Log().c_str());
+      }
     }
+    proxies_.clear();
     procs_.clear();  // kills every process
     fs::remove_all(dir_);
   }
@@ -114,8 +120,8 @@ class ServeTest : public ::testing::Test {
     EXPECT_TRUE(procs_.back()->WaitReady()) << procs_.back()->Log();
     return *procs_.back();
   }
-  ServeProcess& StartPrefill(std::vector<std::string> extra = {},
-                             const std::string& extra_cfg = "") {
+  ServeProcess& StartPrefill(std::vector<std::string> extra = {}, const std::string& extra_cfg = "",
+                             const std::string& name = "prefill") {
     std::vector<std::string> args = {
         "--role",
         "prefill",
@@ -129,7 +135,7 @@ class ServeTest : public ::testing::Test {
         "--prefill-us-per-batch",
         "200"};
     args.insert(args.end(), extra.begin(), extra.end());
-    return Start("prefill", args);
+    return Start(name, args);
   }
   ServeProcess& StartDecode(std::vector<std::string> extra = {},
                             const std::string& extra_cfg = "") {
@@ -168,8 +174,53 @@ class ServeTest : public ::testing::Test {
     }
   }
 
+  // Requests through a proxy as a client sends them, streamed and not; each is checked as
+  // RunPair checks D's answer.
+  void RunThroughProxy(int proxy_port, int requests) {
+    for (int i = 0; i < requests; ++i) {
+      const bool stream = i % 2 == 0;
+      const int max_tokens = stream ? 8 : 3;
+      const json body = {{"model", "m"},
+                         {"prompt", Prompt(stream ? 300 : 17)},
+                         {"max_tokens", max_tokens},
+                         {"stream", stream},
+                         {"ignore_eos", true}};
+      HttpResult r = Post(proxy_port, body, 30);
+      ASSERT_EQ(r.status, 200) << r.body;
+      if (stream) {
+        bool done = false, error = false;
+        EXPECT_EQ(StreamTokens(r.body, &done, &error), max_tokens) << r.body;
+        EXPECT_TRUE(done);
+        EXPECT_FALSE(error) << r.body;
+      } else {
+        json j = json::parse(r.body);
+        EXPECT_EQ(j["usage"]["completion_tokens"], max_tokens) << r.body;
+      }
+    }
+  }
+
+  // vLLM's Mooncake proxy's command line for `ps` (each named with its bootstrap port) and `d`,
+  // retrying fast so tests see readiness change within a fraction of a second.
+  static std::vector<std::string> MooncakeArgs(const std::vector<const ServeProcess*>& ps,
+                                               const ServeProcess& d) {
+    std::vector<std::string> args;
+    for (const ServeProcess* p : ps) {
+      args.insert(args.end(), {"--prefill", p->url(), std::to_string(p->bootstrap_port())});
+    }
+    args.insert(args.end(), {"--decode", d.url(), "--ready-retry-interval", "0.1",
+                             "--ready-log-interval", "0.5", "--threads", "32"});
+    return args;
+  }
+
+  ProxyProcess& StartProxy(std::vector<std::string> args, const std::string& name = "proxy") {
+    proxies_.push_back(
+        std::make_unique<ProxyProcess>(dir_, name, kvferry::testing::FreePort(), std::move(args)));
+    return *proxies_.back();
+  }
+
   fs::path dir_;
   std::vector<std::unique_ptr<ServeProcess>> procs_;
+  std::vector<std::unique_ptr<ProxyProcess>> proxies_;
 };
 
 TEST_F(ServeTest, RequestPairTp1) {
@@ -609,6 +660,206 @@ TEST_F(ServeTest, ProxyAbortsThePrefillWhenDecodeRefuses) {
   EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
   EXPECT_EQ(proxy.stats().twins_aborted, 1u);
   proxy.Stop();
+}
+
+// ---- `kvferry proxy` with vLLM's Mooncake proxy's command line (--prefill URL BOOTSTRAP_PORT,
+// no engine ids): it learns P's engine from P's bootstrap and serves real requests.
+
+TEST_F(ServeTest, MooncakeStyleProxyServesRequestsThroughRealProcessesTp1) {
+  ServeProcess& p = StartPrefill();
+  ServeProcess& d = StartDecode();
+  ASSERT_FALSE(HasFailure());
+  ProxyProcess& proxy = StartProxy(MooncakeArgs({&p}, d));
+  ASSERT_TRUE(proxy.WaitHealth(200)) << proxy.Log();
+  RunThroughProxy(proxy.port(), 4);
+  EXPECT_NE(proxy.Log().find("is ready: " + p.engine_id() + " (dp rank 0)"), std::string::npos)
+      << proxy.Log();
+  const std::string dm = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(dm, "kvferry_corrupt_blocks_total"), 0);
+  EXPECT_GT(Metric(dm, "kvferry_verified_blocks_total"), 0);
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
+}
+
+TEST_F(ServeTest, MooncakeStyleProxyServesRequestsThroughRealProcessesPrefillTp2) {
+  ServeProcess& p = StartPrefill({"--tp", "2"});
+  ServeProcess& d = StartDecode();
+  ASSERT_FALSE(HasFailure());
+  ProxyProcess& proxy = StartProxy(MooncakeArgs({&p}, d));
+  ASSERT_TRUE(proxy.WaitHealth(200)) << proxy.Log();
+  RunThroughProxy(proxy.port(), 4);
+  const std::string dm = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(dm, "kvferry_corrupt_blocks_total"), 0);
+  EXPECT_GT(Metric(dm, "kvferry_verified_blocks_total"), 0);
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
+}
+
+// Started before its P: completions get 503 naming P, /health says which P and why, the log
+// names P; once P is up the proxy learns its engine by itself and serves.
+TEST_F(ServeTest, ProxyAnswers503UntilItsPrefillIsReadyThen200) {
+  ServeProcess& d = StartDecode();
+  ASSERT_FALSE(HasFailure());
+  const int p_port = kvferry::testing::FreePort();
+  const int b_port = kvferry::testing::FreePort();
+  const std::string p_url = "http://127.0.0.1:" + std::to_string(p_port);
+  ProxyProcess& proxy =
+      StartProxy({"--prefill", p_url, std::to_string(b_port), "--decode", d.url(),
+                  "--ready-retry-interval", "0.1", "--ready-log-interval", "0.5"});
+  ASSERT_TRUE(proxy.WaitHealth(503)) << proxy.Log();
+  const HttpResult health = proxy.Health();
+  EXPECT_NE(health.body.find("prefill " + p_url + " is not ready"), std::string::npos)
+      << health.body;
+  const HttpResult refused = Post(proxy.port(), {{"prompt", Prompt(10)}, {"max_tokens", 2}});
+  EXPECT_EQ(refused.status, 503) << refused.body;
+  EXPECT_NE(refused.body.find("proxy is not ready: prefill " + p_url), std::string::npos)
+      << refused.body;
+  for (const auto deadline = Clock::now() + std::chrono::seconds(5);
+       proxy.Log().find("prefill " + p_url + " is not ready after") == std::string::npos &&
+       Clock::now() < deadline;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_NE(proxy.Log().find("prefill " + p_url + " is not ready after"), std::string::npos)
+      << proxy.Log();
+
+  Start("prefill", {"--role", "prefill", "--port", std::to_string(p_port), "--kv-transfer-config",
+                    R"({"kv_role":"kv_producer","kv_connector_extra_config":{"bootstrap_port":)" +
+                        std::to_string(b_port) + "}}",
+                    "--num-blocks", "512", "--decode-us-per-step", "500"});
+  ASSERT_FALSE(HasFailure());
+  ASSERT_TRUE(proxy.WaitHealth(200)) << proxy.Log();
+  RunThroughProxy(proxy.port(), 2);
+  EXPECT_NE(proxy.Log().find("prefill " + p_url + " is ready"), std::string::npos) << proxy.Log();
+}
+
+// Two Ps given by URL and bootstrap port only: the proxy learns both engines and alternates.
+TEST_F(ServeTest, ProxyRoundRobinsOverTwoPrefillsWhoseEnginesItLearned) {
+  ServeProcess& a = StartPrefill({}, "", "prefill-a");
+  ServeProcess& b = StartPrefill({}, "", "prefill-b");
+  ServeProcess& d = StartDecode();
+  ASSERT_FALSE(HasFailure());
+  ASSERT_NE(a.engine_id(), b.engine_id());
+  ProxyProcess& proxy = StartProxy(MooncakeArgs({&a, &b}, d));
+  ASSERT_TRUE(proxy.WaitHealth(200)) << proxy.Log();
+  for (int i = 0; i < 6; ++i) {
+    HttpResult r = Post(proxy.port(), {{"prompt", Prompt(40)}, {"max_tokens", 2}}, 30);
+    ASSERT_EQ(r.status, 200) << r.body;
+  }
+  const std::string ok = "kvferry_requests_finished_total{outcome=\"ok\"}";
+  EXPECT_EQ(WaitMetric(a.port(), ok, 3), 3) << "P a served its share";
+  EXPECT_EQ(WaitMetric(b.port(), ok, 3), 3) << "P b served its share";
+  EXPECT_NE(proxy.Log().find(a.engine_id() + " (dp rank 0)"), std::string::npos) << proxy.Log();
+  EXPECT_NE(proxy.Log().find(b.engine_id() + " (dp rank 0)"), std::string::npos) << proxy.Log();
+}
+
+// A command line that could mean two things is refused at start with the rule (exit 2); the
+// proxy never listens.
+TEST_F(ServeTest, AnAmbiguousProxyCommandLineIsRefusedWithTheRule) {
+  const std::string p = "http://127.0.0.1:1", q = "http://127.0.0.1:3", d = "http://127.0.0.1:2";
+  const struct Case {
+    std::vector<std::string> args;
+    const char* rule;
+  } cases[] = {
+      {{"--prefill", p, "9000", "--prefill-bootstrap", "127.0.0.1:9001", "--prefill-engine-id", "e",
+        "--decode", d},
+       "both name this P's bootstrap"},
+      {{"--prefill", p, "--prefill", q, "--prefill-engine-id", "e", "--decode", d},
+       "1 --prefill-engine-id for 2 --prefill"},
+      {{"--prefill", p, "--prefill", q, "--prefill-bootstrap", "127.0.0.1:9001",
+        "--prefill-engine-id", "e", "--prefill-engine-id", "f", "--decode", d},
+       "1 --prefill-bootstrap for 2 --prefill"},
+      {{"--prefill", p, "none", "--decode", d}, "no bootstrap to learn its engine id from"},
+      {{"--prefill", p, "9000", "9001", "--decode", d}, "has 2 values after the URL"},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    ProxyProcess& proxy = StartProxy(c.args, "proxy-" + std::to_string(i++));
+    EXPECT_EQ(proxy.WaitExit(), 2) << proxy.Log();
+    EXPECT_NE(proxy.Log().find(c.rule), std::string::npos) << proxy.Log();
+    EXPECT_EQ(proxy.Health().status, 0) << "a refused command line never listens";
+  }
+}
+
+// What P's bootstrap lists is read as hostile input: a huge, deep, mistyped or badly keyed
+// listing keeps the proxy process alive at 503 with the reason; once the listing is good the
+// proxy serves. (A bootstrap in front of P's own answers hostile listings and passes D's
+// engine queries through to P's.)
+TEST_F(ServeTest, AHostileBootstrapListingKeepsTheProxyAt503UntilItIsGood) {
+  ServeProcess& p = StartPrefill();
+  ServeProcess& d = StartDecode();
+  ASSERT_FALSE(HasFailure());
+  std::mutex mu;
+  std::string listing;
+  bool pass_through = false;
+  httplib::Server front;
+  front.Get("/query", [&](const httplib::Request& req, httplib::Response& res) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!pass_through && !req.has_param("engine_id")) {
+        res.set_content(listing, "application/json");
+        return;
+      }
+    }
+    httplib::Client real("127.0.0.1", p.bootstrap_port());
+    real.set_read_timeout(std::chrono::seconds(5));
+    httplib::Params params;
+    if (req.has_param("engine_id")) params.emplace("engine_id", req.get_param_value("engine_id"));
+    auto answer = real.Get("/query", params, httplib::Headers{});
+    res.status = answer ? answer->status : 502;
+    res.set_content(answer ? answer->body : std::string(), "application/json");
+  });
+  const int front_port = front.bind_to_any_port("127.0.0.1");
+  std::thread front_thread([&] { front.listen_after_bind(); });
+  struct Stop {
+    httplib::Server& server;
+    std::thread& thread;
+    ~Stop() {
+      server.stop();
+      thread.join();
+    }
+  } stop{front, front_thread};
+
+  ProxyProcess& proxy =
+      StartProxy({"--prefill", p.url(), std::to_string(front_port), "--decode", d.url(),
+                  "--ready-retry-interval", "0.1", "--ready-log-interval", "0.5"});
+  const struct Case {
+    const char* name;
+    std::string body;
+    const char* reason;
+  } cases[] = {
+      {"huge", "{\"0\":{\"engine_id\":\"e\",\"pad\":\"" + std::string(20 << 20, 'x') + "\"}}",
+       "answer exceeds 16777216 bytes"},
+      {"deep", "{\"0\":" + std::string(200000, '[') + std::string(200000, ']') + "}",
+       "deeper than 32 levels"},
+      {"wrong types", R"({"0":{"engine_id":42}})", "engine_id must be a string"},
+      {"an empty id", R"({"0":{"engine_id":""}})", "printable ASCII"},
+      {"a key that is no dp rank", R"({"01":{"engine_id":"e"}})", "key '01'"},
+      {"one engine on two ranks", R"({"0":{"engine_id":"e"},"1":{"engine_id":"e"}})",
+       "listed on two dp ranks"},
+  };
+  for (const Case& c : cases) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      listing = c.body;
+    }
+    HttpResult health;
+    for (const auto deadline = Clock::now() + std::chrono::seconds(10); Clock::now() < deadline;
+         std::this_thread::sleep_for(std::chrono::milliseconds(20))) {
+      health = proxy.Health();
+      if (health.body.find(c.reason) != std::string::npos) break;
+    }
+    EXPECT_EQ(health.status, 503) << c.name << ": " << health.body;
+    EXPECT_NE(health.body.find(c.reason), std::string::npos) << c.name << ": " << health.body;
+    ASSERT_TRUE(proxy.Running()) << c.name << ": the proxy died\n" << proxy.Log();
+    const HttpResult refused = Post(proxy.port(), {{"prompt", Prompt(10)}, {"max_tokens", 2}});
+    EXPECT_EQ(refused.status, 503) << c.name;
+  }
+  EXPECT_NE(proxy.Log().find("deeper than 32 levels"), std::string::npos) << proxy.Log();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    pass_through = true;
+  }
+  ASSERT_TRUE(proxy.WaitHealth(200)) << proxy.Log();
+  RunThroughProxy(proxy.port(), 2);
+  EXPECT_TRUE(proxy.Running());
 }
 
 // Cluster authentication between real processes (docs/security.md): a P (TP2) and a D sharing
