@@ -107,6 +107,20 @@ std::chrono::milliseconds Millis(double seconds, const char* what) {
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
 }
 
+// Drops a worker (stopping it if this was the last reference) without holding the GIL: a P's
+// writes may take a while to drain, and the runtime's threads never need the GIL. While the
+// interpreter finalizes, the GIL is kept (releasing it then is not allowed).
+template <typename Worker>
+void StopQuietly(std::shared_ptr<Worker> worker) {
+  if (!worker) return;
+  if (_Py_IsFinalizing() || !PyGILState_Check()) {
+    worker.reset();
+    return;
+  }
+  py::gil_scoped_release release;
+  worker.reset();
+}
+
 // What every rank takes, P or D.
 struct RankConfig {
   std::string engine_id;
@@ -195,7 +209,8 @@ class PyPrefillWorker {
   // the request lives). Raises ALREADY_EXISTS for a transfer id in use, TOMBSTONED for one P
   // already freed or D released.
   void Admit(const std::string& transfer_id, std::uint64_t handle) {
-    runtime::PrefillWorker& worker = Live();
+    std::shared_ptr<runtime::PrefillWorker> live = Live();
+    runtime::PrefillWorker& worker = *live;
     Status admitted;
     {
       py::gil_scoped_release release;
@@ -207,8 +222,12 @@ class PyPrefillWorker {
   }
 
   // Its prefill is done and its KV sits in `block_ids` (in order); pulls may be served now.
-  void PrefillDone(const std::string& transfer_id, std::vector<core::BlockId> block_ids) {
-    runtime::PrefillWorker& worker = Live();
+  // `handle`, when given, must be the one the transfer was admitted with: a caller that mixes
+  // up two requests gets ALREADY_EXISTS instead of lending one request's blocks to the other.
+  void PrefillDone(const std::string& transfer_id, std::vector<core::BlockId> block_ids,
+                   std::optional<std::uint64_t> expected_handle) {
+    std::shared_ptr<runtime::PrefillWorker> live = Live();
+    runtime::PrefillWorker& worker = *live;
     for (core::BlockId b : block_ids) {
       if (b >= num_blocks_) {
         Raise(Status(ErrorCode::kOutOfRange, "block " + std::to_string(b) + " outside the " +
@@ -225,6 +244,10 @@ class PyPrefillWorker {
         Raise(Status(ErrorCode::kNotFound, "transfer " + transfer_id + " was not admitted"));
       }
       handle = it->second;
+      if (expected_handle && *expected_handle != handle) {
+        Raise(Status(ErrorCode::kAlreadyExists,
+                     "transfer " + transfer_id + " is admitted for another request"));
+      }
       state_->blocks[handle] = std::move(block_ids);
     }
     Status done;
@@ -241,18 +264,29 @@ class PyPrefillWorker {
 
   // The engine finished or aborted the request: if nobody pulled it yet, it goes now.
   void EngineFinished(const std::string& transfer_id) {
-    runtime::PrefillWorker& worker = Live();
+    std::shared_ptr<runtime::PrefillWorker> live = Live();
+    runtime::PrefillWorker& worker = *live;
     Status finished;
     {
       py::gil_scoped_release release;
       finished = worker.EngineFinished(transfer_id).get();
+    }
+    {
+      // Before its prefill was done the entry goes at once, with no event (the engine still
+      // owns the blocks): forget its handle here. Once done, the "free" event does it.
+      std::lock_guard<std::mutex> lock(state_->mu);
+      auto it = state_->handles.find(transfer_id);
+      if (it != state_->handles.end() && state_->blocks.count(it->second) == 0) {
+        state_->handles.erase(it);
+      }
     }
     Check(finished);
   }
 
   // The engine refused the request (e.g. its prompt is too long): D's pulls fail with `why`.
   void Refuse(const std::string& transfer_id, const std::string& why) {
-    runtime::PrefillWorker& worker = Live();
+    std::shared_ptr<runtime::PrefillWorker> live = Live();
+    runtime::PrefillWorker& worker = *live;
     Status refused;
     {
       py::gil_scoped_release release;
@@ -272,7 +306,8 @@ class PyPrefillWorker {
   }
 
   py::dict Stats() {
-    runtime::PrefillWorker& worker = Live();
+    std::shared_ptr<runtime::PrefillWorker> live = Live();
+    runtime::PrefillWorker& worker = *live;
     control::ListenerStats s;
     {
       py::gil_scoped_release release;
@@ -291,22 +326,33 @@ class PyPrefillWorker {
     std::uint64_t held = 0;
     for (core::HoldPhase phase : core::kAllHoldPhases) held += s.hold.entries[phase];
     d["held_transfers"] = held;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      d["admitted_transfers"] = state_->handles.size();  // admitted and not yet released
+    }
     return d;
   }
 
-  std::string side_channel() { return Live().side_channel(); }
+  std::string side_channel() { return Live()->side_channel(); }
 
-  // Stops serving: in-flight writes drain, then the planes are deregistered. Idempotent.
+  // Stops serving: in-flight writes drain, then the planes are deregistered. Idempotent, and
+  // safe from several threads: the first caller takes the worker (under the GIL), and a call
+  // still inside the worker on another thread keeps it alive until it returns.
   void Stop() {
-    if (!worker_) return;
+    std::shared_ptr<runtime::PrefillWorker> worker = std::move(worker_);
+    if (!worker) return;
     Status stopped;
     {
       py::gil_scoped_release release;
-      stopped = worker_->Stop();
-      worker_.reset();
+      stopped = worker->Stop();
+      worker.reset();
     }
     Check(stopped);
   }
+
+  // A worker collected without stop() stops here, without holding the GIL while its writes
+  // drain (unless the interpreter is shutting down).
+  ~PyPrefillWorker() { StopQuietly(std::move(worker_)); }
 
  private:
   struct State {
@@ -315,13 +361,13 @@ class PyPrefillWorker {
     std::unordered_map<std::uint64_t, std::vector<core::BlockId>> blocks;  // by handle
     std::deque<std::tuple<std::string, std::string, std::string>> events;
   };
-  runtime::PrefillWorker& Live() {
+  std::shared_ptr<runtime::PrefillWorker> Live() {
     if (!worker_) Raise(Status(ErrorCode::kCancelled, "the prefill worker is stopped"));
-    return *worker_;
+    return worker_;
   }
 
   std::shared_ptr<State> state_;
-  std::unique_ptr<runtime::PrefillWorker> worker_;
+  std::shared_ptr<runtime::PrefillWorker> worker_;
   std::uint32_t num_blocks_ = 0;
 };
 
@@ -374,35 +420,36 @@ class PyDecodeWorker {
 
   void OnNewRequest(const std::string& request, const py::dict& source) {
     runtime::RemoteSource s = Source(source);
-    Live().OnNewRequest(request, s);
+    Live()->OnNewRequest(request, s);
   }
   void StartLoad(const std::string& request, const py::dict& source,
                  std::vector<core::BlockId> blocks) {
     runtime::RemoteSource s = Source(source);
-    Check(Live().StartLoad(request, s, std::move(blocks)));
+    Check(Live()->StartLoad(request, s, std::move(blocks)));
   }
-  void RequestFinished(const std::string& request) { Live().RequestFinished(request); }
-  void ReleaseTransfer(const py::dict& source) { Live().ReleaseTransfer(Source(source)); }
+  void RequestFinished(const std::string& request) { Live()->RequestFinished(request); }
+  void ReleaseTransfer(const py::dict& source) { Live()->ReleaseTransfer(Source(source)); }
 
   // {"received": [(request, ok, error, invalid_blocks, quarantined)],
   //  "released": [(request, blocks)], "aborted": [(request, error)]}
   py::dict TakeFinished() {
-    runtime::DecodeFinished f = Live().TakeFinished();
+    runtime::DecodeFinished f = Live()->TakeFinished();
     return ToDict(std::move(f));
   }
   py::dict WaitFinished(double timeout_s) {
     const auto deadline = core::Clock::now() + Millis(timeout_s, "timeout_s");
     runtime::DecodeFinished f;
     {
-      runtime::DecodeWorker& worker = Live();
+      std::shared_ptr<runtime::DecodeWorker> worker = Live();  // alive until this returns
       py::gil_scoped_release release;
-      f = worker.WaitFinished(deadline);
+      f = worker->WaitFinished(deadline);
+      worker.reset();  // if stop() came meanwhile, the worker stops here, without the GIL
     }
     return ToDict(std::move(f));
   }
 
   py::dict Stats() {
-    const runtime::DecodeWorkerStats s = Live().Stats();
+    const runtime::DecodeWorkerStats s = Live()->Stats();
     py::dict d;
     d["pulls_sent"] = s.pulls_sent;
     d["pull_timeouts"] = s.pull_timeouts;
@@ -417,11 +464,8 @@ class PyDecodeWorker {
 
   // Stops the threads, then deregisters the planes (a quarantined pull's P may write until
   // then). Idempotent.
-  void Stop() {
-    if (!worker_) return;
-    py::gil_scoped_release release;
-    worker_.reset();
-  }
+  void Stop() { StopQuietly(std::move(worker_)); }
+  ~PyDecodeWorker() { StopQuietly(std::move(worker_)); }
 
  private:
   static py::dict ToDict(runtime::DecodeFinished f) {
@@ -440,12 +484,12 @@ class PyDecodeWorker {
     d["aborted"] = aborted;
     return d;
   }
-  runtime::DecodeWorker& Live() {
+  std::shared_ptr<runtime::DecodeWorker> Live() {
     if (!worker_) Raise(Status(ErrorCode::kCancelled, "the decode worker is stopped"));
-    return *worker_;
+    return worker_;
   }
 
-  std::unique_ptr<runtime::DecodeWorker> worker_;
+  std::shared_ptr<runtime::DecodeWorker> worker_;
 };
 
 void SetRank(RankConfig& c, std::string engine_id, std::uint32_t tp_size, std::uint32_t tp_rank,
@@ -534,7 +578,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("data_plane") = "ucx", py::arg("cluster_secret_file") = py::none())
       .def("admit", &PyPrefillWorker::Admit, py::arg("transfer_id"), py::arg("handle"))
       .def("prefill_done", &PyPrefillWorker::PrefillDone, py::arg("transfer_id"),
-           py::arg("block_ids"))
+           py::arg("block_ids"), py::arg("handle") = py::none())
       .def("engine_finished", &PyPrefillWorker::EngineFinished, py::arg("transfer_id"))
       .def("refuse", &PyPrefillWorker::Refuse, py::arg("transfer_id"), py::arg("why"))
       .def("take_events", &PyPrefillWorker::TakeEvents)

@@ -202,3 +202,52 @@ def test_waiting_releases_the_gil():
         assert len(during) >= 20, f"only {len(during)} ticks while waiting: the GIL was held"
     finally:
         stop(d, p, bootstrap)
+
+
+def test_concurrent_stops_are_safe_and_a_stopped_worker_says_so():
+    for _ in range(20):
+        kv = torch.zeros(NUM_BLOCKS * BLOCK_LEN, dtype=torch.uint8)
+        p = native.PrefillWorker(engine_id="p-stop", block_len=BLOCK_LEN, num_blocks=NUM_BLOCKS,
+                                 planes=[(kv.data_ptr(), kv.numel())], incarnation="i",
+                                 data_plane="inprocess")
+        d = native.DecodeWorker(engine_id="d-stop", block_len=BLOCK_LEN, num_blocks=NUM_BLOCKS,
+                                planes=[], data_plane="inprocess")
+        waiter = threading.Thread(target=lambda: d.wait_finished(0.2))
+        waiter.start()
+        threads = [threading.Thread(target=w.stop) for w in (p, p, p, d, d)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        waiter.join()
+        with pytest.raises(native.KvferryError) as error:
+            d.take_finished()
+        assert error.value.code == "CANCELLED"
+
+
+def test_a_prefill_done_with_another_requests_handle_is_refused():
+    bootstrap, p, d, p_kv, d_kv, src = make_pair()
+    try:
+        p.admit("xfer-1", 1)
+        with pytest.raises(native.KvferryError) as error:
+            p.prefill_done("xfer-1", [0, 1], handle=2)
+        assert error.value.code == "ALREADY_EXISTS"
+        p.prefill_done("xfer-1", [0, 1], handle=1)
+    finally:
+        stop(d, p, bootstrap)
+
+
+def test_requests_finished_before_their_prefill_leave_nothing_behind():
+    bootstrap, p, d, p_kv, d_kv, src = make_pair()
+    try:
+        for i in range(2000):
+            p.admit(f"x{i}", i + 1)
+            p.engine_finished(f"x{i}")
+        deadline = time.monotonic() + 5
+        while p.stats()["admitted_transfers"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = p.stats()
+        assert stats["admitted_transfers"] == 0, stats
+        assert stats["held_transfers"] == 0, stats
+    finally:
+        stop(d, p, bootstrap)

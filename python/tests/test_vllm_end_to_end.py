@@ -118,12 +118,12 @@ class Engine:
         self.worker.shutdown()
 
 
-def fill_block(kv: dict, block: int, position: int) -> None:
+def fill_block(kv: dict, block: int, position: int, salt: float = 0.0) -> None:
     """The fake model's KV for the request's `position`-th block, in every layer."""
     for index, layer in enumerate(LAYERS):
         view = kv[layer][block]
         values = torch.arange(view.numel(), dtype=torch.float32).reshape(view.shape)
-        view.copy_(values + 1000.0 * (index + 1) + 100000.0 * (position + 1))
+        view.copy_(values + 1000.0 * (index + 1) + 100000.0 * (position + 1) + salt)
 
 
 def d_params(transfer_id: str, p: Engine, engine_id: str) -> dict:
@@ -145,9 +145,10 @@ def pair(model_dir, *, p_lease=5, d_lease=5, d_blocks=64, policy="fail"):
     return p, d, engine_id
 
 
-def prefill(p: Engine, request_id: str, transfer_id: str, prompt: list[int]) -> list[int]:
+def prefill(p: Engine, request_id: str, transfer_id: str, prompt: list[int],
+            salt: float = 0.0) -> list[int]:
     """Runs P's prefill of one request (max_tokens 1, as the proxy asks) and plays the model:
-    returns P's blocks of it, filled."""
+    returns P's blocks of it, filled (`salt` tells two requests' KV apart)."""
     p.scheduler.add_request(make_request(request_id, len(prompt), p_params(transfer_id),
                                          max_tokens=1, prompt=prompt))
     blocks: list[int] = []
@@ -156,7 +157,7 @@ def prefill(p: Engine, request_id: str, transfer_id: str, prompt: list[int]) -> 
         if request_id in out.num_scheduled_tokens:
             blocks[:] = p.blocks(request_id)
             for position, block in enumerate(blocks):
-                fill_block(p.kv, block, position)
+                fill_block(p.kv, block, position, salt)
 
     p.step(model)
     assert blocks, "P did not schedule the prefill"
@@ -365,6 +366,44 @@ def test_hostile_kv_transfer_params_fail_their_request_and_crash_nothing(model_d
         assert received == ["d-ok"]
         assert_scheduler_empty(d.scheduler, 64)
         assert_scheduler_empty(p.scheduler, 64)
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_a_second_request_naming_a_live_transfer_id_never_lends_its_blocks(model_dir):
+    """A router's retry, or a client reaching P directly, names a transfer id another request
+    already holds: the second request runs as a plain one, D gets the first one's KV, and
+    nothing leaks (found by review: D read the second request's freed blocks, and the first
+    request's blocks were never freed)."""
+    p, d, engine_id = pair(model_dir)
+    try:
+        a_blocks = prefill(p, "pA", "xfer-dup", PROMPT, salt=0.5)
+        snapshot = {layer: [p.kv[layer][b].clone() for b in a_blocks] for layer in LAYERS}
+        other = [t + 1 for t in PROMPT]
+        prefill(p, "pB", "xfer-dup", other, salt=0.25)
+        run_until([p], lambda: "pB" not in p.scheduler.requests)
+        assert "pA" in p.scheduler.requests, "the first owner still holds its KV for D"
+        d.scheduler.add_request(make_request("d1", len(PROMPT), d_params("xfer-dup", p, engine_id),
+                                             max_tokens=2, prompt=PROMPT))
+        d.step()
+        d_blocks = d.blocks("d1")
+        checked = False
+        deadline = time.monotonic() + 10
+        while d.scheduler.requests or p.scheduler.requests:
+            assert time.monotonic() < deadline, (list(d.scheduler.requests),
+                                                 list(p.scheduler.requests))
+            _, results, _ = d.step()
+            if "d1" in results.finished_recving:
+                for layer in LAYERS:
+                    for position, block in enumerate(d_blocks):
+                        assert torch.equal(d.kv[layer][block], snapshot[layer][position])
+                checked = True
+            p.step()
+            time.sleep(0.002)
+        assert checked
+        assert_scheduler_empty(p.scheduler, 64)
+        assert_scheduler_empty(d.scheduler, 64)
     finally:
         d.shutdown()
         p.shutdown()

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -37,6 +38,18 @@ Result<KvMemory> KvMemory::Register(std::shared_ptr<transport::Engine> engine,
                  fmt::format("KV memory: plane {} has {} bytes{}, {} blocks of {} need {}", i,
                              planes[i].length, planes[i].base == nullptr ? " at null" : "",
                              num_blocks, block_len, plane_bytes));
+    }
+  }
+  // Overlapping planes would receive two planes' bytes in one place: refused.
+  std::vector<std::uintptr_t> bases;
+  bases.reserve(planes.size());
+  for (const KvPlane& plane : planes) bases.push_back(reinterpret_cast<std::uintptr_t>(plane.base));
+  std::sort(bases.begin(), bases.end());
+  for (std::size_t i = 0; i + 1 < bases.size(); ++i) {
+    if (bases[i + 1] - bases[i] < plane_bytes) {
+      return Err(ErrorCode::kInvalidArgument,
+                 fmt::format("KV memory: planes at {:#x} and {:#x} overlap ({} bytes each)",
+                             bases[i], bases[i + 1], plane_bytes));
     }
   }
   KvMemory memory;

@@ -45,8 +45,10 @@ class KvMemory {
   // Registers `planes` with `engine`, or, when `planes` is empty, allocates one plane of
   // num_blocks × block_len bytes (pre-faulted, zeroed: transport::Engine::AllocateRegion).
   // Errors: kInvalidArgument for block_len or num_blocks 0, a size that overflows, more than
-  // kMaxKvPlanes planes, a null plane or one shorter than num_blocks × block_len; the engine's
-  // errors (nothing stays registered then).
+  // kMaxKvPlanes planes, a null plane, one shorter than num_blocks × block_len, or two planes
+  // whose num_blocks × block_len bytes overlap; the engine's errors (nothing stays registered
+  // then). Only num_blocks × block_len bytes of each plane are registered. That the memory
+  // exists is the caller's word: an address is not checked.
   [[nodiscard]] static Result<KvMemory> Register(std::shared_ptr<transport::Engine> engine,
                                                  std::span<const KvPlane> planes,
                                                  std::uint64_t block_len,

@@ -254,7 +254,7 @@ TEST(RuntimeEndToEnd, APlaneCountMismatchFailsTheLoadAndWritesNothing) {
   }
 }
 
-TEST(KvMemoryTest, PlanesShorterThanTheirBlocksOrTooManyAreRefused) {
+TEST(KvMemoryTest, PlanesShorterThanTheirBlocksOverlappingOrTooManyAreRefused) {
   auto fabric = transport::MakeInProcessFabric();
   auto made = transport::MakeInProcessEngine(fabric, {"e", false});
   ASSERT_TRUE(made.has_value());
@@ -270,6 +270,17 @@ TEST(KvMemoryTest, PlanesShorterThanTheirBlocksOrTooManyAreRefused) {
   EXPECT_FALSE(KvMemory::Register(engine, too_many, 64, 16).has_value());
   EXPECT_FALSE(KvMemory::Register(engine, {}, std::uint64_t{1} << 62, 1u << 8).has_value())
       << "a size that overflows";
+  std::vector<std::byte> two(2048);
+  const KvPlane overlapping[] = {{two.data(), 1024}, {two.data() + 1000, 1024}};
+  auto overlap = KvMemory::Register(engine, overlapping, 64, 16);
+  ASSERT_FALSE(overlap.has_value());
+  EXPECT_NE(overlap.error().message().find("overlap"), std::string::npos);
+  const KvPlane twice[] = {{two.data(), 1024}, {two.data(), 1024}};
+  EXPECT_FALSE(KvMemory::Register(engine, twice, 64, 16).has_value()) << "the same plane twice";
+  const KvPlane adjacent[] = {{two.data() + 1024, 1024}, {two.data(), 1024}};
+  auto side_by_side = KvMemory::Register(engine, adjacent, 64, 16);
+  ASSERT_TRUE(side_by_side.has_value()) << side_by_side.error().ToString();
+  EXPECT_TRUE(side_by_side->Deregister(core::Clock::now() + 1s).ok());
   const KvPlane ok_plane{buffer.data(), 1024};
   auto ok = KvMemory::Register(engine, std::span(&ok_plane, 1), 64, 16);
   ASSERT_TRUE(ok.has_value()) << ok.error().ToString();

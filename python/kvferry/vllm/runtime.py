@@ -137,12 +137,15 @@ class PrefillRuntime:
                 self._bootstrap.stop()
             raise
         self._handles = itertools.count(1)
+        self._handle_of: dict[str, int] = {}  # transfer id -> the handle it was admitted with
         self._refused: set[str] = set()  # admissions the runtime refused (tombstoned, ...)
         self._events: list[tuple[str, str]] = []
 
     def admit(self, transfer_id: str, handle: str) -> None:
+        number = next(self._handles)
         try:
-            self._worker.admit(transfer_id, next(self._handles))
+            self._worker.admit(transfer_id, number)
+            self._handle_of[transfer_id] = number
         except self._native.KvferryError as e:
             # Released by D or expired before P admitted it (TOMBSTONED), or a duplicate id:
             # nothing will be held; its prefill done is answered "free" at once.
@@ -157,7 +160,8 @@ class PrefillRuntime:
             self._events.append(("free", transfer_id))
             return
         try:
-            self._worker.prefill_done(transfer_id, blocks)
+            handle = self._handle_of.pop(transfer_id, None)
+            self._worker.prefill_done(transfer_id, blocks, handle=handle)
         except self._native.KvferryError as e:
             # Dropped while it prefilled (D released it, its lease lapsed): free its blocks now.
             logger.info("kvferry: transfer %s is not held (%s); its blocks are free", transfer_id, e)
@@ -165,6 +169,7 @@ class PrefillRuntime:
 
     def engine_finished(self, transfer_id: str) -> None:
         self._refused.discard(transfer_id)
+        self._handle_of.pop(transfer_id, None)
         try:
             self._worker.engine_finished(transfer_id)
         except self._native.KvferryError as e:

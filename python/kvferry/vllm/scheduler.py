@@ -124,6 +124,11 @@ class KvferryConnectorScheduler:
         self._tracked: dict[str, RemoteSource] = {}
         self._admitted: dict[str, str] = {}
         self._holding: dict[str, str] = {}
+        # P: the request that owns each live transfer id (admitted or held). A second request
+        # naming a live transfer id (a router's retry, a client reaching P directly) is served
+        # as a plain request: the runtime keys a transfer by its id, and two owners would let
+        # D read one request's KV from blocks vLLM freed for the other.
+        self._owner: dict[str, str] = {}
 
         if settings.ignored_keys:
             logger.warning(
@@ -216,9 +221,18 @@ class KvferryConnectorScheduler:
                     request_id,
                 )
                 return
+            owner = self._owner.get(transfer_id)
+            if owner is not None and owner != request_id:
+                logger.warning(
+                    "request %s names transfer %s, which request %s already uses; it is "
+                    "served without handing its KV to a decoder",
+                    request_id, transfer_id, owner,
+                )
+                return
             if request_id not in self._admitted:
                 self._admitted[request_id] = transfer_id
                 self._admit[request_id] = transfer_id
+                self._owner[transfer_id] = request_id
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryConnectorMetadata:
         meta = KvferryConnectorMetadata(
@@ -251,8 +265,13 @@ class KvferryConnectorScheduler:
 
         if not params.get("do_remote_decode") or not self.is_producer:
             return False, None
-        transfer_id = self._admitted.pop(request_id, None) or params.get("transfer_id")
-        if not isinstance(transfer_id, str) or not transfer_id:
+        transfer_id = self._admitted.pop(request_id, None)
+        if transfer_id is None:
+            # Never admitted: ended before its blocks were allocated, or a duplicate of a live
+            # transfer. Only a transfer nobody owns may be dropped (its pulls then fail at once).
+            transfer_id = params.get("transfer_id")
+            if isinstance(transfer_id, str) and transfer_id and transfer_id not in self._owner:
+                self._drop[request_id] = transfer_id
             return False, None
         self._admit.pop(request_id, None)
 
@@ -261,6 +280,7 @@ class KvferryConnectorScheduler:
             # Aborted, failed or never computed: nothing to hand over. The worker tells P's
             # runtime, so a pull waiting for this transfer fails at once.
             self._drop[request_id] = transfer_id
+            self._owner.pop(transfer_id, None)
             return False, None
 
         self._hold[request_id] = HoldSpec(transfer_id=transfer_id, block_ids=blocks)
@@ -282,7 +302,9 @@ class KvferryConnectorScheduler:
         for request_id in connector_output.failed_recving or ():
             self._tracked.pop(request_id, None)
         for request_id in connector_output.finished_sending or ():
-            self._holding.pop(request_id, None)
+            transfer_id = self._holding.pop(request_id, None)
+            if transfer_id is not None and self._owner.get(transfer_id) == request_id:
+                del self._owner[transfer_id]
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvferryWorkerMetadata) and meta.dropped_transfers:
             logger.warning(
