@@ -133,6 +133,7 @@ struct RankConfig {
   double abort_request_timeout_s = 480;
   std::string data_plane = "ucx";
   std::optional<std::string> cluster_secret_file;
+  bool head_slices = true;  // the layout keeps a KV head's bytes together within a block
 };
 
 // ---- P ----
@@ -161,6 +162,7 @@ class PyPrefillWorker {
     o.block_len = c.block_len;
     o.num_blocks = c.num_blocks;
     o.planes = Planes(c.planes);
+    o.head_slices = c.head_slices;
     o.hold.lease = Millis(c.lease_s, "lease_s");
     o.hold.abort_request_timeout = Millis(c.abort_request_timeout_s, "abort_request_timeout_s");
     o.bootstrap_address = c.bootstrap_address;
@@ -397,6 +399,7 @@ class PyDecodeWorker {
     o.block_len = c.block_len;
     o.num_blocks = c.num_blocks;
     o.planes = Planes(c.planes);
+    o.head_slices = c.head_slices;
     o.lease = Millis(c.lease_s, "lease_s");
     o.abort_request_timeout = Millis(c.abort_request_timeout_s, "abort_request_timeout_s");
     // P answers every pull within abort_request_timeout + its write bound (DecodeWorkerOptions).
@@ -496,7 +499,8 @@ void SetRank(RankConfig& c, std::string engine_id, std::uint32_t tp_size, std::u
              std::uint64_t block_len, std::uint32_t num_blocks,
              std::vector<std::pair<std::uintptr_t, std::size_t>> planes, double lease_s,
              double abort_request_timeout_s, std::string data_plane,
-             std::optional<std::string> cluster_secret_file) {
+             std::optional<std::string> cluster_secret_file, bool head_slices) {
+  c.head_slices = head_slices;
   c.engine_id = std::move(engine_id);
   c.tp_size = tp_size;
   c.tp_rank = tp_rank;
@@ -558,11 +562,11 @@ PYBIND11_MODULE(_native, m) {
                        double lease_s, double abort_request_timeout_s,
                        std::string bootstrap_address, std::string side_channel_host,
                        std::string incarnation, std::string data_plane,
-                       std::optional<std::string> cluster_secret_file) {
+                       std::optional<std::string> cluster_secret_file, bool head_slices) {
              PyPrefillWorker::Config c;
              SetRank(c, std::move(engine_id), tp_size, tp_rank, block_len, num_blocks,
                      std::move(planes), lease_s, abort_request_timeout_s, std::move(data_plane),
-                     std::move(cluster_secret_file));
+                     std::move(cluster_secret_file), head_slices);
              c.dp_rank = dp_rank;
              c.kv_heads = kv_heads;
              c.bootstrap_address = std::move(bootstrap_address);
@@ -575,7 +579,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("num_blocks"), py::arg("planes"), py::arg("lease_s") = 0.0,
            py::arg("abort_request_timeout_s") = 480.0, py::arg("bootstrap_address") = "",
            py::arg("side_channel_host") = "127.0.0.1", py::arg("incarnation"),
-           py::arg("data_plane") = "ucx", py::arg("cluster_secret_file") = py::none())
+           py::arg("data_plane") = "ucx", py::arg("cluster_secret_file") = py::none(),
+           py::arg("head_slices") = true)
       .def("admit", &PyPrefillWorker::Admit, py::arg("transfer_id"), py::arg("handle"))
       .def("prefill_done", &PyPrefillWorker::PrefillDone, py::arg("transfer_id"),
            py::arg("block_ids"), py::arg("handle") = py::none())
@@ -591,11 +596,12 @@ PYBIND11_MODULE(_native, m) {
                        std::uint64_t block_len, std::uint32_t num_blocks,
                        std::vector<std::pair<std::uintptr_t, std::size_t>> planes,
                        double lease_s, double abort_request_timeout_s, std::string data_plane,
-                       std::optional<std::string> cluster_secret_file, bool send_releases) {
+                       std::optional<std::string> cluster_secret_file, bool send_releases,
+                       bool head_slices) {
              PyDecodeWorker::Config c;
              SetRank(c, std::move(engine_id), tp_size, tp_rank, block_len, num_blocks,
                      std::move(planes), lease_s, abort_request_timeout_s, std::move(data_plane),
-                     std::move(cluster_secret_file));
+                     std::move(cluster_secret_file), head_slices);
              c.send_releases = send_releases;
              return std::make_unique<PyDecodeWorker>(c);
            }),
@@ -603,7 +609,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("block_len"), py::arg("num_blocks"), py::arg("planes"),
            py::arg("lease_s") = 0.0, py::arg("abort_request_timeout_s") = 480.0,
            py::arg("data_plane") = "ucx", py::arg("cluster_secret_file") = py::none(),
-           py::arg("send_releases") = true)
+           py::arg("send_releases") = true, py::arg("head_slices") = true)
       .def("on_new_request", &PyDecodeWorker::OnNewRequest, py::arg("request_id"),
            py::arg("source"))
       .def("start_load", &PyDecodeWorker::StartLoad, py::arg("request_id"), py::arg("source"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvferry.vllm.native import KvRegion
-from kvferry.vllm.runtime import LayoutError, planes_of
+from kvferry.vllm.runtime import LayoutError, head_slices, planes_of
 
 
 def region(ptr, stride, size, group=0, blocks=8, part="kv"):
@@ -63,3 +63,11 @@ def test_a_kv_cache_off_the_host_is_refused_before_anything_is_registered():
     on_device = torch.empty((2, 8, 16, 2, 8), device="meta")  # no host memory behind it
     with pytest.raises(ValueError, match="host memory only"):
         kv_regions("layer.0", on_device, 0, 8)
+
+
+def test_token_major_blocks_are_registered_but_never_head_sliced():
+    token_major = [KvRegion("l", "kv", 0, 0x10000, 8 * 256, 8, 256, 256, heads_outermost=False)]
+    assert planes_of(token_major, kv_heads=8)[1] == 256  # moved whole between equal TPs
+    assert not head_slices(token_major, kv_heads=8)
+    assert head_slices(token_major, kv_heads=1), "replicated KV is never cut"
+    assert head_slices([region(0x10000, 256, 256)], kv_heads=8)

@@ -272,13 +272,14 @@ def layer_bytes(region, block):
     return ctypes.string_at(region.data_ptr + block * region.block_stride, region.block_bytes)
 
 
-@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC])
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC,
+                                    KVCacheLayout.LBNHC])
 def test_regions_of_vllm_032_layer_views(layout):
     from vllm.v1.worker.utils import allocate_kv_cache
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
     page, num_blocks, layers = spec.page_size_bytes, 6, ["l0", "l1", "l2"]
-    if layout == KVCacheLayout.LBHNC:
+    if layout in (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC):
         placement = dict(layer_stride=page * num_blocks, block_stride=page)
     else:  # block-outermost: a block holds every layer's page
         placement = dict(layer_stride=page, block_stride=page * len(layers))
@@ -297,12 +298,17 @@ def test_regions_of_vllm_032_layer_views(layout):
         assert region.block_bytes == page
         assert region.block_stride == placement["block_stride"]
         assert region.nbytes == (num_blocks - 1) * region.block_stride + page
+        # Token-major blocks (LBNHC) cannot be cut by head: the runtime is told so.
+        assert region.heads_outermost == (layout != KVCacheLayout.LBNHC)
         # Each block of the region is exactly that layer's block b: write, read back by pointer.
         for b in range(num_blocks):
             pattern = torch.arange(view[b].numel(), dtype=view.dtype) + b
             view[b].copy_(pattern.reshape(view[b].shape))
         for b in range(num_blocks):
-            assert layer_bytes(region, b) == view[b].contiguous().numpy().tobytes()
+            # The block's bytes in memory order (its dims by decreasing stride).
+            block = view[b]
+            physical = block.permute(*sorted(range(block.dim()), key=lambda i: -block.stride(i)))
+            assert layer_bytes(region, b) == physical.contiguous().numpy().tobytes()
 
 
 def test_regions_of_flash_attention_kv_and_mla_tensors():
@@ -312,11 +318,14 @@ def test_regions_of_flash_attention_kv_and_mla_tensors():
     assert (k.part, v.part) == ("k", "v")
     assert k.block_stride == k.block_bytes == bs * heads * dim * 2
     assert v.data_ptr - k.data_ptr == nb * k.block_stride
+    assert not k.heads_outermost, "flash-attention's NHD blocks are token-major"
     # HND inside each block (heads before tokens in memory) is still one run per block.
     hnd = torch.zeros(2, nb, heads, bs, dim).permute(0, 1, 3, 2, 4)
     assert kv_regions("hnd", hnd, 0, nb)[0].block_bytes == bs * heads * dim * 4
+    assert kv_regions("hnd", hnd, 0, nb)[0].heads_outermost
     (mla,) = kv_regions("mla", torch.zeros(nb, bs, 576, dtype=torch.bfloat16), 1, nb)
     assert (mla.part, mla.group, mla.block_bytes) == ("kv", 1, bs * 576 * 2)
+    assert mla.heads_outermost
     # Heads outermost across blocks: a block is not one run; the error says what to use.
     heads_outer = torch.zeros(heads, nb, bs, dim).permute(1, 0, 2, 3)
     with pytest.raises(ValueError, match="LBHNC"):

@@ -334,6 +334,16 @@ core::PeerId DecodeSession::PeerFor(EndpointId endpoint, const std::string& inca
 }
 
 void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
+  if (!options_.head_slices && view.tp_size > options_.tp_size) {
+    FailLoad(std::move(load),
+             Status(ErrorCode::kInvalidArgument,
+                    fmt::format("prefill engine {} has TP {} and this decoder TP {}: its ranks "
+                                "write head slices of each block, and this rank's KV layout "
+                                "does not keep a head's bytes together",
+                                view.engine_id, view.tp_size, options_.tp_size)),
+             now);
+    return;
+  }
   Status why;
   std::optional<std::vector<std::uint32_t>> targets = Targets(view, &why);
   if (!targets) {

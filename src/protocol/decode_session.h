@@ -98,6 +98,10 @@ struct DecodeSessionOptions {
   std::uint64_t block_len = 0;  // bytes per block in this rank's region
   std::uint32_t num_blocks = 0;
   std::vector<std::uint8_t> region_descriptor;  // sent with every pull
+  // False: this rank's blocks do not keep a KV head's bytes together (a token-major layout), so
+  // they must be written whole: a load from an engine of a larger TP size (whose ranks each
+  // write a head slice of every block) fails at once, unsent, with the reason.
+  bool head_slices = true;
   core::Duration lease{0};                      // kv_lease_duration; 0 = off
   // P answers every pull within abort_request_timeout (a prefill that never finishes) plus the
   // time a write may take until it is fenced; D's deadline must be longer.

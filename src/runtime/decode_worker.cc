@@ -46,6 +46,7 @@ protocol::DecodeSessionOptions SessionOptions(const DecodeWorkerOptions& o,
   s.block_len = o.block_len;
   s.num_blocks = o.num_blocks;
   s.region_descriptor = std::move(descriptor);
+  s.head_slices = o.head_slices;
   s.lease = o.lease;
   s.abort_request_timeout = o.abort_request_timeout;
   s.write_bound = o.write_bound;

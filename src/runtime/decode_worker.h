@@ -57,6 +57,9 @@ struct DecodeWorkerOptions {
   // num_blocks × block_len bytes, valid until the worker is destroyed (a P peer whose pull is
   // quarantined may write until then). Empty: the worker allocates one plane.
   std::vector<KvPlane> planes;
+  // protocol::DecodeSessionOptions::head_slices: false for a layout that does not keep a KV
+  // head's bytes together within a block.
+  bool head_slices = true;
   core::Duration lease{0};  // kv_lease_duration; 0 = off (no renewals)
   // abort_request_timeout (the same kv_transfer_config key P reads) and how long a P write may
   // take until P fences it: P answers every pull within their sum, so pull_timeout must exceed

@@ -111,6 +111,14 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
   const core::TpLayout d_layout{context.d_tp_size, options_.layout.kv_heads, context.block_len};
   auto slice = core::PlanSlice(options_.p_tp_rank, options_.layout, context.d_tp_rank, d_layout);
   if (!slice) return failed(slice.error());
+  if (!options_.head_slices && slice->should_write &&
+      (slice->src_offset != 0 || slice->length != options_.layout.block_len)) {
+    return failed(Status(ErrorCode::kInvalidArgument,
+                         fmt::format("transfer {}: decoder rank {} of TP {} needs a head slice of "
+                                     "each block, and this prefill rank's KV layout does not "
+                                     "keep a head's bytes together",
+                                     job.transfer_id, context.d_tp_rank, context.d_tp_size)));
+  }
   auto ops = core::PlanWrites(src, job.dst_block_ids, *slice, options_.layout.block_len,
                               context.block_len);
   if (!ops) return failed(ops.error());
@@ -199,6 +207,7 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   writer_options.p_tp_rank = options.tp_rank;
   writer_options.layout = {options.tp_size, options.kv_heads, options.block_len};
   writer_options.regions = worker->memory_.ids();
+  writer_options.head_slices = options.head_slices;
   writer_options.write_timeout = options.write_timeout;
   writer_options.trace = options.trace;
   worker->writer_ =

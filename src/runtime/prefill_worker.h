@@ -50,6 +50,8 @@ class TransportKvWriter : public control::KvWriter {
     // This rank's KV planes (runtime/kv_memory.h), in plane order; D's descriptor must list as
     // many regions, in the same order.
     std::vector<transport::RegionId> regions;
+    // False: a block does not keep a KV head's bytes together (PrefillWorkerOptions).
+    bool head_slices = true;
     std::chrono::milliseconds write_timeout{30000};
     WriteTraceFn trace;  // optional
   };
@@ -94,6 +96,10 @@ struct PrefillWorkerOptions {
   // num_blocks × block_len bytes, valid until the worker stopped. Empty: the worker allocates
   // one plane.
   std::vector<KvPlane> planes;
+  // False: this rank's blocks do not keep a KV head's bytes together (a token-major layout),
+  // so a pull that needs part of a block (a decoder of a larger TP size) fails with the reason
+  // instead of moving the wrong bytes.
+  bool head_slices = true;
   core::HoldConfig hold;
   std::size_t num_senders = 4;
   std::string side_channel_endpoint = "tcp://127.0.0.1:0";

@@ -50,6 +50,11 @@ struct Cluster {
   // registers one tensor per layer and K/V half. 0: each worker allocates its one plane.
   std::size_t p_planes = 0;
   std::size_t d_planes = 0;
+  // Whether each side's blocks keep a KV head's bytes together (PrefillWorkerOptions /
+  // DecodeWorkerOptions::head_slices), and D's TP size (its one rank is rank 0).
+  bool p_head_slices = true;
+  bool d_head_slices = true;
+  std::uint32_t d_tp = 1;
   std::vector<std::vector<std::byte>> memory;  // every caller-owned plane; outlives the workers
 
   std::vector<KvPlane> OwnPlanes(std::size_t count, std::uint64_t block_len) {
@@ -97,6 +102,7 @@ struct Cluster {
       o.write_timeout = 2s;
       o.cluster_secret = p_secret;
       o.planes = OwnPlanes(p_planes, o.block_len);
+      o.head_slices = p_head_slices;
       auto worker = PrefillWorker::Start(
           o, std::shared_ptr<transport::Engine>(std::move(*engine)),
           [](std::uint64_t) -> Result<std::vector<core::BlockId>> { return kSourceBlocks; },
@@ -122,7 +128,9 @@ struct Cluster {
     ASSERT_TRUE(engine.has_value());
     DecodeWorkerOptions o;
     o.engine_id = "decode";
-    o.block_len = kPBlockLen * 2;
+    o.tp_size = d_tp;
+    o.head_slices = d_head_slices;
+    o.block_len = kPBlockLen * 2 / d_tp;
     o.num_blocks = kNumBlocks;
     o.lease = core::Seconds(d_lease_s);
     o.pull_timeout = pull_timeout;
@@ -251,6 +259,49 @@ TEST(RuntimeEndToEnd, APlaneCountMismatchFailsTheLoadAndWritesNothing) {
     for (core::BlockId b : kDestBlocks) {
       EXPECT_EQ(c.d->kv(plane)[b * kPBlockLen * 2], std::byte{0});
     }
+  }
+}
+
+// A KV layout that does not keep a head's bytes together (token-major) cannot be sliced by
+// head: with different TP sizes the side whose blocks would be cut refuses, with the reason,
+// instead of moving the wrong bytes. D refuses before sending (P TP > D TP: D's blocks would be
+// written in parts); P refuses the write (D TP > P TP: P's blocks would be read in parts).
+TEST(RuntimeEndToEnd, ALayoutWithoutContiguousHeadsRefusesHeadSlicesOnEitherSide) {
+  {
+    Cluster c;
+    c.d_head_slices = false;
+    ASSERT_NO_FATAL_FAILURE(c.Start(2, 30, 30));
+    c.Prefill("xfer-1");
+    ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
+    ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+    ASSERT_FALSE(r.ok);
+    EXPECT_NE(r.error.message().find("does not keep a head's bytes together"), std::string::npos)
+        << r.error.ToString();
+    EXPECT_FALSE(r.quarantined) << "refused before anything was sent";
+    EXPECT_EQ(c.d->Stats().pulls_sent, 0u);
+  }
+  {
+    Cluster c;
+    c.p_head_slices = false;
+    c.d_tp = 2;
+    ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
+    c.Prefill("xfer-1");
+    ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
+    ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+    ASSERT_FALSE(r.ok);
+    EXPECT_NE(r.error.message().find("does not keep a head's bytes together"), std::string::npos)
+        << r.error.ToString();
+    for (core::BlockId b : kDestBlocks) EXPECT_EQ(c.d->kv()[b * kPBlockLen], std::byte{0});
+  }
+  {
+    Cluster c;  // the same TP on both sides: whole blocks, whatever the layout
+    c.p_head_slices = false;
+    c.d_head_slices = false;
+    ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
+    c.Prefill("xfer-1");
+    ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
+    ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+    EXPECT_TRUE(r.ok) << r.error.ToString();
   }
 }
 

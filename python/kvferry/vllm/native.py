@@ -41,6 +41,9 @@ class KvRegion:
     num_blocks: int
     block_stride: int
     block_bytes: int
+    # Whether a block keeps each KV head's bytes together (heads outermost inside the block),
+    # so that a TP rank of another size can take a head slice of it as one byte range.
+    heads_outermost: bool = True
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ What this layer decides:
   block holding every layer's page (stride > bytes, side by side) become a single plane of
   ``stride`` bytes — only for a model whose KV is replicated across TP ranks (MLA: one KV head),
   since a head slice of such a block is not one byte range. Anything else is refused with the
-  reason at registration, never moved wrongly.
+  reason at registration. A dense block whose heads are not outermost (token-major, vLLM's
+  LBNHC, when a backend cannot honour the LBHNC the connector asks for) is registered, but the
+  runtime is told it cannot be head-sliced: transfers between different TP sizes then fail with
+  the reason instead of moving the wrong bytes.
 - **One KV-cache group.** The runtime moves one list of block ids per request; a hybrid model's
   several groups are refused at registration (vLLM then runs without the connector's HMA).
 - **P's bootstrap service** runs in P's rank-0 worker (port ``bootstrap_port``) unless
@@ -40,6 +43,14 @@ logger = logging.getLogger("kvferry.vllm")
 
 class LayoutError(ValueError):
     """The KV cache's layout is one kvferry cannot move correctly."""
+
+
+def head_slices(regions: Sequence[KvRegion], kv_heads: int) -> bool:
+    """Whether the runtime may move head slices of these blocks (P and D of different TP
+    sizes): always for replicated KV (one head is never split), else only when every block keeps
+    each head's bytes together. False makes the runtime refuse such transfers with the reason
+    (prefill_worker.h, decode_worker.h: head_slices) rather than move the wrong bytes."""
+    return kv_heads == 1 or all(r.heads_outermost for r in regions)
 
 
 def planes_of(regions: Sequence[KvRegion], kv_heads: int) -> tuple[list[tuple[int, int]], int, int]:
@@ -131,7 +142,8 @@ class PrefillRuntime:
                 abort_request_timeout_s=options.abort_request_timeout,
                 bootstrap_address=address, side_channel_host=options.side_channel_host,
                 incarnation=options.incarnation, data_plane=options.data_plane,
-                cluster_secret_file=options.cluster_secret_file)
+                cluster_secret_file=options.cluster_secret_file,
+                head_slices=head_slices(regions, options.kv_heads))
         except BaseException:
             if self._bootstrap is not None:
                 self._bootstrap.stop()
@@ -204,7 +216,7 @@ class DecodeRuntime:
             lease_s=options.kv_lease_duration,
             abort_request_timeout_s=options.abort_request_timeout,
             data_plane=options.data_plane, cluster_secret_file=options.cluster_secret_file,
-            send_releases=options.kv_release)
+            send_releases=options.kv_release, head_slices=head_slices(regions, options.kv_heads))
         # Failed loads whose blocks a P peer may still write: reported once they are released.
         self._quarantined: dict[str, str] = {}
         self._failed: list[tuple[str, str]] = []  # loads refused before anything was sent

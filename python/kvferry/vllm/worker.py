@@ -69,10 +69,15 @@ def kv_regions(
             "memory only (its CUDA memory kind is reserved, docs/vllm.md)"
         )
     element = cache.element_size()
+    # Where the heads are among a part's logical dims (after the block dim): flash-attention's
+    # [2, B, N, H, D] halves are [B, N, H, D]; vLLM 0.32's views are [B, H, N, C] (its logical
+    # order whatever the physical layout, kv_cache_layout.py); MLA's [B, N, D] has none.
     if cache.dim() == 5 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
         parts = [("k", cache[0]), ("v", cache[1])]
+        heads_dim: int | None = 2
     elif cache.dim() >= 2 and cache.shape[0] % num_blocks == 0:
         parts = [("kv", cache)]
+        heads_dim = 1 if cache.dim() == 4 else None
     else:
         raise ValueError(
             f"layer {layer_name}: KV cache of shape {tuple(cache.shape)} is neither block-major "
@@ -90,6 +95,7 @@ def kv_regions(
                 "KV cache layout such as LBHNC"
             )
         block_stride = t.stride(0) * per_block * element
+        heads_outermost = _heads_outermost(block, heads_dim)
         regions.append(
             KvRegion(
                 layer_name=layer_name,
@@ -100,9 +106,24 @@ def kv_regions(
                 num_blocks=num_blocks,
                 block_stride=block_stride,
                 block_bytes=block_bytes,
+                heads_outermost=heads_outermost,
             )
         )
     return regions
+
+
+def _heads_outermost(block: torch.Tensor, heads_dim: int | None) -> bool:
+    """Whether, inside one block (dense), each head's bytes are one run: the heads dim has the
+    largest stride of the dims after the block dim. A block without a heads dim (MLA) or with
+    one head is trivially so; a shape this does not know is not (the runtime then refuses
+    head slices rather than guess)."""
+    if heads_dim is None:
+        return block.dim() == 3  # MLA's [B, N, D]: no head to slice
+    if block.shape[heads_dim] == 1:
+        return True
+    others = [block.stride(i) for i in range(1, block.dim())
+              if i != heads_dim and block.shape[i] > 1]
+    return all(block.stride(heads_dim) > stride for stride in others)
 
 
 def _kv_heads(vllm_config: VllmConfig) -> int:
