@@ -1236,6 +1236,7 @@ std::string ServingEngine::RenderMetrics() {
       d.lookups += x.lookups;
       d.lookup_failures += x.lookup_failures;
       d.lookups_stale += x.lookups_stale;
+      d.engines_known += x.engines_known;
       d.receives_ok += x.receives_ok;
       d.receives_failed += x.receives_failed;
       d.renewal_messages += x.renewal_messages;
@@ -1262,6 +1263,10 @@ std::string ServingEngine::RenderMetrics() {
              {{"outcome", "failed"}});
     w.Sample("kvferry_bootstrap_lookups_total", static_cast<double>(d.lookups_stale),
              {{"outcome", "stale"}});
+    w.Single("kvferry_decode_engines_known", "gauge",
+             "P engines D keeps state for, summed over ranks (engines never reached are "
+             "forgotten once no request names them)",
+             static_cast<double>(d.engines_known));
     w.Family("kvferry_receives_total", "counter", "Per-rank receives settled, by outcome");
     w.Sample("kvferry_receives_total", static_cast<double>(d.receives_ok), {{"outcome", "ok"}});
     w.Sample("kvferry_receives_total", static_cast<double>(d.receives_failed),

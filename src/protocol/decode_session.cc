@@ -12,6 +12,18 @@
 namespace kvferry::protocol {
 namespace {
 
+// A bootstrap address is a URL a client may name: bounded like an id, generously.
+constexpr std::size_t kMaxBootstrapAddressBytes = 2048;
+// How often SweepEngines runs at most.
+constexpr core::Duration kEngineSweep = std::chrono::seconds(10);
+
+bool IdFits(const std::string& id) { return !id.empty() && id.size() <= wire::kMaxIdBytes; }
+
+bool SourceFits(const core::RequestId& request, const RemoteSource& source) {
+  return IdFits(request) && IdFits(source.transfer_id) && IdFits(source.engine_id) &&
+         source.bootstrap_address.size() <= kMaxBootstrapAddressBytes;
+}
+
 using core::TimePoint;
 
 std::string Secs(core::Duration d) { return fmt::format("{}s", core::ToSeconds(d)); }
@@ -95,6 +107,8 @@ DecodeSession::EngineState& DecodeSession::Engine(const core::EngineId& engine,
 void DecodeSession::OnNewRequest(const core::RequestId& request, const RemoteSource& source,
                                  TimePoint now) {
   (void)now;
+  // What StartLoad would refuse is not tracked (no state for it): its load fails there.
+  if (!SourceFits(request, source)) return;
   Engine(source.engine_id, source.bootstrap_address);
   if (tracked_.try_emplace(request, Tracked{source.transfer_id, source.engine_id}).second) {
     by_transfer_.emplace(source.transfer_id, request);
@@ -153,6 +167,16 @@ void DecodeSession::QueueRelease(const core::EngineId& engine, const core::Trans
 
 Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSource& source,
                                 std::vector<core::BlockId> blocks, TimePoint now) {
+  // What P's decoder would refuse fails here, unsent, instead of as an unreadable pull; and
+  // before any state is kept for the engine it names.
+  if (!SourceFits(request, source) || blocks.size() > wire::kMaxBlocksPerRequest) {
+    return Status(
+        ErrorCode::kInvalidArgument,
+        fmt::format("request {}: ids must be 1..{} bytes, the bootstrap address at most {} and "
+                    "blocks at most {}",
+                    request.substr(0, 64), wire::kMaxIdBytes, kMaxBootstrapAddressBytes,
+                    wire::kMaxBlocksPerRequest));
+  }
   EngineState& state = Engine(source.engine_id, source.bootstrap_address);
   if (blocks.empty()) return Status::Ok();  // notify-only: nothing will be written
   if (loading_.count(request) != 0) {
@@ -162,14 +186,6 @@ Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSour
     return Status(
         ErrorCode::kAlreadyExists,
         fmt::format("request {}: its blocks of an earlier load are still quarantined", request));
-  }
-  // What P's decoder would refuse fails here, unsent, instead of as an unreadable pull.
-  if (request.empty() || request.size() > wire::kMaxIdBytes || source.transfer_id.empty() ||
-      source.transfer_id.size() > wire::kMaxIdBytes || blocks.size() > wire::kMaxBlocksPerRequest) {
-    return Status(
-        ErrorCode::kInvalidArgument,
-        fmt::format("request {}: ids must be 1..{} bytes and blocks at most {}",
-                    request.substr(0, 64), wire::kMaxIdBytes, wire::kMaxBlocksPerRequest));
   }
   for (core::BlockId b : blocks) {
     if (b >= options_.num_blocks) {
@@ -913,6 +929,27 @@ void DecodeSession::OnTimeout(TimePoint now) {
   if (release_due_ <= now) FlushReleases(now);
   ExpirePulls(now);
   if (renewals_.tracked() > 0 && renewals_.NextDue() <= now) RenewalPass(now);
+  SweepEngines(now);
+}
+
+void DecodeSession::SweepEngines(TimePoint now) {
+  if (now < next_sweep_) return;
+  next_sweep_ = now + kEngineSweep;
+  std::unordered_set<core::EngineId> named;
+  for (const auto& [request, tracked] : tracked_) named.insert(tracked.engine);
+  for (auto it = engines_.begin(); it != engines_.end();) {
+    const EngineState& s = it->second;
+    const bool unreached = !s.view && !s.declared_down && !s.lookup_in_flight &&
+                           s.failed_until <= now && s.waiting_loads.empty() &&
+                           s.waiting_renewals.empty() && s.waiting_releases.empty() &&
+                           s.pending_releases.empty();
+    if (unreached && named.count(it->first) == 0) {
+      it = engines_.erase(it);
+      ++counters_.engines_forgotten;
+    } else {
+      ++it;
+    }
+  }
 }
 
 TimePoint DecodeSession::NextDeadline() const {
@@ -966,6 +1003,7 @@ DecodeStats DecodeSession::stats() const {
   s.quarantined_blocks = ledger_->quarantined_blocks();
   s.tracked = renewals_.tracked();
   s.receiving = loading_.size();
+  s.engines_known = engines_.size();
   return s;
 }
 

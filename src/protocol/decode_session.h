@@ -192,6 +192,8 @@ struct DecodeStats {
   std::uint64_t lookups = 0;
   std::uint64_t lookup_failures = 0;
   std::uint64_t lookups_stale = 0;  // answers asked before the engine was declared down
+  std::uint64_t engines_known = 0;      // P engines D keeps state for (a gauge)
+  std::uint64_t engines_forgotten = 0;  // never reached, no longer named: state dropped
   std::uint64_t fences_requested = 0;
   std::uint64_t fences_failed = 0;
   std::uint64_t release_messages = 0;   // Release messages sent
@@ -359,6 +361,10 @@ class DecodeSession {
   // `lookup_id` is stale: asked before the engine was last declared down.
   bool StaleLookup(const core::EngineId& engine, EngineState& state, std::uint64_t lookup_id,
                    core::TimePoint now);
+  // Drops the state of engines that were never reached (no view: lookups failed or never ran)
+  // and that no tracked request names any more, at most once per kEngineSweep: clients name
+  // engines, and one naming a new engine per request must not grow D's memory.
+  void SweepEngines(core::TimePoint now);
   EndpointId EndpointFor(const std::string& address);
   core::PeerId PeerFor(EndpointId endpoint, const std::string& incarnation);
   void SendLoad(Load load, const PeerEngine& view, core::TimePoint now);
@@ -398,6 +404,7 @@ class DecodeSession {
   core::RenewalScheduler renewals_;
 
   std::unordered_map<core::EngineId, EngineState> engines_;
+  core::TimePoint next_sweep_ = core::TimePoint::min();
   std::vector<Endpoint> endpoints_;  // by EndpointId
   std::unordered_map<std::string, EndpointId> endpoint_of_;
   std::map<PeerKey, core::PeerId> peers_;

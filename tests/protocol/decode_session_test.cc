@@ -1159,4 +1159,34 @@ TEST_F(DecodeSessionTest, AStaleLookupAnswerLeavesWaitingLoadsToAFreshLookup) {
   EXPECT_EQ(s().stats().lookups_stale, 1u);
 }
 
+// Clients name the engines D pulls from: one naming a new engine per request (lookups that
+// fail) must not grow D's state, and an id beyond the wire's bound keeps none at all. Engines
+// D reached stay known.
+TEST_F(DecodeSessionTest, EnginesNeverReachedAreForgottenOnceNoRequestNamesThem) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  for (int i = 0; i < 1000; ++i) {
+    const std::string engine = "stranger-" + std::to_string(i);
+    const RemoteSource source{"x" + std::to_string(i), engine, engine + ":1"};
+    ASSERT_TRUE(s().StartLoad("r" + std::to_string(i), source, {1}, kT0).ok());
+  }
+  for (const LookupRequest& l : s().TakeLookups()) {
+    s().OnLookupFailed(l.engine_id, Status(ErrorCode::kUnavailable, "refused"), kT0, l.id);
+  }
+  EXPECT_EQ(Done().size(), 1000u);
+  for (int i = 0; i < 1000; ++i) s().RequestFinished("r" + std::to_string(i), kT0);
+  EXPECT_EQ(s().stats().engines_known, 1001u);
+  s().OnTimeout(kT0 + 1s);  // their releases are dropped: the failed lookups are believed
+  EXPECT_EQ(s().stats().engines_known, 1001u) << "forgotten while a failure is believed";
+  s().OnTimeout(kT0 + 12s);  // nothing names them, nothing reached them, the next sweep
+  EXPECT_EQ(s().stats().engines_known, 1u) << "only the engine D reached";
+  EXPECT_EQ(s().stats().engines_forgotten, 1000u);
+  const std::string huge(100000, 'e');
+  EXPECT_EQ(s().StartLoad("big", RemoteSource{"x", huge, "h:1"}, {1}, kT0 + 12s).code(),
+            ErrorCode::kInvalidArgument);
+  s().OnNewRequest("big", RemoteSource{"x", huge, "h:1"}, kT0 + 12s);
+  EXPECT_EQ(s().stats().engines_known, 1u) << "state kept for an id P would refuse";
+  EXPECT_TRUE(s().TakeLookups().empty());
+}
+
 }  // namespace kvferry::protocol
