@@ -91,8 +91,19 @@ ok=$(awk '/^requests:/ { for (i = 1; i < NF; i++) if ($i == "succeeded:") print 
 failed=$(awk '/^requests:/ { for (i = 1; i < NF; i++) if ($i == "failed:") print $(i + 1) }' "$out/load.log" | tail -1)
 [ $((ok + failed)) -eq 192 ] || fail "$ok succeeded + $failed failed != 192"
 [ "$ok" -ge 96 ] || fail "only $ok of 192 succeeded with 3 of 4 P engines alive"
-grep -qE "^  failed .*timeout after" "$out/load.log" &&
-  fail "requests were left to the client's timeout instead of failing with a reason"
+state_line() {  # every engine's pool and request state, for a failure's report
+  local i line=""
+  for i in 2 3 4; do
+    line+=" P$i used=$(metric "$i" 8100 kvferry_kv_blocks_used) held=$(metric "$i" 8100 kvferry_hold_entries)"
+  done
+  for i in 5 6 7 8; do
+    line+=" D$i used=$(metric "$i" 8200 kvferry_kv_blocks_used) awaiting=$(metric "$i" 8200 kvferry_blocks_awaiting_release) waiting_kv=$(metric "$i" 8200 kvferry_requests_waiting_for_kv) running=$(metric "$i" 8200 kvferry_requests_running) queued=$(metric "$i" 8200 kvferry_requests_waiting) pulls_sent=$(metric "$i" 8200 kvferry_pulls_sent_total) pull_timeouts=$(metric "$i" 8200 kvferry_pull_timeouts_total)"
+  done
+  echo "$line"
+}
+if grep -qE "^  failed .*timeout after" "$out/load.log"; then
+  fail "requests were left to the client's timeout instead of failing with a reason:$(state_line)"
+fi
 
 for i in 5 6 7 8; do
   corrupt=$(metric "$i" 8200 kvferry_corrupt_blocks_total)
@@ -124,14 +135,7 @@ for i in 5 6 7 8; do
   report+=" D$i:$(metric "$i" 8200 kvferry_blocks_awaiting_release)"
 done
 if [ "$quiet" -ne 1 ]; then
-  state=""
-  for i in 2 3 4; do
-    state+=" P$i used=$(metric "$i" 8100 kvferry_kv_blocks_used) held=$(metric "$i" 8100 kvferry_hold_entries)"
-  done
-  for i in 5 6 7 8; do
-    state+=" D$i used=$(metric "$i" 8200 kvferry_kv_blocks_used) awaiting=$(metric "$i" 8200 kvferry_blocks_awaiting_release) waiting_kv=$(metric "$i" 8200 kvferry_requests_waiting_for_kv) running=$(metric "$i" 8200 kvferry_requests_running)"
-  done
-  fail "pools not idle 10 s after the load:$state"
+  fail "pools not idle 10 s after the load:$(state_line)"
 fi
 echo "surviving P engines idle; D pools hold only blocks held back for the killed P's pulls:$report"
 echo "PASS"
