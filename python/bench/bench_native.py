@@ -73,6 +73,33 @@ def run_python(native, torch, transport: str, ops: int, op_kib: int, seconds: fl
         bootstrap.stop()
 
 
+def call_costs(native, torch) -> dict[str, float]:
+    """µs per call: a binding call that does nothing in C++ (D's take_finished with nothing
+    finished), and admit + engine_finished (each a round trip to P's listener thread)."""
+    kv = torch.zeros(64 * 1024, dtype=torch.uint8)
+    p = native.PrefillWorker(engine_id="bench-calls", block_len=1024, num_blocks=64,
+                             planes=[(kv.data_ptr(), kv.numel())], incarnation="i",
+                             data_plane="inprocess")
+    d = native.DecodeWorker(engine_id="bench-calls-d", block_len=1024, num_blocks=64,
+                            planes=[], data_plane="inprocess")
+    try:
+        n = 20000
+        start = time.perf_counter()
+        for _ in range(n):
+            d.take_finished()
+        idle = (time.perf_counter() - start) / n * 1e6
+        n = 5000
+        start = time.perf_counter()
+        for i in range(n):
+            p.admit(f"c{i}", i + 1)
+            p.engine_finished(f"c{i}")
+        pair = (time.perf_counter() - start) / n * 1e6
+        return {"take_finished (nothing finished)": idle, "admit + engine_finished": pair}
+    finally:
+        d.stop()
+        p.stop()
+
+
 def run_cpp(kvferry: str, transport: str, seconds: float) -> dict[tuple[str, str], float]:
     """`kvferry bench transfer` rows by (size, layout), e.g. ("4 MiB", "64 x 64K")."""
     out = subprocess.run([kvferry, "bench", "transfer", "--transport", transport, "--seconds",
@@ -106,6 +133,8 @@ def main() -> int:
         base = cpp.get((size, layout))
         ratio = f"{py / base:6.0%}" if base else "     -"
         print(f"{size:<8} {layout:<11} {py:10.2f} {base if base else float('nan'):15.2f} {ratio}")
+    for name, micros in call_costs(native, torch).items():
+        print(f"per call: {name:<34} {micros:7.1f} µs")
     return 0
 
 
