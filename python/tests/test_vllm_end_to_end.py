@@ -5,9 +5,9 @@ connector asks for), and a real kvferry transfer through kvferry._native over UC
 A fake model runner stands in for the GPU: after P's prefill step it fills P's blocks of the
 request with bytes derived from (layer, block position, byte), and nothing else touches the
 tensors. Checked: D's blocks hold exactly P's bytes; P frees only after the send finished;
-both schedulers end empty; a decoder that dies lets P free within one lease of its last renewal;
-a late pull fails at once; a lease mismatch fails naming both values; an abort during a load
-frees D's blocks only once the load settled.
+both schedulers end empty; a late pull fails at once; a lease mismatch fails naming both values;
+an abort during a load frees D's blocks only once the load settled. (P and D as two processes,
+and a decoder killed outright: test_vllm_processes.py.)
 """
 
 from __future__ import annotations
@@ -219,42 +219,6 @@ def test_d_blocks_hold_exactly_ps_bytes_and_both_schedulers_end_empty(model_dir)
         stats = p.worker.connector_worker.prefill.stats()
         assert stats["held_transfers"] == 0
         assert stats["bytes_written"] == 3 * SPEC.page_size_bytes * len(LAYERS)
-    finally:
-        d.shutdown()
-        p.shutdown()
-
-
-def test_a_dead_decoder_lets_p_free_within_one_lease_of_its_last_renewal(model_dir):
-    # D has 4 blocks (one is vLLM's null block): a local request takes 3, so d1 waits for
-    # blocks, and D renews its transfer while it waits.
-    p, d, engine_id = pair(model_dir, p_lease=2, d_lease=2, d_blocks=4)
-    try:
-        prefill(p, "p1", "xfer-1", PROMPT)
-        d.scheduler.add_request(make_request("local", 40, None, max_tokens=1000))
-        d.step()
-        d.scheduler.add_request(make_request("d1", len(PROMPT), d_params("xfer-1", p, engine_id),
-                                             max_tokens=3, prompt=PROMPT))
-        wait_until = time.monotonic() + 3.0  # 1.5 leases: renewals must keep it
-        while time.monotonic() < wait_until:
-            d.step()
-            _, p_results, _ = p.step()
-            assert not p_results.finished_sending, "P freed KV a live decoder still renews"
-            time.sleep(0.01)
-        assert d.scheduler.requests["d1"].status == RequestStatus.WAITING
-        assert "p1" in p.scheduler.requests
-        d.shutdown()  # D dies: its renewals stop
-        died = time.monotonic()
-        freed = None
-        while freed is None:
-            assert time.monotonic() - died < 5.0, "P still holds the dead decoder's KV"
-            _, p_results, _ = p.step()
-            if "p1" in p_results.finished_sending:
-                freed = time.monotonic() - died
-            time.sleep(0.01)
-        # Within one lease (2 s) of the last renewal, plus P's expiry pass.
-        assert freed < 2.0 + 0.5, freed
-        print(f"P freed the dead decoder's KV {freed:.2f} s after it died (lease 2 s)")
-        assert_scheduler_empty(p.scheduler, 64)
     finally:
         d.shutdown()
         p.shutdown()
