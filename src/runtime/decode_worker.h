@@ -3,9 +3,11 @@
 // incarnations, fences; see protocol/decode_session.h for the rules). The worker owns the KV
 // region registered with the data plane and the threads around the session:
 //  - one I/O thread owns a ZeroMQ DEALER per P worker the session talks to. It sends what the
-//    session says (never blocking: a message that cannot be queued is reported failed), feeds
-//    it every reply and wakes it at its NextDeadline. Many pulls share one socket (wire ids),
-//    so a dead P delays nothing else;
+//    session says (never blocking), feeds it every reply and wakes it at its NextDeadline. Many
+//    pulls share one socket (wire ids), so a dead P delays nothing else. ZeroMQ takes a message
+//    only while a connection to P is up (ZMQ_IMMEDIATE); until then it waits here, at most 3 s,
+//    then is reported unsent: a pull that never left is a plain failure, and lifts the
+//    quarantine of a pull given up on meanwhile;
 //  - `lookup_threads` threads run the bootstrap lookups the session asks for (with a cluster
 //    secret, a lookup believes only answers signed with it);
 //  - engine calls run the session directly (under its mutex) and wake the I/O thread.

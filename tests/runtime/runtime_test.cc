@@ -305,6 +305,43 @@ TEST(RuntimeEndToEnd, ALayoutWithoutContiguousHeadsRefusesHeadSlicesOnEitherSide
   }
 }
 
+// A pull ZeroMQ never took (no connection to P: P's process is gone) has provably not left:
+// after the connect wait (3 s) it fails as a plain failure, without quarantine; and if its
+// engine was declared down meanwhile (its blocks quarantined then), the quarantine is lifted.
+TEST(RuntimeEndToEnd, APullThatNeverLeftIsAPlainFailureAndLiftsAQuarantine) {
+  Cluster c;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
+  c.Prefill("xfer-1");
+  ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
+  ASSERT_TRUE(c.Receive("req-1", core::Clock::now() + 10s).ok);  // connected, engine known
+  ASSERT_TRUE(c.p[0]->Stop().ok());  // P's side channel closes: the connection goes down
+  std::this_thread::sleep_for(200ms);
+
+  const auto start = core::Clock::now();
+  ASSERT_TRUE(c.d->StartLoad("req-2", c.Source("xfer-2"), kDestBlocks).ok());
+  ReceiveResult r = c.Receive("req-2", core::Clock::now() + 10s);
+  EXPECT_FALSE(r.ok);
+  EXPECT_FALSE(r.quarantined) << "a pull that never left cannot be written for";
+  EXPECT_NE(r.error.message().find("no connection"), std::string::npos) << r.error.ToString();
+  EXPECT_LT(core::Clock::now() - start, 5s);
+
+  ASSERT_TRUE(c.d->StartLoad("req-3", c.Source("xfer-3"), {8, 9}).ok());
+  c.d->EngineDown("prefill", Status(ErrorCode::kUnavailable, "left etcd"));
+  r = c.Receive("req-3", core::Clock::now() + 2s);
+  EXPECT_FALSE(r.ok);
+  EXPECT_TRUE(r.quarantined) << "given up on while it might have left";
+  const auto deadline = core::Clock::now() + 6s;
+  while (std::find(c.released.begin(), c.released.end(), "req-3") == c.released.end() &&
+         core::Clock::now() < deadline) {
+    for (auto& [request, blocks] : c.d->WaitFinished(core::Clock::now() + 100ms).released) {
+      c.released.push_back(request);
+    }
+  }
+  EXPECT_NE(std::find(c.released.begin(), c.released.end(), "req-3"), c.released.end())
+      << "the quarantine of a pull that never left stayed";
+  EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
+}
+
 TEST(KvMemoryTest, PlanesShorterThanTheirBlocksOverlappingOrTooManyAreRefused) {
   auto fabric = transport::MakeInProcessFabric();
   auto made = transport::MakeInProcessEngine(fabric, {"e", false});
