@@ -367,7 +367,7 @@ Result<EngineInfo> BootstrapClient::Query(const std::string& engine_id, Timeout 
   return info;
 }
 
-Result<std::vector<EngineInfo>> BootstrapClient::QueryAll(Timeout timeout) const {
+Result<std::string> BootstrapClient::Listing(Timeout timeout) const {
   auto reply =
       Call(address_, "GET", "/query", nullptr, Clock::now() + timeout, kMaxListAnswerBytes);
   if (!reply) return tl::unexpected(reply.error());
@@ -377,26 +377,27 @@ Result<std::vector<EngineInfo>> BootstrapClient::QueryAll(Timeout timeout) const
     return tl::unexpected(std::move(s));
   }
   if (reply->status != 200) return tl::unexpected(StatusForAnswer(*reply, what));
-  auto engines = DecodeEngines(reply->body);
+  return std::move(reply->body);
+}
+
+Result<std::vector<EngineInfo>> BootstrapClient::QueryAll(Timeout timeout) const {
+  auto body = Listing(timeout);
+  if (!body) return tl::unexpected(body.error());
+  auto engines = DecodeEngines(*body);
   if (!engines) {
-    return Err(ErrorCode::kProtocol, fmt::format("{}: {}", what, engines.error().message()));
+    return Err(ErrorCode::kProtocol, fmt::format("listing engines at bootstrap {}: {}",
+                                                 address_.ToString(), engines.error().message()));
   }
   return engines;
 }
 
 Result<std::vector<DpEngine>> BootstrapClient::QueryDpEngines(Timeout timeout) const {
-  auto reply =
-      Call(address_, "GET", "/query", nullptr, Clock::now() + timeout, kMaxListAnswerBytes);
-  if (!reply) return tl::unexpected(reply.error());
-  const std::string what = fmt::format("listing engines at bootstrap {}", address_.ToString());
-  if (Status s = CheckAnswer(secret_, *reply, "/query", what, /*refuse_signed_if_open=*/false);
-      !s.ok()) {
-    return tl::unexpected(std::move(s));
-  }
-  if (reply->status != 200) return tl::unexpected(StatusForAnswer(*reply, what));
-  auto engines = DecodeDpEngines(reply->body);
+  auto body = Listing(timeout);
+  if (!body) return tl::unexpected(body.error());
+  auto engines = DecodeDpEngines(*body);
   if (!engines) {
-    return Err(ErrorCode::kProtocol, fmt::format("{}: {}", what, engines.error().message()));
+    return Err(ErrorCode::kProtocol, fmt::format("listing engines at bootstrap {}: {}",
+                                                 address_.ToString(), engines.error().message()));
   }
   return engines;
 }

@@ -97,6 +97,9 @@ class BootstrapClient {
   const BootstrapAddress& address() const { return address_; }
 
  private:
+  // GET /query without an engine: the body of a 200 answer whose signature checks, or why not.
+  Result<std::string> Listing(Timeout timeout) const;
+
   BootstrapAddress address_;
   std::shared_ptr<const ClusterSecret> secret_;  // null: an open cluster
 };
