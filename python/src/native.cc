@@ -136,6 +136,33 @@ struct RankConfig {
   bool head_slices = true;  // the layout keeps a KV head's bytes together within a block
 };
 
+// The options every rank shares, P's or D's, from its Python arguments (raises on a bad one).
+template <typename Options>
+void FillRank(Options& o, const RankConfig& c) {
+  o.engine_id = c.engine_id;
+  o.tp_size = c.tp_size;
+  o.tp_rank = c.tp_rank;
+  o.block_len = c.block_len;
+  o.num_blocks = c.num_blocks;
+  o.planes = Planes(c.planes);
+  o.head_slices = c.head_slices;
+  o.cluster_secret = Secret(c.cluster_secret_file);
+}
+
+// Makes the rank's data plane and starts the worker with `start`, both without the GIL (UCX's
+// start and P's registration take a while); raises the first error.
+template <typename StartFn>
+auto StartWithoutGil(const RankConfig& c, const char* role, StartFn start) {
+  using Started = decltype(start(std::shared_ptr<transport::Engine>()));
+  Started worker = Err(ErrorCode::kInternal, "not started");
+  {
+    py::gil_scoped_release release;
+    auto engine = MakeEngine(c.data_plane, c.engine_id + role + std::to_string(c.tp_rank));
+    worker = engine ? start(std::move(*engine)) : Started(tl::unexpected(engine.error()));
+  }
+  return Take(std::move(worker));
+}
+
 // ---- P ----
 
 // One P rank. The engine admits a request (with its transfer id), reports its prefill done with
@@ -154,21 +181,14 @@ class PyPrefillWorker {
   explicit PyPrefillWorker(const Config& c)
       : state_(std::make_shared<State>()), num_blocks_(c.num_blocks) {
     runtime::PrefillWorkerOptions o;
-    o.engine_id = c.engine_id;
-    o.tp_size = c.tp_size;
-    o.tp_rank = c.tp_rank;
+    FillRank(o, c);
     o.dp_rank = c.dp_rank;
     o.kv_heads = c.kv_heads;
-    o.block_len = c.block_len;
-    o.num_blocks = c.num_blocks;
-    o.planes = Planes(c.planes);
-    o.head_slices = c.head_slices;
     o.hold.lease = Millis(c.lease_s, "lease_s");
     o.hold.abort_request_timeout = Millis(c.abort_request_timeout_s, "abort_request_timeout_s");
     o.bootstrap_address = c.bootstrap_address;
     o.side_channel_endpoint = "tcp://" + c.side_channel_host + ":0";
     o.incarnation = c.incarnation;
-    o.cluster_secret = Secret(c.cluster_secret_file);
     std::shared_ptr<State> state = state_;
     auto source = [state](std::uint64_t handle) -> Result<std::vector<core::BlockId>> {
       std::lock_guard<std::mutex> lock(state->mu);
@@ -191,20 +211,10 @@ class PyPrefillWorker {
       auto it = state->handles.find(event.id);
       if (it != state->handles.end() && it->second == event.handle) state->handles.erase(it);
     };
-    const std::string name = c.engine_id + "-p" + std::to_string(c.tp_rank);
-    Result<std::unique_ptr<runtime::PrefillWorker>> worker =
-        Err(ErrorCode::kInternal, "not started");
-    {
-      py::gil_scoped_release release;
-      auto engine = MakeEngine(c.data_plane, name);
-      if (!engine) {
-        worker = tl::unexpected(engine.error());
-      } else {
-        worker = runtime::PrefillWorker::Start(std::move(o), std::move(*engine),
-                                               std::move(source), std::move(on_hold));
-      }
-    }
-    worker_ = Take(std::move(worker));
+    worker_ = StartWithoutGil(c, "-p", [&](std::shared_ptr<transport::Engine> engine) {
+      return runtime::PrefillWorker::Start(std::move(o), std::move(engine), std::move(source),
+                                           std::move(on_hold));
+    });
   }
 
   // A request the engine will prefill; `handle` is the engine's cookie for it (unique while
@@ -393,32 +403,15 @@ class PyDecodeWorker {
 
   explicit PyDecodeWorker(const Config& c) {
     runtime::DecodeWorkerOptions o;
-    o.engine_id = c.engine_id;
-    o.tp_size = c.tp_size;
-    o.tp_rank = c.tp_rank;
-    o.block_len = c.block_len;
-    o.num_blocks = c.num_blocks;
-    o.planes = Planes(c.planes);
-    o.head_slices = c.head_slices;
+    FillRank(o, c);
     o.lease = Millis(c.lease_s, "lease_s");
     o.abort_request_timeout = Millis(c.abort_request_timeout_s, "abort_request_timeout_s");
     // P answers every pull within abort_request_timeout + its write bound (DecodeWorkerOptions).
     o.pull_timeout = o.abort_request_timeout + o.write_bound + std::chrono::seconds(30);
     o.send_releases = c.send_releases;
-    o.cluster_secret = Secret(c.cluster_secret_file);
-    const std::string name = c.engine_id + "-d" + std::to_string(c.tp_rank);
-    Result<std::unique_ptr<runtime::DecodeWorker>> worker =
-        Err(ErrorCode::kInternal, "not started");
-    {
-      py::gil_scoped_release release;
-      auto engine = MakeEngine(c.data_plane, name);
-      if (!engine) {
-        worker = tl::unexpected(engine.error());
-      } else {
-        worker = runtime::DecodeWorker::Start(std::move(o), std::move(*engine));
-      }
-    }
-    worker_ = Take(std::move(worker));
+    worker_ = StartWithoutGil(c, "-d", [&](std::shared_ptr<transport::Engine> engine) {
+      return runtime::DecodeWorker::Start(std::move(o), std::move(engine));
+    });
   }
 
   void OnNewRequest(const std::string& request, const py::dict& source) {

@@ -5,6 +5,7 @@ process, D in engine_process.py, the KV moved over UCX between them. D is then k
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import signal
 import subprocess
@@ -70,14 +71,26 @@ class EngineProcess:
         self.proc.wait()
 
 
-def test_p_and_d_in_two_processes_move_the_kv_and_both_end_empty(model_dir):
+@contextlib.contextmanager
+def p_here_d_there(model_dir, *, lease: float, d_blocks: int):
+    """P in this process and D in its own, with the same lease; yields (P, D, P's engine id).
+    D is killed and P shut down at the end, whatever happened."""
     engine_id = "prefill-" + uuid.uuid4().hex[:8]
     p = Engine(model_dir, "kv_producer", num_blocks=64, engine_id=engine_id,
-               extra={"kv_lease_duration": 5, "bootstrap_port": 0})
+               extra={"kv_lease_duration": lease, "bootstrap_port": 0})
     d = None
     try:
-        d = EngineProcess(model_dir, "kv_consumer", "decode-" + uuid.uuid4().hex[:8], 64,
-                          {"kv_lease_duration": 5})
+        d = EngineProcess(model_dir, "kv_consumer", "decode-" + uuid.uuid4().hex[:8], d_blocks,
+                          {"kv_lease_duration": lease})
+        yield p, d, engine_id
+    finally:
+        if d is not None:
+            d.kill()
+        p.shutdown()
+
+
+def test_p_and_d_in_two_processes_move_the_kv_and_both_end_empty(model_dir):
+    with p_here_d_there(model_dir, lease=5, d_blocks=64) as (p, d, engine_id):
         p_blocks = prefill(p, "p1", "xfer-1", PROMPT)
         d.call(op="add", id="d1", prompt=PROMPT, params=d_params("xfer-1", p, engine_id),
                max_tokens=3)
@@ -101,23 +114,13 @@ def test_p_and_d_in_two_processes_move_the_kv_and_both_end_empty(model_dir):
             time.sleep(0.002)
         assert received
         assert_scheduler_empty(p.scheduler, 64)
-        d.call(op="quit")
-    finally:
-        if d is not None:
-            d.kill()
-        p.shutdown()
+        assert d.call(op="quit") == {"bye": True}
 
 
 def test_a_killed_decoder_process_lets_p_free_within_one_lease_of_its_last_renewal(model_dir):
-    engine_id = "prefill-" + uuid.uuid4().hex[:8]
-    p = Engine(model_dir, "kv_producer", num_blocks=64, engine_id=engine_id,
-               extra={"kv_lease_duration": 2, "bootstrap_port": 0})
-    d = None
-    try:
-        # D has 4 blocks (one is vLLM's null block): a local request takes 3, so d1 waits for
-        # blocks while D renews its transfer.
-        d = EngineProcess(model_dir, "kv_consumer", "decode-" + uuid.uuid4().hex[:8], 4,
-                          {"kv_lease_duration": 2})
+    # D has 4 blocks (one is vLLM's null block): a local request takes 3, so d1 waits for
+    # blocks while D renews its transfer.
+    with p_here_d_there(model_dir, lease=2, d_blocks=4) as (p, d, engine_id):
         prefill(p, "p1", "xfer-1", PROMPT)
         d.call(op="add", id="local", prompt=[5] * 40, params=None, max_tokens=1000)
         d.call(op="step")
@@ -142,7 +145,3 @@ def test_a_killed_decoder_process_lets_p_free_within_one_lease_of_its_last_renew
         assert freed < 2.0 + 0.5, freed  # one lease (2 s) of the last renewal + P's pass
         print(f"P freed the killed decoder's KV {freed:.2f} s after SIGKILL (lease 2 s)")
         assert_scheduler_empty(p.scheduler, 64)
-    finally:
-        if d is not None:
-            d.kill()
-        p.shutdown()

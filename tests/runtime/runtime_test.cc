@@ -159,6 +159,15 @@ struct Cluster {
 
   std::vector<core::RequestId> released;  // requests whose quarantined blocks came back
 
+  // P prefills `xfer` (every rank) and D loads it as `req` into `blocks`: the receive's result.
+  ReceiveResult PrefillAndLoad(const core::RequestId& req, const core::TransferId& xfer,
+                               std::vector<core::BlockId> blocks = kDestBlocks) {
+    Prefill(xfer);
+    Status started = d->StartLoad(req, Source(xfer), std::move(blocks));
+    if (!started.ok()) return {req, false, started, {}, false};
+    return Receive(req, core::Clock::now() + 10s);
+  }
+
   ReceiveResult Receive(const core::RequestId& req, core::TimePoint deadline) {
     while (core::Clock::now() < deadline) {
       DecodeFinished f = d->WaitFinished(deadline);
@@ -219,9 +228,7 @@ TEST(RuntimeEndToEnd, EveryPlaneOfCallerOwnedKvLandsInTheSamePlaneOfD) {
   ASSERT_NO_FATAL_FAILURE(c.Start(2, 30, 30));
   ASSERT_EQ(c.d->num_planes(), 3u);
   EXPECT_EQ(c.d->kv(2), c.memory.back().data()) << "D registered the caller's memory";
-  c.Prefill("xfer-1");
-  ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
-  ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+  ReceiveResult r = c.PrefillAndLoad("req-1", "xfer-1");
   ASSERT_TRUE(r.ok) << r.error.ToString();
   for (std::size_t plane = 0; plane < 3; ++plane) {
     for (std::size_t i = 0; i < kDestBlocks.size(); ++i) {
@@ -248,9 +255,7 @@ TEST(RuntimeEndToEnd, APlaneCountMismatchFailsTheLoadAndWritesNothing) {
   c.p_planes = 3;
   c.d_planes = 2;
   ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
-  c.Prefill("xfer-1");
-  ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
-  ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+  ReceiveResult r = c.PrefillAndLoad("req-1", "xfer-1");
   ASSERT_FALSE(r.ok);
   EXPECT_NE(r.error.message().find("2 KV planes and this prefill worker 3"), std::string::npos)
       << r.error.ToString();
@@ -271,9 +276,7 @@ TEST(RuntimeEndToEnd, ALayoutWithoutContiguousHeadsRefusesHeadSlicesOnEitherSide
     Cluster c;
     c.d_head_slices = false;
     ASSERT_NO_FATAL_FAILURE(c.Start(2, 30, 30));
-    c.Prefill("xfer-1");
-    ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
-    ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+    ReceiveResult r = c.PrefillAndLoad("req-1", "xfer-1");
     ASSERT_FALSE(r.ok);
     EXPECT_NE(r.error.message().find("does not keep a head's bytes together"), std::string::npos)
         << r.error.ToString();
@@ -285,9 +288,7 @@ TEST(RuntimeEndToEnd, ALayoutWithoutContiguousHeadsRefusesHeadSlicesOnEitherSide
     c.p_head_slices = false;
     c.d_tp = 2;
     ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
-    c.Prefill("xfer-1");
-    ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
-    ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+    ReceiveResult r = c.PrefillAndLoad("req-1", "xfer-1");
     ASSERT_FALSE(r.ok);
     EXPECT_NE(r.error.message().find("does not keep a head's bytes together"), std::string::npos)
         << r.error.ToString();
@@ -298,9 +299,7 @@ TEST(RuntimeEndToEnd, ALayoutWithoutContiguousHeadsRefusesHeadSlicesOnEitherSide
     c.p_head_slices = false;
     c.d_head_slices = false;
     ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
-    c.Prefill("xfer-1");
-    ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
-    ReceiveResult r = c.Receive("req-1", core::Clock::now() + 10s);
+    ReceiveResult r = c.PrefillAndLoad("req-1", "xfer-1");
     EXPECT_TRUE(r.ok) << r.error.ToString();
   }
 }
@@ -311,9 +310,7 @@ TEST(RuntimeEndToEnd, ALayoutWithoutContiguousHeadsRefusesHeadSlicesOnEitherSide
 TEST(RuntimeEndToEnd, APullThatNeverLeftIsAPlainFailureAndLiftsAQuarantine) {
   Cluster c;
   ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
-  c.Prefill("xfer-1");
-  ASSERT_TRUE(c.d->StartLoad("req-1", c.Source("xfer-1"), kDestBlocks).ok());
-  ASSERT_TRUE(c.Receive("req-1", core::Clock::now() + 10s).ok);  // connected, engine known
+  ASSERT_TRUE(c.PrefillAndLoad("req-1", "xfer-1").ok);  // connected, engine known
   ASSERT_TRUE(c.p[0]->Stop().ok());  // P's side channel closes: the connection goes down
   std::this_thread::sleep_for(200ms);
 
