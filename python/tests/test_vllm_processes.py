@@ -30,7 +30,7 @@ from test_vllm_end_to_end import (  # noqa: E402
     d_params,
     prefill,
 )
-from vllm_harness import assert_scheduler_empty, write_model_dir  # noqa: E402
+from vllm_harness import assert_scheduler_empty, read_line, write_model_dir  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -53,8 +53,7 @@ class EngineProcess:
 
     def _read(self) -> dict:
         while True:
-            line = self.proc.stdout.readline()
-            assert line, f"engine process exited with {self.proc.poll()}"
+            line = read_line(self.proc, "the engine process")
             if line.startswith("{"):
                 return json.loads(line)
 

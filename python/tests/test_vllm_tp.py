@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from test_vllm_end_to_end import LAYERS, PROMPT, SPEC, Engine  # noqa: E402
-from vllm_harness import make_request, write_model_dir  # noqa: E402
+from vllm_harness import make_request, read_line, write_model_dir  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 NUM_BLOCKS = 64
@@ -49,9 +49,7 @@ class PRank:
         self.port = int(words[1])
 
     def _read(self) -> str:
-        line = self.proc.stdout.readline()
-        assert line, f"P rank exited with {self.proc.poll()}"
-        return line.strip()
+        return read_line(self.proc, "the P rank process").strip()
 
     def call(self, command: str) -> str:
         self.proc.stdin.write(command + "\n")

@@ -251,3 +251,30 @@ def assert_scheduler_empty(scheduler: Scheduler, num_blocks: int = NUM_BLOCKS) -
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == num_blocks - 1
     assert all(block.ref_cnt == 0 for block in pool.blocks[1:])
+
+
+
+def read_line(proc, what: str, timeout_s: float = 60.0) -> str:
+    """The next line a child process (an engine or a P rank the test drives) writes to stdout,
+    within `timeout_s`: a child that hangs fails the test with `what`, instead of hanging it.
+    A reader thread per child feeds a queue (select on the pipe would miss lines already in
+    Python's read-ahead buffer); "" once the child closed its stdout."""
+    import queue
+    import threading
+
+    lines = getattr(proc, "_kvferry_lines", None)
+    if lines is None:
+        lines = proc._kvferry_lines = queue.Queue()
+
+        def pump():
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put("")
+
+        threading.Thread(target=pump, daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout_s)
+    except queue.Empty:
+        raise AssertionError(f"{what} said nothing within {timeout_s} s") from None
+    assert line, f"{what} exited with {proc.poll()}"
+    return line
