@@ -81,17 +81,18 @@ std::shared_ptr<const control::ClusterSecret> Secret(const std::optional<std::st
 // The data plane of one rank: "ucx" (the default), or "inprocess" for tests within one process
 // (every engine made by this module shares one fabric). Called without the GIL.
 Result<std::shared_ptr<transport::Engine>> MakeEngine(const std::string& data_plane,
-                                                      const std::string& name) {
+                                                      const std::string& name, bool fence_writes) {
   if (data_plane == "ucx") {
     transport::UcxOptions options;
     options.name = name;
+    options.fence_writes = fence_writes;
     auto engine = transport::MakeUcxEngine(options);
     if (!engine) return tl::unexpected(engine.error());
     return std::shared_ptr<transport::Engine>(std::move(*engine));
   }
   if (data_plane == "inprocess") {
     static std::shared_ptr<transport::InProcessFabric> fabric = transport::MakeInProcessFabric();
-    auto engine = transport::MakeInProcessEngine(fabric, {name, false});
+    auto engine = transport::MakeInProcessEngine(fabric, {name, false, fence_writes});
     if (!engine) return tl::unexpected(engine.error());
     return std::shared_ptr<transport::Engine>(std::move(*engine));
   }
@@ -134,6 +135,9 @@ struct RankConfig {
   std::string data_plane = "ucx";
   std::optional<std::string> cluster_secret_file;
   bool head_slices = true;  // the layout keeps a KV head's bytes together within a block
+  // D: its data plane fences writers (transport::UcxOptions::fence_writes): pulls carry write
+  // keys and D's fences release quarantined blocks, at the cost of the one-sided put path.
+  bool fence_writes = false;
 };
 
 // The options every rank shares, P's or D's, from its Python arguments (raises on a bad one).
@@ -157,7 +161,8 @@ auto StartWithoutGil(const RankConfig& c, const char* role, StartFn start) {
   Started worker = Err(ErrorCode::kInternal, "not started");
   {
     py::gil_scoped_release release;
-    auto engine = MakeEngine(c.data_plane, c.engine_id + role + std::to_string(c.tp_rank));
+    auto engine = MakeEngine(c.data_plane, c.engine_id + role + std::to_string(c.tp_rank),
+                             c.fence_writes);
     worker = engine ? start(std::move(*engine)) : Started(tl::unexpected(engine.error()));
   }
   return Take(std::move(worker));
@@ -590,19 +595,21 @@ PYBIND11_MODULE(_native, m) {
                        std::vector<std::pair<std::uintptr_t, std::size_t>> planes,
                        double lease_s, double abort_request_timeout_s, std::string data_plane,
                        std::optional<std::string> cluster_secret_file, bool send_releases,
-                       bool head_slices) {
+                       bool head_slices, bool fence_writes) {
              PyDecodeWorker::Config c;
              SetRank(c, std::move(engine_id), tp_size, tp_rank, block_len, num_blocks,
                      std::move(planes), lease_s, abort_request_timeout_s, std::move(data_plane),
                      std::move(cluster_secret_file), head_slices);
              c.send_releases = send_releases;
+             c.fence_writes = fence_writes;
              return std::make_unique<PyDecodeWorker>(c);
            }),
            py::kw_only(), py::arg("engine_id"), py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
            py::arg("block_len"), py::arg("num_blocks"), py::arg("planes"),
            py::arg("lease_s") = 0.0, py::arg("abort_request_timeout_s") = 480.0,
            py::arg("data_plane") = "ucx", py::arg("cluster_secret_file") = py::none(),
-           py::arg("send_releases") = true, py::arg("head_slices") = true)
+           py::arg("send_releases") = true, py::arg("head_slices") = true,
+           py::arg("fence_writes") = false)
       .def("on_new_request", &PyDecodeWorker::OnNewRequest, py::arg("request_id"),
            py::arg("source"))
       .def("start_load", &PyDecodeWorker::StartLoad, py::arg("request_id"), py::arg("source"),

@@ -24,6 +24,7 @@ def test_defaults_are_mooncakes():
     assert s.bootstrap_port == 8998
     assert s.bootstrap_server_address is None
     assert s.kv_release is True
+    assert s.fence_writes is False
 
 
 def test_values_are_read():
@@ -34,6 +35,7 @@ def test_values_are_read():
             "bootstrap_port": 9000,
             "bootstrap_server_address": "10.0.0.1:8998",
             "kv_release": False,
+            "fence_writes": True,
             "num_workers": 10,  # a MooncakeConnector key kvferry does not use
         },
         env={},
@@ -41,6 +43,7 @@ def test_values_are_read():
     assert (s.kv_lease_duration, s.abort_request_timeout, s.bootstrap_port) == (2.5, 20.0, 9000)
     assert s.bootstrap_server_address == "10.0.0.1:8998"
     assert s.kv_release is False
+    assert s.fence_writes is True
     assert s.ignored_keys == ("num_workers",)
 
 
@@ -98,3 +101,8 @@ def test_bootstrap_server_address_must_be_host_port(bad):
 def test_kv_release_must_be_a_boolean():
     with pytest.raises(config.ConfigError, match="kv_release"):
         config.parse_settings({"kv_release": "yes"}, env={})
+
+
+def test_fence_writes_must_be_a_boolean():
+    with pytest.raises(config.ConfigError, match="fence_writes"):
+        config.parse_settings({"fence_writes": 1}, env={})

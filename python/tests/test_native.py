@@ -58,7 +58,7 @@ def receive(d, request_id, timeout_s=10.0):
     raise AssertionError(f"no result for {request_id} within {timeout_s} s")
 
 
-def make_pair(lease_s=5.0, d_lease_s=None, p_kv=None, d_kv=None):
+def make_pair(lease_s=5.0, d_lease_s=None, p_kv=None, d_kv=None, fence_writes=False):
     bootstrap = native.BootstrapServer(host="127.0.0.1", port=0)
     engine_id = "p-" + uuid.uuid4().hex[:8]
     p_kv = p_kv if p_kv is not None else kv_tensors(lambda layer, half, b: layer * 20 + half * 10 + b % 10)
@@ -70,7 +70,7 @@ def make_pair(lease_s=5.0, d_lease_s=None, p_kv=None, d_kv=None):
     d = native.DecodeWorker(engine_id="d-" + uuid.uuid4().hex[:8], block_len=BLOCK_LEN,
                             num_blocks=NUM_BLOCKS, planes=planes(d_kv),
                             lease_s=lease_s if d_lease_s is None else d_lease_s,
-                            abort_request_timeout_s=30.0)
+                            abort_request_timeout_s=30.0, fence_writes=fence_writes)
     src = lambda xfer: {"transfer_id": xfer, "engine_id": engine_id,
                         "bootstrap_address": f"127.0.0.1:{bootstrap.port}"}
     return bootstrap, p, d, p_kv, d_kv, src
@@ -102,6 +102,22 @@ def test_every_plane_of_p_tensors_lands_in_d_tensors_and_p_frees_after_the_pull(
             time.sleep(0.01)
         assert events == [("free", "xfer-1", "sent")]
         assert p.stats()["bytes_written"] == 3 * BLOCK_LEN * 2 * LAYERS
+    finally:
+        stop(d, p, bootstrap)
+
+
+def test_a_decoder_that_fences_its_writers_receives_every_plane_through_write_keys():
+    # fence_writes: D's descriptors carry no remote keys and D refuses unkeyed writes, so this
+    # transfer lands only because the pull's write key reached P's writer and its batches.
+    bootstrap, p, d, p_kv, d_kv, src = make_pair(fence_writes=True)
+    try:
+        p.admit("xfer-1", 7)
+        p.prefill_done("xfer-1", [3, 4, 5])
+        d.start_load("req-1", src("xfer-1"), [10, 11, 12])
+        request, ok, error, invalid, quarantined = receive(d, "req-1")
+        assert ok, error
+        for layer in range(LAYERS):
+            assert torch.equal(d_kv[layer][:, 10:13], p_kv[layer][:, 3:6]), f"layer {layer}"
     finally:
         stop(d, p, bootstrap)
 

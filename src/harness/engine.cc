@@ -247,6 +247,7 @@ Status ServingEngine::Impl::StartRanks() {
   for (std::uint32_t rank = 0; rank < tp; ++rank) {
     transport::UcxOptions ucx;
     ucx.name = fmt::format("{}-r{}", options.ucx_name, rank);
+    ucx.fence_writes = options.role == Role::kDecode && options.fence_writes;
     auto made = transport::MakeUcxEngine(ucx);
     if (!made) {
       return Status(made.error().code(),
@@ -1245,12 +1246,21 @@ std::string ServingEngine::RenderMetrics() {
       d.renewal_failures += x.renewal_failures;
       d.quarantined_blocks += x.quarantined_blocks;
       d.tracked += x.tracked;
+      d.fences_requested += x.fences_requested;
+      d.fences_failed += x.fences_failed;
     }
     w.Single("kvferry_pulls_sent_total", "counter", "Pull messages sent (per P peer)",
              static_cast<double>(d.pulls_sent));
     w.Single("kvferry_pull_timeouts_total", "counter",
              "Pulls whose deadline passed unanswered (their blocks quarantined)",
              static_cast<double>(d.pull_timeouts));
+    w.Single("kvferry_fences_total", "counter",
+             "Fences of P workers D asked its data plane for (pull timeouts, engines down)",
+             static_cast<double>(d.fences_requested));
+    w.Single("kvferry_fences_failed_total", "counter",
+             "Fences not proved (data plane without fence_writes, or writes still landing after "
+             "5 s): their blocks stay quarantined until P answers or a later fence holds",
+             static_cast<double>(d.fences_failed));
     w.Single("kvferry_late_replies_total", "counter",
              "Answers to pulls after their deadline (each releases its quarantine)",
              static_cast<double>(d.late_replies));

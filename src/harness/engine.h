@@ -83,6 +83,7 @@ struct EngineOptions {
   std::chrono::milliseconds pull_timeout{600000};
   std::chrono::milliseconds write_bound{70000};  // runtime::DecodeWorkerOptions::write_bound
   bool send_releases = true;                     // runtime::DecodeWorkerOptions::send_releases
+  bool fence_writes = false;  // D: its data plane fences writers (transport::UcxOptions)
   // Optional JSON-lines trace (block alloc/free on both roles, WRITE start/end on P).
   std::shared_ptr<TraceFile> trace;
   // UCX: how ranks name their workers in UCX logs.

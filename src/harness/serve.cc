@@ -146,6 +146,7 @@ int RunServe(const ServeOptions& options) {
   eo.hold.abort_request_timeout = config->abort_request_timeout;
   eo.lease = config->lease;
   eo.send_releases = config->release;
+  eo.fence_writes = config->fence_writes.value_or(!config->etcd_endpoints.empty());
   eo.incarnation = RandomHex();
   eo.faults.err_after_write_fraction = options.fault_err_after_write;
   eo.faults.max_write_delay = std::chrono::milliseconds(options.fault_write_delay_ms);

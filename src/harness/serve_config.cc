@@ -93,6 +93,11 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view text,
             return Err(ErrorCode::kInvalidArgument, "kv_release must be true or false");
           }
           config.release = extra.get<bool>();
+        } else if (extra_key == "fence_writes") {
+          if (!extra.is_boolean()) {
+            return Err(ErrorCode::kInvalidArgument, "fence_writes must be true or false");
+          }
+          config.fence_writes = extra.get<bool>();
         } else if (extra_key == "etcd_endpoints") {
           if (!extra.is_array() || extra.empty() || extra.size() > 16) {
             return Err(ErrorCode::kInvalidArgument,

@@ -46,6 +46,12 @@ struct KvTransferConfig {
   std::vector<std::string> etcd_endpoints;
   std::string etcd_prefix = "/kvferry";
   std::chrono::seconds etcd_lease_ttl{5};
+  // D: receiver-side fencing (transport::UcxOptions::fence_writes): P's writes come through
+  // D's own handlers, stamped with each pull's write key, so D can revoke a silent or dead P's
+  // keys and release the blocks it quarantined for it. Costs the one-sided put path (shared
+  // memory, RDMA) into D. nullopt: on exactly when etcd is configured (where D learns of a P's
+  // death and must act on it without waiting for P).
+  std::optional<bool> fence_writes;
   std::string kv_load_failure_policy = "fail";
   std::vector<std::string> warnings;  // one line per ignored key
 };

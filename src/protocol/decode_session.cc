@@ -59,6 +59,10 @@ Status DecodeSession::ValidateOptions(const DecodeSessionOptions& o) {
     return bad(fmt::format("region descriptor of {} bytes exceeds {}", o.region_descriptor.size(),
                            wire::kMaxDescriptorBytes));
   }
+  if (o.write_key_base >= (std::uint64_t{1} << 63)) {
+    return bad(fmt::format("write_key_base {:#x} must be below 2^63 (keys must not wrap to 0)",
+                           o.write_key_base));
+  }
   if (o.lease.count() < 0 || o.renewal_reply_timeout.count() < 0) {
     return bad("lease and renewal_reply_timeout must be >= 0");
   }
@@ -392,6 +396,7 @@ void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
     pull.region_descriptor = options_.region_descriptor;
     pull.block_len = options_.block_len;
     pull.num_blocks = options_.num_blocks;
+    pull.write_key = WriteKeyOf(peers[i]);
     pull.requests.push_back({load.request, load.source.transfer_id, load.blocks});
     const TimePoint deadline = now + options_.pull_timeout;
     ep.pulls.emplace(pull.id, PullOp{load.request, peers[i], deadline, false});
@@ -556,8 +561,12 @@ void DecodeSession::AskFence(EndpointId endpoint) {
   if (fence.peers.empty()) return;
   const std::uint64_t id = next_fence_++;
   ++counters_.fences_requested;
+  std::vector<std::uint64_t> keys;
+  if (options_.write_key_base != 0) {
+    for (core::PeerId peer : fence.peers) keys.push_back(WriteKeyOf(peer));
+  }
   fences_.emplace(id, std::move(fence));
-  fences_out_.push_back({id, endpoint, ep.address, through});
+  fences_out_.push_back({id, endpoint, ep.address, through, std::move(keys)});
 }
 
 void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, TimePoint now) {

@@ -119,6 +119,12 @@ struct DecodeSessionOptions {
   bool send_releases = true;
   core::Duration release_delay = std::chrono::milliseconds(2);
   core::Duration release_reply_timeout = std::chrono::seconds(2);
+  // Write keys (transport::WriteKey, wire::Pull::write_key): 0 = none. Otherwise each ledger
+  // peer (one epoch of one P rank of one incarnation) gets the key write_key_base + its id + 1,
+  // carried by its pulls and listed in the fences that cover it, so a data plane that fences
+  // its writers revokes exactly the pulls a fence covers. The base must be below 2^63 and
+  // should be random (sessions sharing one data-plane engine must not share keys).
+  std::uint64_t write_key_base = 0;
 };
 
 // A bootstrap lookup to make; answer with OnLookup (or OnLookupFailed), passing its id.
@@ -138,13 +144,19 @@ struct Transmit {
 // <= `through_epoch` asked for — also over a later reconnection (closing today's connection is
 // not enough: P reconnects to serve newer pulls), e.g. by revoking the credentials those pulls
 // carried — then answer OnFenceDone(id, OK). A data plane that cannot prove that answers an
-// error: the session then waits for the peer's late replies instead. (The simulator's data
-// plane stamps every write with its pull's epoch; the runtime's transports cannot fence yet.)
+// error: the session then waits for the peer's late replies instead, and asks again at the
+// deadline of each pull the fence covers. (The runtime revokes `write_keys` in a data plane that
+// fences its writers, and so does the simulator's.)
 struct FenceRequest {
   std::uint64_t id = 0;
   EndpointId endpoint = 0;
   std::string address;
   std::uint32_t through_epoch = 0;
+  // The write keys of the covered epochs' pulls (empty when the session hands out none): a data
+  // plane that fences writers revokes them (transport::Engine::RevokeWriteKeys) — which holds
+  // over every later connection of the peer — and answers OK once nothing stamped with them
+  // can land.
+  std::vector<std::uint64_t> write_keys;
 };
 
 struct ReceiveDone {
@@ -395,6 +407,10 @@ class DecodeSession {
   void ExpirePulls(core::TimePoint now);
   void GiveUpOnPull(PullOp& op, const Status& why);
   void AskFence(EndpointId endpoint);
+  // The write key of a ledger peer's pulls (0 when keys are off).
+  std::uint64_t WriteKeyOf(core::PeerId peer) const {
+    return options_.write_key_base == 0 ? 0 : options_.write_key_base + peer + 1;
+  }
   void DrainLedger(core::TimePoint now);
   std::optional<std::vector<std::uint32_t>> Targets(const PeerEngine& view, Status* why) const;
 

@@ -323,6 +323,7 @@ void PrefillSession::OnPull(const PeerAddress& peer, wire::Pull pull, TimePoint 
   context->region_descriptor = std::move(descriptor);
   context->block_len = pull.block_len;
   context->num_blocks = pull.num_blocks;
+  context->write_key = pull.write_key;
 
   const std::uint64_t key = next_pull_key_++;
   PendingPull& pending = pulls_[key];

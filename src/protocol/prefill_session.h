@@ -73,6 +73,9 @@ struct PullContext {
   std::shared_ptr<const std::vector<std::uint8_t>> region_descriptor;
   std::uint64_t block_len = 0;   // D's block stride in bytes
   std::uint32_t num_blocks = 0;  // blocks D registered (every dst id was checked against it)
+  // D's credential for this pull's writes (wire::Pull::write_key; 0: D gave none): the writer
+  // stamps every batch with it, so a D that revoked it refuses them (transport::WriteKey).
+  std::uint64_t write_key = 0;
 };
 
 // One request of a pull, ready to be written: the transfer's KV goes into `dst_block_ids`.

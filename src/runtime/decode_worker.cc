@@ -45,6 +45,10 @@ constexpr int kSendHighWaterMark = 4096;
 // blocks quarantined for pulls that never left, and the next request waited for blocks forever
 // (hosts_xpyd_host_loss_and_partition).
 constexpr std::chrono::milliseconds kConnectWait{3000};
+// A fence waits this long for writes that were already landing under the revoked keys (a
+// rendezvous receive in progress; a dead P's fail within UCX's keepalive, 1 s here). Past it the
+// fence fails, and the session asks again at each covered pull's deadline.
+constexpr std::chrono::milliseconds kFenceDrain{5000};
 
 protocol::DecodeSessionOptions SessionOptions(const DecodeWorkerOptions& o,
                                               std::vector<std::uint8_t> descriptor) {
@@ -87,13 +91,21 @@ class DecodeWorker::Impl {
     if (!descriptor) return descriptor.error();
     std::vector<std::uint8_t> bytes(descriptor->size());
     std::memcpy(bytes.data(), descriptor->data(), descriptor->size());
-    session_.emplace(SessionOptions(options_, std::move(bytes)));
+    protocol::DecodeSessionOptions session = SessionOptions(options_, std::move(bytes));
+    if (engine_->fences_writes()) {
+      // Random, below 2^63 and non-zero: keys of workers sharing an engine never meet.
+      std::random_device random;
+      const std::uint64_t bits = (std::uint64_t{random()} << 32) ^ random();
+      session.write_key_base = (bits >> 1) | 1;
+    }
+    session_.emplace(std::move(session));
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) return Status(ErrorCode::kInternal, fmt::format("eventfd: errno {}", errno));
     io_ = std::thread([this] { IoMain(); });
     for (std::size_t i = 0; i < std::max<std::size_t>(1, options_.lookup_threads); ++i) {
       lookups_.emplace_back([this] { LookupMain(); });
     }
+    if (engine_->fences_writes()) fencer_ = std::thread([this] { FenceMain(); });
     return Status::Ok();
   }
 
@@ -105,10 +117,12 @@ class DecodeWorker::Impl {
     }
     cv_.notify_all();
     lookup_cv_.notify_all();
+    fence_cv_.notify_all();
     Wake();
     if (io_.joinable()) io_.join();
     for (std::thread& t : lookups_) t.join();
     lookups_.clear();
+    if (fencer_.joinable()) fencer_.join();
     if (wake_fd_ >= 0) ::close(wake_fd_);
     wake_fd_ = -1;
     // Every thread is joined. A P peer whose pull was quarantined may in principle still
@@ -453,20 +467,47 @@ class DecodeWorker::Impl {
         std::lock_guard<std::mutex> lock(mu_);
         const TimePoint now = Clock::now();
         for (auto& [endpoint, id, why] : failed) session_->OnSendFailed(endpoint, id, why, now);
-        // The data plane cannot revoke a sender's credentials from the receiving side (yet):
-        // say so, and the session waits for the peer's late answer instead of releasing.
-        for (const protocol::FenceRequest& fence : fences) {
+        for (protocol::FenceRequest& fence : fences) {
+          if (engine_->fences_writes() && !fence.write_keys.empty()) {
+            fence_queue_.push_back(std::move(fence));  // the fencer thread revokes the keys
+            continue;
+          }
+          // A data plane whose peers write one-sided cannot fence them from this side: say so,
+          // and the session waits for the peer's late answer instead of releasing.
           session_->OnFenceDone(
               fence.id,
               Status(ErrorCode::kRejected,
-                     fmt::format("the {} data plane cannot fence {} from the receiving side",
+                     fmt::format("the {} data plane does not fence writers (fence_writes off): "
+                                 "cannot fence {} from the receiving side",
                                  engine_->backend(), fence.address)),
               now);
         }
+        if (!fence_queue_.empty()) fence_cv_.notify_one();
         Collect(&warnings);
       }
       Warn(warnings);
       warnings.clear();
+    }
+  }
+
+  // The fencer thread: revokes the write keys of each fence the session asks for (waiting up to
+  // kFenceDrain for writes already landing under them) and answers the session. Its own
+  // thread, because a revocation waits for in-flight receives and the I/O thread never waits.
+  void FenceMain() {
+    for (;;) {
+      protocol::FenceRequest fence;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        fence_cv_.wait(lock, [&] { return stopping_ || !fence_queue_.empty(); });
+        if (stopping_) return;
+        fence = std::move(fence_queue_.front());
+        fence_queue_.pop_front();
+      }
+      Status result = engine_->RevokeWriteKeys(fence.write_keys, Clock::now() + kFenceDrain);
+      if (!result.ok()) {
+        result = Status(result.code(), fmt::format("fencing {}: {}", fence.address, result.message()));
+      }
+      Run([&](protocol::DecodeSession& s, TimePoint now) { s.OnFenceDone(fence.id, result, now); });
     }
   }
 
@@ -484,6 +525,8 @@ class DecodeWorker::Impl {
   bool stopping_ = false;
   DecodeFinished finished_;
   std::deque<protocol::LookupRequest> lookup_queue_;
+  std::condition_variable fence_cv_;  // fence_queue_ has something, or stopping
+  std::deque<protocol::FenceRequest> fence_queue_;
 
   // I/O thread only.
   zmq::context_t context_{1};
@@ -493,6 +536,7 @@ class DecodeWorker::Impl {
 
   std::thread io_;
   std::vector<std::thread> lookups_;
+  std::thread fencer_;
 };
 
 // ---------------------------------------------------------------------------------------------

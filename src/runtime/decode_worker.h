@@ -11,11 +11,15 @@
 //  - `lookup_threads` threads run the bootstrap lookups the session asks for (with a cluster
 //    secret, a lookup believes only answers signed with it);
 //  - engine calls run the session directly (under its mutex) and wake the I/O thread.
-// Fences: the data-plane interface cannot yet fence a sender from the receiving side, so every
-// fence is answered "not supported" and quarantined blocks wait for the P worker's late answer,
-// which a live P sends within abort_request_timeout + its write bound (hence the pull_timeout
-// rule). They stay quarantined if P dies first, or if P could not fence a failed write of its
-// own (it then never answers that request): docs/operations.md, known limits.
+// Fences: with a data plane that fences its writers (transport::Engine::fences_writes, e.g.
+// UcxOptions::fence_writes), every pull carries a write key and a fence revokes the keys of the
+// pulls it covers on a fencer thread of its own (a revocation waits up to 5 s for writes already
+// landing); once it holds, the session releases their quarantined blocks — a dead, partitioned
+// or silent P can no longer write into them, over any connection, whatever etcd says. Without
+// one (one-sided puts over shared memory or RDMA cannot be refused), every fence is answered
+// "not supported" and quarantined blocks wait for the P worker's late answer, which a live P
+// sends within abort_request_timeout + its write bound (hence the pull_timeout rule); they stay
+// quarantined if P dies first: docs/operations.md, known limits.
 //
 // Engine-facing calls (thread-safe), after vLLM's KV connector contract:
 //   OnNewRequest     a request with remote prefill arrived (it may wait for blocks): renew it

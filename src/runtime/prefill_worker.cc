@@ -139,7 +139,7 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
   }
   transport::BatchWaiter waiter;
   if (options_.trace) options_.trace(WritePhase::kStart, context, job, core::Clock::now(), {});
-  auto submitted = engine_->SubmitWrites(peer->id, batch, waiter.Callback());
+  auto submitted = engine_->SubmitWrites(peer->id, batch, context.write_key, waiter.Callback());
   if (!submitted) {
     if (submitted.error().code() == ErrorCode::kUnavailable) {
       DropPeer(*context.region_descriptor, peer->id);

@@ -123,14 +123,13 @@ struct Msg {
 };
 using MsgPtr = std::shared_ptr<const Msg>;
 
-// What the simulator knows of a pull beyond its wire form (never sent): whom it was for, the
-// block generations it aimed at and D's endpoint epoch, to judge the writes it causes.
+// What the simulator knows of a pull beyond its wire form (never sent): whom it was for and the
+// block generations it aimed at, to judge the writes it causes.
 struct PullShadow {
   int req = -1;
   std::uint32_t d_rank = 0;
   std::uint32_t p_rank = 0;
   std::vector<std::uint64_t> gens;
-  std::uint32_t epoch = 0;
 };
 
 // The simulator's own account of one hold entry, to check HoldTable's deadlines from outside.
@@ -191,7 +190,7 @@ struct Write {
   std::uint32_t d_rank;
   std::vector<BlockId> dest;
   std::vector<std::uint64_t> gens;
-  std::uint32_t epoch;
+  std::uint64_t key;  // the pull's write key, as P's session handed it to the writer
   bool fenced = false;
   bool err_after = false;    // scenario C's injected P0 failure
   std::uint64_t ticket = 0;  // the session's write ticket
@@ -232,13 +231,15 @@ class Sim {
       options.write_bound = c.d.write_bound;
       options.pull_timeout = c.d.pull_timeout;
       options.send_releases = c.d.send_releases;
+      // D's data plane fences by write key, as the runtime's does (transport::WriteKey).
+      options.write_key_base = (std::uint64_t{r} + 1) << 40;
       if (Status valid = protocol::DecodeSession::ValidateOptions(options); !valid.ok()) {
         Violation("D's options: " + valid.ToString());
         options.pull_timeout = options.abort_request_timeout + options.write_bound + 1s;
       }
       d_sessions_.push_back(std::make_unique<protocol::DecodeSession>(
           options, [&c] { return c.variants.NewLedger(); }));
-      d_epoch_.emplace_back(c.p.tp, 0);
+      d_revoked_.emplace_back();
       d_timer_at_.push_back(kNever);
     }
   }
@@ -872,8 +873,15 @@ class Sim {
     } else {
       Violation("PlanSlice: " + slice.error().ToString());
     }
-    Write w{pull.req, r,     d_rank,    std::move(job.dst_block_ids), pull.gens, pull.epoch,
-            false,    false, job.ticket};
+    Write w{pull.req,
+            r,
+            d_rank,
+            std::move(job.dst_block_ids),
+            pull.gens,
+            job.context->write_key,
+            false,
+            false,
+            job.ticket};
     if (r == 0 && rng_.Chance(c_.faults.p0_err_after_write)) w.err_after = true;
     Duration delay{0};
     if (r == 1 && c_.faults.p1_write_delay.count() > 0) {
@@ -923,7 +931,7 @@ class Sim {
   bool WriteStart(std::uint64_t wid) {
     if (p_dead_) return false;
     Write& w = writes_[wid];
-    bool ok = !d_dead_ && !w.fenced && w.epoch == d_epoch_[w.d_rank][w.p_rank];
+    bool ok = !d_dead_ && !w.fenced && d_revoked_[w.d_rank].count(w.key) == 0;
     if (ok) {
       ++res_.writes;
       DestinationIntact(w, true);
@@ -940,7 +948,7 @@ class Sim {
     PRank& rank = p_ranks_[w.p_rank];
     PReq& p = preqs_[w.req];
     --p.inflight[w.p_rank];
-    bool ok = !d_dead_ && !w.fenced && w.epoch == d_epoch_[w.d_rank][w.p_rank];
+    bool ok = !d_dead_ && !w.fenced && d_revoked_[w.d_rank].count(w.key) == 0;
     if (started && ok) {
       DestinationIntact(w, false);
       ++dreqs_[w.req].peers_written;
@@ -1158,8 +1166,8 @@ class Sim {
             fence.id, Status(ErrorCode::kRejected, "the data plane cannot fence a live peer"),
             now());
       } else {
-        // WRITEs of older pulls fail from now on (unless the variant lies about it).
-        if (!c_.variants.lying_fence) Fence(r, PRankOf(fence.address));
+        // WRITEs stamped with the fence's keys fail from now on (unless the variant lies).
+        if (!c_.variants.lying_fence) Fence(r, PRankOf(fence.address), fence.write_keys);
         d_sessions_[r]->OnFenceDone(fence.id, Status::Ok(), now());
       }
       DrainD(r);
@@ -1219,7 +1227,7 @@ class Sim {
     endpoint_[{r, p}] = t.endpoint;
     if (auto* pull = std::get_if<wire::Pull>(&t.message)) {
       const int idx = RequestIndex(pull->requests.at(0).d_req_id);
-      pulls_[{r, p, pull->id}] = {idx, r, p, dreqs_[idx].gens, d_epoch_[r][p]};
+      pulls_[{r, p, pull->id}] = {idx, r, p, dreqs_[idx].gens};
     } else if (std::holds_alternative<wire::Release>(t.message)) {
       ++res_.releases_sent;
     } else {
@@ -1347,12 +1355,13 @@ class Sim {
     DrainD(m.d_rank);
   }
 
-  // D rank `d` closes its data-plane endpoint to P rank `p` (what its session asked for): WRITEs
-  // aimed through it fail from now on.
-  void Fence(std::uint32_t d, std::uint32_t p) {
-    ++d_epoch_[d][p];
+  // D rank `d`'s data plane revokes `keys` (what its session asked for, of P rank `p`'s pulls):
+  // WRITEs stamped with them fail from now on, those in flight included (the runtime's fence
+  // waits for or cuts them: transport::Engine::RevokeWriteKeys).
+  void Fence(std::uint32_t d, std::uint32_t p, const std::vector<std::uint64_t>& keys) {
+    d_revoked_[d].insert(keys.begin(), keys.end());
     for (auto& [wid, w] : writes_) {
-      if (w.d_rank == d && w.p_rank == p) w.fenced = true;
+      if (w.d_rank == d && d_revoked_[d].count(w.key) != 0) w.fenced = true;
     }
     loop_.Note(0xfe, (d << 8) | p);
   }
@@ -1482,7 +1491,7 @@ class Sim {
   std::vector<std::unique_ptr<protocol::DecodeSession>> d_sessions_;  // per D rank
   std::vector<TimePoint> d_timer_at_;  // each session's armed wake-up (kNever: none)
   std::map<std::pair<std::uint32_t, std::uint32_t>, protocol::EndpointId> endpoint_;  // (d, p)
-  std::vector<std::vector<std::uint32_t>> d_epoch_;  // [d_rank][p_rank]: the data plane's fences
+  std::vector<std::unordered_set<std::uint64_t>> d_revoked_;  // [d_rank]: write keys fenced
   std::vector<DReq> dreqs_;
   std::deque<int> queue_d_;
   std::vector<int> decoding_;

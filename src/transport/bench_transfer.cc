@@ -166,7 +166,7 @@ std::optional<double> Measure(Engine& engine, ConnectionId peer, const std::vect
         ++in_flight;
         ++submitted;
         lock.unlock();
-        auto r = engine.SubmitWrites(peer, ops, cb);
+        auto r = engine.SubmitWrites(peer, ops, kNoWriteKey, cb);
         lock.lock();
         if (!r) {
           --in_flight;

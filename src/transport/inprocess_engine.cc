@@ -11,6 +11,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <unordered_set>
 
 #include "descriptor.h"
 #include "kvferry/transport/inprocess.h"
@@ -157,7 +158,7 @@ class InProcessEngineImpl final : public InProcessEngine {
     return id;
   }
 
-  Result<BatchId> SubmitWrites(ConnectionId peer, std::span<const WriteOp> ops,
+  Result<BatchId> SubmitWrites(ConnectionId peer, std::span<const WriteOp> ops, WriteKey key,
                                CompletionFn done) override {
     if (ops.empty()) return Err(ErrorCode::kInvalidArgument, "empty batch");
     std::unique_lock<std::mutex> lock(mu_);
@@ -186,6 +187,7 @@ class InProcessEngineImpl final : public InProcessEngine {
     b.id = next_batch_++;
     b.peer = peer;
     b.ops.assign(ops.begin(), ops.end());
+    b.key = key;
     b.done = std::move(done);
     TimePoint due = options_.manual_pump ? now_ : Clock::now();
     auto& faults = faults_[p.name];
@@ -282,6 +284,19 @@ class InProcessEngineImpl final : public InProcessEngine {
     std::lock_guard<std::mutex> lock(mu_);
     return pending_.size();
   }
+  bool fences_writes() const override { return options_.fence_writes; }
+
+  // Bytes are copied under the fabric's lock, where the key is checked: once the revocation
+  // holds the lock, nothing stamped with these keys is copying or can start to.
+  Status RevokeWriteKeys(std::span<const WriteKey> keys, TimePoint deadline) override {
+    (void)deadline;
+    if (!options_.fence_writes) {
+      return Status(ErrorCode::kRejected, "this in-process engine does not fence writes");
+    }
+    std::lock_guard<std::mutex> flock(fabric_->mu);
+    revoked_.insert(keys.begin(), keys.end());
+    return Status::Ok();
+  }
 
  private:
   struct Peer {
@@ -295,6 +310,7 @@ class InProcessEngineImpl final : public InProcessEngine {
     BatchId id = 0;
     ConnectionId peer = 0;
     std::vector<WriteOp> ops;
+    WriteKey key = kNoWriteKey;
     CompletionFn done;
     std::optional<FaultKind> fault;
     ErrorCode fail_code = ErrorCode::kUnavailable;
@@ -324,7 +340,7 @@ class InProcessEngineImpl final : public InProcessEngine {
     if (b.fault == FaultKind::kFail) {
       status = Status(b.fail_code, "injected failure");
     } else {
-      status = Copy(peer_name, b.ops);
+      status = Copy(peer_name, b.ops, b.key);
     }
     lock.lock();
     --peer.delivering;
@@ -334,11 +350,15 @@ class InProcessEngineImpl final : public InProcessEngine {
     cv_.notify_all();
   }
 
-  Status Copy(const std::string& peer_name, const std::vector<WriteOp>& ops) {
+  Status Copy(const std::string& peer_name, const std::vector<WriteOp>& ops, WriteKey key) {
     std::lock_guard<std::mutex> flock(fabric_->mu);
     auto eit = fabric_->engines.find(peer_name);
     if (eit == fabric_->engines.end()) return Status(ErrorCode::kUnavailable, "peer is gone");
     InProcessEngineImpl* dst = eit->second;
+    if (dst->options_.fence_writes && (key == kNoWriteKey || dst->revoked_.count(key) != 0)) {
+      return Status(ErrorCode::kRejected,
+                    "peer fences its writers and refused this batch's write key (none, or revoked)");
+    }
     // The receiver's check: every range against what it has registered now.
     for (const WriteOp& op : ops) {
       auto rit = dst->regions_.find(op.remote_region);
@@ -410,6 +430,7 @@ class InProcessEngineImpl final : public InProcessEngine {
 
   std::map<RegionId, LocalRegion> regions_;  // guarded by fabric_->mu
   RegionId next_region_ = 1;                 // guarded by fabric_->mu
+  std::unordered_set<WriteKey> revoked_;     // guarded by fabric_->mu
 
   mutable std::mutex mu_;  // guards everything below
   std::condition_variable cv_;

@@ -33,6 +33,7 @@
 #include <optional>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "descriptor.h"
 #include "kvferry/transport/ucx.h"
@@ -65,6 +66,7 @@ struct HelloAckHeader {
 struct WriteHeader {
   std::uint64_t sender_uid;
   std::uint64_t batch_id;
+  std::uint64_t write_key;  // the receiver's credential (Engine::RevokeWriteKeys)
   std::uint64_t remote_offset;
   std::uint64_t length;
   std::uint32_t remote_region;
@@ -73,6 +75,7 @@ struct WriteHeader {
 struct WriteVHeader {  // followed by `extents` x WriteExtent
   std::uint64_t sender_uid;
   std::uint64_t batch_id;
+  std::uint64_t write_key;
   std::uint32_t remote_region;
   std::uint32_t op_count;  // ops in the whole batch
   std::uint32_t extents;   // ops carried by this message, data in this order
@@ -160,10 +163,12 @@ class UcxEngine final : public Engine {
   Status DeregisterMemory(RegionId id, TimePoint deadline) override;
   Result<std::vector<std::byte>> ExportDescriptor(std::span<const RegionId> ids) override;
   Result<ConnectionId> Connect(std::span<const std::byte> descriptor, TimePoint deadline) override;
-  Result<BatchId> SubmitWrites(ConnectionId peer, std::span<const WriteOp> ops,
+  Result<BatchId> SubmitWrites(ConnectionId peer, std::span<const WriteOp> ops, WriteKey key,
                                CompletionFn done) override;
   Status ClosePeer(ConnectionId peer, TimePoint deadline) override;
   Result<PeerInfo> DescribePeer(ConnectionId peer) override;
+  bool fences_writes() const override { return options_.fence_writes; }
+  Status RevokeWriteKeys(std::span<const WriteKey> keys, TimePoint deadline) override;
 
  private:
   struct LocalRegion {
@@ -211,6 +216,7 @@ class UcxEngine final : public Engine {
 
   struct Batch {
     BatchId id = 0;
+    WriteKey key = kNoWriteKey;
     std::shared_ptr<Peer> peer;
     std::vector<WriteOp> ops;
     std::vector<Op> resolved;          // parallel to ops
@@ -245,6 +251,7 @@ class UcxEngine final : public Engine {
     UcxEngine* engine;
     std::uint64_t sender_uid;
     std::uint64_t batch_id;
+    WriteKey key;
     RegionId region;
     std::uint32_t op_count;
     std::uint32_t ops = 1;          // ops this message carries
@@ -280,7 +287,12 @@ class UcxEngine final : public Engine {
   void InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id, std::uint32_t op_count,
                        ErrorCode code, std::uint32_t ops = 1);
   void RecvFinished(RecvContext* c, ucs_status_t status);
-  void RegionReleased(RegionId id);
+  // An inbound write into region `id` stamped with `key` stopped landing (copied or failed).
+  void RegionReleased(RegionId id, WriteKey key);
+  // Under mu_: may a write stamped with `key` land? (Always, unless this engine fences.)
+  bool KeyAdmitted(WriteKey key) const {
+    return !options_.fence_writes || (key != kNoWriteKey && revoked_.count(key) == 0);
+  }
   void SenderFailed(std::uint64_t uid);
   std::string DescribeLanes(ucp_ep_h ep, bool* rma_ok);
 
@@ -315,6 +327,10 @@ class UcxEngine final : public Engine {
   std::deque<std::function<void()>> commands_;
   std::map<RegionId, LocalRegion> regions_;
   std::map<ConnectionId, std::shared_ptr<Peer>> peers_;
+  // Receiver-side fencing (options_.fence_writes): keys revoked for good, and how many inbound
+  // writes stamped with each key are landing now (admitted, not yet copied or failed).
+  std::unordered_set<WriteKey> revoked_;
+  std::unordered_map<WriteKey, int> landing_;
   RegionId next_region_ = 1;
   ConnectionId next_peer_ = 1;
   BatchId next_batch_ = 1;
@@ -672,9 +688,11 @@ Result<std::vector<std::byte>> UcxEngine::ExportDescriptor(std::span<const Regio
   d.address = worker_address_;
   std::lock_guard<std::mutex> lock(mu_);
   auto add = [&](const LocalRegion& r) {
+    // A fencing receiver hands out no remote keys: every write into it must come through its
+    // own active-message handlers, where it can be refused.
     d.regions.push_back({RemoteRegion{r.region.id, reinterpret_cast<std::uint64_t>(r.region.base),
                                       r.region.length, r.region.kind},
-                         r.rkey});
+                         options_.fence_writes ? std::vector<std::byte>{} : r.rkey});
   };
   if (ids.empty()) {
     for (const auto& [id, r] : regions_) add(r);
@@ -952,7 +970,7 @@ void UcxEngine::SendSmall(ucp_ep_h ep, unsigned id, const H& header) {
 // Writes: sender side
 
 Result<BatchId> UcxEngine::SubmitWrites(ConnectionId peer_id, std::span<const WriteOp> ops,
-                                        CompletionFn done) {
+                                        WriteKey key, CompletionFn done) {
   if (ops.empty()) return Err(ErrorCode::kInvalidArgument, "empty batch");
   auto b = std::make_unique<Batch>();
   {
@@ -990,6 +1008,7 @@ Result<BatchId> UcxEngine::SubmitWrites(ConnectionId peer_id, std::span<const Wr
     b->peer = pit->second;
   }
   b->done = std::move(done);
+  b->key = key;
   BatchId id = b->id;
   Post([this, raw = b.release()] { PostBatch(raw); });
   return id;
@@ -1054,8 +1073,8 @@ void UcxEngine::PostBatch(Batch* b) {
       if (j - i >= 2) {
         Batch::Packed& pk = b->packed.emplace_back();
         pk.header.resize(sizeof(WriteVHeader) + (j - i) * sizeof(WriteExtent));
-        WriteVHeader vh{
-            uid_, b->id, b->ops[i].remote_region, n_ops, static_cast<std::uint32_t>(j - i), 0};
+        WriteVHeader vh{uid_,  b->id, b->key, b->ops[i].remote_region,
+                        n_ops, static_cast<std::uint32_t>(j - i), 0};
         std::memcpy(pk.header.data(), &vh, sizeof(vh));
         pk.iov.resize(j - i);
         for (std::size_t k = i; k < j; ++k) {
@@ -1076,6 +1095,7 @@ void UcxEngine::PostBatch(Batch* b) {
       const WriteOp& op = b->ops[i];
       b->headers[i] = WriteHeader{uid_,
                                   b->id,
+                                  b->key,
                                   op.remote_offset,
                                   op.length,
                                   op.remote_region,
@@ -1131,9 +1151,12 @@ ucs_status_t UcxEngine::OnAck(void* arg, const void* header, size_t header_lengt
   b->awaiting_ack = false;
   auto code = static_cast<ErrorCode>(h.code);
   if (code != ErrorCode::kOk) {
-    b->Fail(Status(code, code == ErrorCode::kOutOfRange
-                             ? "peer refused a range it has not registered"
-                             : "peer failed to receive the batch"));
+    const char* why = "peer failed to receive the batch";
+    if (code == ErrorCode::kOutOfRange) why = "peer refused a range it has not registered";
+    if (code == ErrorCode::kRejected) {
+      why = "peer fences its writers and refused this batch's write key (none, or revoked)";
+    }
+    b->Fail(Status(code, why));
   }
   --b->outstanding;
   self->MaybeComplete(b);
@@ -1150,29 +1173,34 @@ ucs_status_t UcxEngine::OnWrite(void* arg, const void* header, size_t header_len
   if (!ReadHeader(header, header_length, &h) || h.op_count == 0) return UCS_OK;
   std::byte* dst = nullptr;
   ucp_mem_h memh = nullptr;
+  ErrorCode refused = ErrorCode::kOutOfRange;
   {
-    // The receiver's own check: the write must fit what is registered now, whatever the
-    // sender's descriptor said.
+    // The receiver's own checks: the write's key must not be fenced, and the write must fit
+    // what is registered now, whatever the sender's descriptor said.
     std::lock_guard<std::mutex> lock(self->mu_);
     auto it = self->regions_.find(h.remote_region);
-    if (it != self->regions_.end() && h.length == length &&
-        internal::RangeFits(h.remote_offset, h.length, it->second.region.length)) {
+    if (!self->KeyAdmitted(h.write_key)) {
+      refused = ErrorCode::kRejected;
+    } else if (it != self->regions_.end() && h.length == length &&
+               internal::RangeFits(h.remote_offset, h.length, it->second.region.length)) {
       dst = it->second.region.base + h.remote_offset;
       memh = it->second.memh;
       ++it->second.in_in_flight;
+      ++self->landing_[h.write_key];
     }
   }
   if (dst == nullptr) {
-    self->InboundOpLanded(h.sender_uid, h.batch_id, h.op_count, ErrorCode::kOutOfRange);
+    self->InboundOpLanded(h.sender_uid, h.batch_id, h.op_count, refused);
     return UCS_OK;  // for a rendezvous message this drops the data without fetching it
   }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
     std::memcpy(dst, data, length);
-    self->RegionReleased(h.remote_region);
+    self->RegionReleased(h.remote_region, h.write_key);
     self->InboundOpLanded(h.sender_uid, h.batch_id, h.op_count, ErrorCode::kOk);
     return UCS_OK;
   }
-  auto* ctx = new RecvContext{self, h.sender_uid, h.batch_id, h.remote_region, h.op_count, 1, {}};
+  auto* ctx = new RecvContext{
+      self, h.sender_uid, h.batch_id, h.write_key, h.remote_region, h.op_count, 1, {}};
   ucp_request_param_t rp{};
   rp.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
@@ -1209,12 +1237,15 @@ ucs_status_t UcxEngine::OnWriteV(void* arg, const void* header, size_t header_le
   std::memcpy(ext.data(), static_cast<const std::byte*>(header) + sizeof(h),
               ext.size() * sizeof(WriteExtent));
   std::byte* base = nullptr;
+  ErrorCode refused = ErrorCode::kOutOfRange;
   {
-    // The receiver's own check, for every extent: it must fit what is registered now, and the
-    // extents must add up to the data that came with them.
+    // The receiver's own checks: the key must not be fenced, and every extent must fit what is
+    // registered now, and the extents must add up to the data that came with them.
     std::lock_guard<std::mutex> lock(self->mu_);
     auto it = self->regions_.find(h.remote_region);
-    bool ok = it != self->regions_.end();
+    const bool admitted = self->KeyAdmitted(h.write_key);
+    if (!admitted) refused = ErrorCode::kRejected;
+    bool ok = admitted && it != self->regions_.end();
     std::uint64_t total = 0;
     for (std::size_t i = 0; ok && i < ext.size(); ++i) {
       ok = ext[i].length > 0 && ext[i].length <= length - total &&
@@ -1224,10 +1255,11 @@ ucs_status_t UcxEngine::OnWriteV(void* arg, const void* header, size_t header_le
     if (ok && total == length) {
       base = it->second.region.base;
       ++it->second.in_in_flight;
+      ++self->landing_[h.write_key];
     }
   }
   if (base == nullptr) {
-    self->InboundOpLanded(h.sender_uid, h.batch_id, h.op_count, ErrorCode::kOutOfRange, h.extents);
+    self->InboundOpLanded(h.sender_uid, h.batch_id, h.op_count, refused, h.extents);
     return UCS_OK;  // for a rendezvous message this drops the data without fetching it
   }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
@@ -1236,12 +1268,12 @@ ucs_status_t UcxEngine::OnWriteV(void* arg, const void* header, size_t header_le
       std::memcpy(base + e.remote_offset, src, e.length);
       src += e.length;
     }
-    self->RegionReleased(h.remote_region);
+    self->RegionReleased(h.remote_region, h.write_key);
     self->InboundOpLanded(h.sender_uid, h.batch_id, h.op_count, ErrorCode::kOk, h.extents);
     return UCS_OK;
   }
-  auto* ctx =
-      new RecvContext{self, h.sender_uid, h.batch_id, h.remote_region, h.op_count, h.extents, {}};
+  auto* ctx = new RecvContext{self,       h.sender_uid, h.batch_id, h.write_key, h.remote_region,
+                              h.op_count, h.extents,    {}};
   ctx->iov.resize(ext.size());
   for (std::size_t i = 0; i < ext.size(); ++i) {
     ctx->iov[i] = ucp_dt_iov_t{base + ext[i].remote_offset, ext[i].length};
@@ -1270,17 +1302,40 @@ ucs_status_t UcxEngine::OnWriteV(void* arg, const void* header, size_t header_le
 }
 
 void UcxEngine::RecvFinished(RecvContext* c, ucs_status_t status) {
-  RegionReleased(c->region);
+  RegionReleased(c->region, c->key);
   InboundOpLanded(c->sender_uid, c->batch_id, c->op_count,
                   status == UCS_OK ? ErrorCode::kOk : ErrorCode::kUnavailable, c->ops);
   delete c;
 }
 
-void UcxEngine::RegionReleased(RegionId id) {
+void UcxEngine::RegionReleased(RegionId id, WriteKey key) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(id);
   if (it != regions_.end()) --it->second.in_in_flight;
+  auto k = landing_.find(key);
+  if (k != landing_.end() && --k->second <= 0) landing_.erase(k);
   cv_.notify_all();
+}
+
+Status UcxEngine::RevokeWriteKeys(std::span<const WriteKey> keys, TimePoint deadline) {
+  if (!options_.fence_writes) {
+    return Status(ErrorCode::kRejected,
+                  "this UCX engine does not fence writes (peers may put one-sided into it)");
+  }
+  if (OnProgressThread()) return CallbackMisuse("RevokeWriteKeys");
+  std::unique_lock<std::mutex> lock(mu_);
+  // From here on every handler refuses these keys (they check under mu_); what was admitted
+  // before is counted in landing_ until its copy or its rendezvous receive ends.
+  for (WriteKey key : keys) revoked_.insert(key);
+  const bool drained = cv_.wait_until(lock, deadline, [&] {
+    return std::none_of(keys.begin(), keys.end(),
+                        [&](WriteKey key) { return landing_.count(key) != 0; });
+  });
+  if (!drained) {
+    return Status(ErrorCode::kTimeout,
+                  "writes stamped with a revoked key were still landing at the deadline");
+  }
+  return Status::Ok();
 }
 
 void UcxEngine::InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id,

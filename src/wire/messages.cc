@@ -135,6 +135,7 @@ enum PullField {
   kPBlockLen,
   kPNumBlocks,
   kPRequests,
+  kPWriteKey,
   kPullFieldCount
 };
 const std::array<Label, kPullFieldCount> kPullLabels{{
@@ -149,6 +150,7 @@ const std::array<Label, kPullFieldCount> kPullLabels{{
     {"bl", "block_len"},
     {"nb", "num_blocks"},
     {"rq", "requests"},
+    {"k", "write_key"},
 }};
 
 // Elements of one request entry: [d_req_id, transfer_id, block ids bin, ...ignored].
@@ -166,8 +168,10 @@ std::vector<std::uint8_t> Encode(const Pull& msg) {
   out.reserve(estimate);
   VecBuffer buf{&out};
   Packer pk(buf);
-  PackHeader(pk, 6 + (msg.d_lease_ms ? 1 : 0) + (msg.region_descriptor ? 1 : 0), MessageType::kPull,
-             msg.id);
+  PackHeader(pk,
+             6 + (msg.d_lease_ms ? 1 : 0) + (msg.region_descriptor ? 1 : 0) +
+                 (msg.write_key != 0 ? 1 : 0),
+             MessageType::kPull, msg.id);
   PackKey(pk, "e");
   PackStr(pk, msg.d_engine_id);
   PackKey(pk, "ts");
@@ -187,6 +191,10 @@ std::vector<std::uint8_t> Encode(const Pull& msg) {
     const auto& d = *msg.region_descriptor;
     pk.pack_bin(static_cast<std::uint32_t>(d.size()));
     pk.pack_bin_body(reinterpret_cast<const char*>(d.data()), static_cast<std::uint32_t>(d.size()));
+  }
+  if (msg.write_key != 0) {
+    PackKey(pk, "k");
+    pk.pack_uint64(msg.write_key);
   }
   PackKey(pk, "rq");
   pk.pack_array(static_cast<std::uint32_t>(msg.requests.size()));
@@ -288,6 +296,9 @@ Result<Pull> DecodePull(const std::uint8_t* data, std::size_t size) {
     std::uint64_t lease = 0;
     KVF_ASSIGN(lease, GetUint(*f[kPLease], kPullLabels[kPLease], kMaxLeaseMs));
     msg.d_lease_ms = lease;
+  }
+  if (f[kPWriteKey] != nullptr) {
+    KVF_ASSIGN(msg.write_key, GetUint(*f[kPWriteKey], kPullLabels[kPWriteKey]));
   }
   std::span<const std::uint8_t> desc;
   if (f[kPDesc] != nullptr) {

@@ -107,6 +107,10 @@ struct Pull {
   std::uint32_t num_blocks = 0;       // blocks D registered; every block id must be below this
   std::vector<PullRequest> requests;  // <= kMaxRequestsPerPull; empty = notify-only pull
   std::uint64_t id = 0;
+  // Key "k", omitted when 0 (an optional key: a P that predates it ignores it). D's credential
+  // for the writes of this pull (transport::WriteKey): P stamps each of them with it, and a D
+  // that fences its writers refuses writes with a key it revoked, or with none.
+  std::uint64_t write_key = 0;
 
   friend bool operator==(const Pull&, const Pull&) = default;
 };

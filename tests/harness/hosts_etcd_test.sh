@@ -7,7 +7,8 @@
 #   - two killed (no quorum): requests to the engine D already knows still succeed, and a new P
 #     cannot start ("etcd registration: etcd unreachable ..."); with the members back, it can;
 #   - P's host killed while D waits on it: D fails the load within the lease TTL + one poll,
-#     naming the reason, instead of at its pull deadline (105 s here).
+#     naming the reason, instead of at its pull deadline (105 s here), and its fence releases the
+#     blocks of that pull: D's pool ends idle with 0 blocks quarantined.
 # Every process and namespace is removed at the end (the trap), also when a check fails.
 # Usage: hosts_etcd_test.sh KVFERRY_BINARY REPO_ROOT. Exit 77 (skipped) without network
 # namespaces or without etcd.
@@ -131,4 +132,18 @@ after=$(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1])
 python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 8 else 1)" "$after" ||
   fail "D failed the load only ${after} s after P's host died (TTL 2 s)"
 echo "P's host killed: D failed the load waiting on it ${after} s later (etcd lease TTL 2 s; pull deadline 105 s)"
+# D fenced the dead P (fence_writes is on with etcd): the pull's write key is revoked, so the
+# blocks it quarantined go back to the pool without waiting for an answer that will not come.
+released=""
+for i in $(seq 1 50); do
+  used=$(metric 5 8200 kvferry_kv_blocks_used)
+  quarantined=$(metric 5 8200 kvferry_quarantined_blocks)
+  if [ "${used:-1}" = 0 ] && [ "${quarantined:-1}" = 0 ]; then
+    released=$(python3 -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.2f}')" "$killed")
+    break
+  fi
+  sleep 0.1
+done
+[ -n "$released" ] || fail "D still holds blocks for the dead P: used ${used:-?}, quarantined ${quarantined:-?}, fences $(metric 5 8200 kvferry_fences_total)/failed $(metric 5 8200 kvferry_fences_failed_total)"
+echo "P's host killed: D's pool idle, 0 blocks quarantined ${released} s after the kill (fences $(metric 5 8200 kvferry_fences_total), failed $(metric 5 8200 kvferry_fences_failed_total))"
 echo "PASS"

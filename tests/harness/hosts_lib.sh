@@ -24,6 +24,14 @@ fail() {
   exit 1
 }
 
+metric() {  # metric HOST PORT NAME: NAME's value (summed over labels) on that host's /metrics
+  local a
+  a=$("$th" addr "$1")
+  "$th" exec "$name" "$1" bash -c "exec 3<>/dev/tcp/$a/$2; \
+    printf 'GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n' >&3; cat <&3" |
+    awk -v m="$3" '{ split($1, k, "{") } k[1] == m { s += $2; seen = 1 } END { if (seen) print s + 0 }'
+}
+
 # etcd_setup CLIENT_HOST MEMBER_HOST...: a cluster of one etcd member per MEMBER_HOST (named
 # e<host>), probed from CLIENT_HOST. Sets `endpoints` (JSON strings, for
 # kv_connector_extra_config.etcd_endpoints) and defines start_etcd HOST (a member; its data

@@ -987,11 +987,51 @@ TEST_F(ServeTest, WithEtcdAKilledPsWaitingLoadsFailWithinItsLeaseTtl) {
   EXPECT_EQ(Metric(d_metrics, "kvferry_etcd_engines_down_total"), 1);
   EXPECT_EQ(Metric(d_metrics, "kvferry_etcd_healthy"), 1);
   // Liveness from etcd is advisory: a P cut off by a partition would look the same and may
-  // still be writing. The pull's blocks stay quarantined (not reused) until a fence or P's
-  // answer proves it stopped; the ucx data plane cannot fence from D's side, so here they stay.
-  const double quarantined = Metric(Get(d.port(), "/metrics"), "kvferry_quarantined_blocks");
+  // still be writing. So the pull's blocks are released by D's fence, not by etcd's word: D
+  // (fence_writes, on with etcd) revokes the pull's write key, and its pool is idle at once.
+  double used = -1;
+  double quarantined = -1;
+  for (const auto deadline = Clock::now() + std::chrono::seconds(5); Clock::now() < deadline;
+       std::this_thread::sleep_for(std::chrono::milliseconds(50))) {
+    const std::string m = Get(d.port(), "/metrics");
+    used = Metric(m, "kvferry_kv_blocks_used");
+    quarantined = Metric(m, "kvferry_quarantined_blocks");
+    if (used == 0 && quarantined == 0) break;
+  }
+  std::printf("[ measured ] with etcd and D's fence: pool idle %.2f s after P was killed\n",
+              SecondsSince(killed));
+  EXPECT_EQ(quarantined, 0);
+  EXPECT_EQ(used, 0);
+  const std::string after_metrics = Get(d.port(), "/metrics");
+  EXPECT_GE(Metric(after_metrics, "kvferry_fences_total"), 1);
+  EXPECT_EQ(Metric(after_metrics, "kvferry_fences_failed_total"), 0);
+}
+
+// The control: a D whose data plane does not fence writers (fence_writes false: P may put
+// one-sided into its memory) cannot prove the killed P stopped, so the same pull's blocks stay
+// quarantined after etcd reported P gone.
+TEST_F(ServeTest, WithEtcdButWithoutFencingAKilledPsBlocksStayQuarantined) {
+  if (!EtcdProcess::Available()) GTEST_SKIP() << "no etcd (scripts/install-deps.sh)";
+  EtcdProcess etcd(dir_);
+  ASSERT_TRUE(etcd.ok());
+  const std::string cfg = R"(,"etcd_endpoints":[")" + etcd.url() + R"("],"etcd_lease_ttl":2)";
+  ServeProcess& p = StartPrefill({}, cfg);
+  ServeProcess& d = StartDecode({}, cfg + R"(,"fence_writes":false)");
+  ASSERT_FALSE(HasFailure());
+  auto pending = std::async(std::launch::async, [&] {
+    return Post(d.port(), DecodeBody(32, 4, false, "xfer-orphan", p), 30);
+  });
+  ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting_for_kv", 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the pull is at P
+  p.Kill();
+  const HttpResult r = pending.get();
+  EXPECT_NE(r.body.find("left etcd"), std::string::npos) << r.body;
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const std::string m = Get(d.port(), "/metrics");
+  const double quarantined = Metric(m, "kvferry_quarantined_blocks");
   EXPECT_GT(quarantined, 0);
-  EXPECT_GE(Metric(Get(d.port(), "/metrics"), "kvferry_kv_blocks_used"), quarantined);
+  EXPECT_GE(Metric(m, "kvferry_kv_blocks_used"), quarantined);
+  EXPECT_GE(Metric(m, "kvferry_fences_failed_total"), 1);
 }
 
 }  // namespace

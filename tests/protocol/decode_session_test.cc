@@ -261,6 +261,53 @@ TEST_F(DecodeSessionTest, FenceReleasesTheTimedOutEpochOnly) {
   EXPECT_EQ(s().stats().receiving, 1u);
 }
 
+// Write keys: each epoch's pulls carry their own key, and a fence lists exactly the keys of the
+// epochs it covers — including an older one whose fence failed — so a data plane that revokes
+// them stops those pulls' writes and no later pull's.
+TEST_F(DecodeSessionTest, PullsCarryTheirEpochsWriteKeyAndAFenceListsTheKeysItCovers) {
+  DecodeSessionOptions o = Options();
+  o.write_key_base = 0x1000;
+  Make(o);
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  std::vector<wire::Pull> first = Pulls();
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_NE(first[0].write_key, 0u);
+  s().OnTimeout(kT0 + 600s);
+  std::vector<FenceRequest> fence1 = s().TakeFences();
+  ASSERT_EQ(fence1.size(), 1u);
+  EXPECT_EQ(fence1[0].write_keys, std::vector<std::uint64_t>{first[0].write_key});
+  s().OnFenceDone(fence1[0].id, Status(ErrorCode::kTimeout, "writes still landing"), kT0 + 600s);
+
+  // A pull after the fence is a new epoch with a new key.
+  s().OnLookup(Engine("p"), kT0 + 601s);
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 601s).ok());
+  std::vector<wire::Pull> second = Pulls();
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_NE(second[0].write_key, 0u);
+  EXPECT_NE(second[0].write_key, first[0].write_key);
+  // The engine goes down: the fence covers both epochs (the first one's fence failed).
+  s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "left etcd"), kT0 + 602s);
+  std::vector<FenceRequest> fence2 = s().TakeFences();
+  ASSERT_EQ(fence2.size(), 1u);
+  std::vector<std::uint64_t> keys = fence2[0].write_keys;
+  std::sort(keys.begin(), keys.end());
+  std::vector<std::uint64_t> expected{first[0].write_key, second[0].write_key};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(keys, expected);
+  s().OnFenceDone(fence2[0].id, Status::Ok(), kT0 + 603s);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+}
+
+TEST_F(DecodeSessionTest, WithoutAWriteKeyBasePullsCarryNoKeyAndFencesListNone) {
+  std::vector<FenceRequest> fences = TimedOutLoad("r1");
+  ASSERT_EQ(fences.size(), 1u);
+  EXPECT_TRUE(fences[0].write_keys.empty());
+  DecodeSessionOptions o = Options();
+  o.write_key_base = std::uint64_t{1} << 63;
+  EXPECT_FALSE(DecodeSession::ValidateOptions(o).ok()) << "a base that could wrap to 0 is refused";
+}
+
 // Found by exploration: a fence that failed (P alive) leaves its epoch to the next fence, e.g.
 // the one asked for once the engine is known down.
 TEST_F(DecodeSessionTest, EngineDownFencesEpochsWhoseEarlierFenceFailed) {

@@ -55,6 +55,8 @@ struct Cluster {
   bool p_head_slices = true;
   bool d_head_slices = true;
   std::uint32_t d_tp = 1;
+  // D's data plane fences its writers (transport::InProcessOptions::fence_writes).
+  bool d_fences = false;
   std::vector<std::vector<std::byte>> memory;  // every caller-owned plane; outlives the workers
 
   std::vector<KvPlane> OwnPlanes(std::size_t count, std::uint64_t block_len) {
@@ -124,7 +126,7 @@ struct Cluster {
 
   void StartDecode(double d_lease_s, std::chrono::milliseconds pull_timeout,
                    std::chrono::milliseconds d_abort, std::chrono::milliseconds write_bound) {
-    auto engine = transport::MakeInProcessEngine(fabric, {"d0", false});
+    auto engine = transport::MakeInProcessEngine(fabric, {"d0", false, d_fences});
     ASSERT_TRUE(engine.has_value());
     DecodeWorkerOptions o;
     o.engine_id = "decode";
@@ -337,6 +339,53 @@ TEST(RuntimeEndToEnd, APullThatNeverLeftIsAPlainFailureAndLiftsAQuarantine) {
   EXPECT_NE(std::find(c.released.begin(), c.released.end(), "req-3"), c.released.end())
       << "the quarantine of a pull that never left stayed";
   EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
+}
+
+// Receiver-side fencing. D declares a P engine down while P holds a pull it has not answered
+// (the prefill is not done: P parked it). D's fence revokes that pull's write key, so the
+// quarantine lifts at once; and when the P that was declared dead (only cut off, say) finishes
+// the prefill and writes, D refuses the write: not a byte lands in the blocks D gave back.
+TEST(RuntimeEndToEnd, AFenceOfAnEngineDeclaredDownLiftsTheQuarantineAndRefusesItsLateWrite) {
+  Cluster c;
+  c.d_fences = true;
+  ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
+  ReceiveResult first = c.PrefillAndLoad("req-1", "xfer-1");
+  ASSERT_TRUE(first.ok) << "a live P's writes carry their pull's key: " << first.error.ToString();
+  const std::uint64_t block_len = kPBlockLen * 2;
+  const std::vector<core::BlockId> blocks = {8, 9};
+  for (core::BlockId b : blocks) std::memset(c.d->kv() + b * block_len, 0, block_len);
+
+  ASSERT_TRUE(c.p[0]->Admit("xfer-2", 1).get().ok());  // not prefilled: P parks the pull
+  ASSERT_TRUE(c.d->StartLoad("req-2", c.Source("xfer-2"), blocks).ok());
+  std::this_thread::sleep_for(300ms);
+  const auto down_at = core::Clock::now();
+  c.d->EngineDown("prefill", Status(ErrorCode::kUnavailable, "left etcd"));
+  ReceiveResult r = c.Receive("req-2", core::Clock::now() + 2s);
+  EXPECT_FALSE(r.ok);
+  EXPECT_TRUE(r.quarantined) << "given up on while P held the pull";
+  const auto deadline = core::Clock::now() + 3s;
+  while (std::find(c.released.begin(), c.released.end(), "req-2") == c.released.end() &&
+         core::Clock::now() < deadline) {
+    for (auto& [request, released] : c.d->WaitFinished(core::Clock::now() + 100ms).released) {
+      c.released.push_back(request);
+    }
+  }
+  ASSERT_NE(std::find(c.released.begin(), c.released.end(), "req-2"), c.released.end())
+      << "the fence did not lift the quarantine";
+  EXPECT_LT(core::Clock::now() - down_at, 1s);
+  DecodeWorkerStats stats = c.d->Stats();
+  EXPECT_EQ(stats.quarantined_blocks, 0u);
+  EXPECT_GE(stats.fences_requested, 1u);
+  EXPECT_EQ(stats.fences_failed, 0u);
+
+  // The P declared down was alive after all: it finishes the prefill and writes for the pull.
+  ASSERT_TRUE(c.p[0]->PrefillDone("xfer-2", 3).get().ok());
+  std::this_thread::sleep_for(500ms);
+  for (core::BlockId b : blocks) {
+    const std::byte* block = c.d->kv() + b * block_len;
+    EXPECT_TRUE(std::all_of(block, block + block_len, [](std::byte x) { return x == std::byte{0}; }))
+        << "P's write under a revoked key landed in block " << b;
+  }
 }
 
 TEST(KvMemoryTest, PlanesShorterThanTheirBlocksOverlappingOrTooManyAreRefused) {

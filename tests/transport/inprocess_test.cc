@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -14,10 +15,10 @@ TimePoint Soon() { return Clock::now() + 5s; }
 
 class InProcessTest : public ::testing::Test {
  protected:
-  void Make(bool manual) {
+  void Make(bool manual, bool fence_writes = false) {
     fabric_ = MakeInProcessFabric();
     auto p = MakeInProcessEngine(fabric_, {"P0", manual});
-    auto d = MakeInProcessEngine(fabric_, {"D0", manual});
+    auto d = MakeInProcessEngine(fabric_, {"D0", manual, fence_writes});
     ASSERT_TRUE(p && d);
     p_ = std::move(*p);
     d_ = std::move(*d);
@@ -51,7 +52,7 @@ TEST_F(InProcessTest, WritesEveryOpOfABatch) {
   Make(false);
   std::vector<WriteOp> ops = {Op(0, 4096, 4096), Op(65536, 0, 4096), Op(8192, 500000, 70000)};
   BatchWaiter w;
-  ASSERT_TRUE(p_->SubmitWrites(peer_, ops, w.Callback()));
+  ASSERT_TRUE(p_->SubmitWrites(peer_, ops, kNoWriteKey, w.Callback()));
   ASSERT_TRUE(w.Wait(Soon()).ok());
   for (const auto& op : ops) EXPECT_TRUE(Landed(op));
   EXPECT_TRUE(p_->ClosePeer(peer_, Soon()).ok());
@@ -68,13 +69,13 @@ TEST_F(InProcessTest, OutOfRangeIsRefusedBeforeAnythingIsPosted) {
       {WriteOp{src_.id, dst_.id + 99, 0, 0, 16}},  // remote region not in descriptor
   };
   for (const auto& ops : bad) {
-    auto r = p_->SubmitWrites(peer_, ops, cb);
+    auto r = p_->SubmitWrites(peer_, ops, kNoWriteKey, cb);
     ASSERT_FALSE(r);
     EXPECT_EQ(r.error().code(), ErrorCode::kOutOfRange) << r.error().ToString();
   }
-  auto unknown_local = p_->SubmitWrites(peer_, std::vector{WriteOp{999, dst_.id, 0, 0, 1}}, cb);
+  auto unknown_local = p_->SubmitWrites(peer_, std::vector{WriteOp{999, dst_.id, 0, 0, 1}}, kNoWriteKey, cb);
   EXPECT_EQ(unknown_local.error().code(), ErrorCode::kNotFound);
-  auto zero = p_->SubmitWrites(peer_, std::vector{Op(0, 0, 0)}, cb);
+  auto zero = p_->SubmitWrites(peer_, std::vector{Op(0, 0, 0)}, kNoWriteKey, cb);
   EXPECT_EQ(zero.error().code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ(p_->PendingBatches(), 0u);
   p_->Pump(TimePoint{} + 1h);
@@ -90,8 +91,8 @@ TEST_F(InProcessTest, ManualPumpIsDeterministicAndHonoursDelays) {
     order.push_back(id);
   };
   p_->InjectFault("D0", Fault{FaultKind::kDelay, 1, 10ms});
-  auto a = p_->SubmitWrites(peer_, std::vector{Op(0, 0, 100)}, cb);      // delayed 10 ms
-  auto b = p_->SubmitWrites(peer_, std::vector{Op(100, 100, 100)}, cb);  // not delayed
+  auto a = p_->SubmitWrites(peer_, std::vector{Op(0, 0, 100)}, kNoWriteKey, cb);      // delayed 10 ms
+  auto b = p_->SubmitWrites(peer_, std::vector{Op(100, 100, 100)}, kNoWriteKey, cb);  // not delayed
   ASSERT_TRUE(a && b);
   EXPECT_EQ(p_->Pump(TimePoint{}), 1u);  // only b is due at t=0
   EXPECT_EQ(order, std::vector<BatchId>{*b});
@@ -114,8 +115,8 @@ TEST_F(InProcessTest, FailAndDropArePerPeerAndCounted) {
   p_->InjectFault("D0", Fault{FaultKind::kDrop, 1});
   std::vector<Status> got;
   auto cb = [&](BatchId, Status s) { got.push_back(s); };
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, cb));
-  ASSERT_TRUE(p_->SubmitWrites(*peer1, std::vector{WriteOp{src_.id, dst1->id, 0, 0, 64}}, cb));
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, kNoWriteKey, cb));
+  ASSERT_TRUE(p_->SubmitWrites(*peer1, std::vector{WriteOp{src_.id, dst1->id, 0, 0, 64}}, kNoWriteKey, cb));
   p_->Pump(TimePoint{} + 1s);
   ASSERT_EQ(got.size(), 4u);  // two failed, the 4th to D0 and the one to D1 succeeded
   EXPECT_EQ(got[0].code(), ErrorCode::kRejected);
@@ -128,14 +129,14 @@ TEST_F(InProcessTest, FailAndDropArePerPeerAndCounted) {
   ASSERT_EQ(got.size(), 5u);
   EXPECT_EQ(got[4].code(), ErrorCode::kCancelled);
   EXPECT_EQ(p_->ClosePeer(peer_, Soon()).code(), ErrorCode::kNotFound);
-  auto after = p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, cb);
+  auto after = p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, kNoWriteKey, cb);
   EXPECT_EQ(after.error().code(), ErrorCode::kNotFound);
 }
 
 TEST_F(InProcessTest, CloseCancelsUndeliveredBatchesAndReportsTimeout) {
   Make(true);
   BatchWaiter w;
-  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, w.Callback()));
+  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, kNoWriteKey, w.Callback()));
   Status s = p_->ClosePeer(peer_, Soon());
   EXPECT_EQ(s.code(), ErrorCode::kTimeout);
   EXPECT_EQ(w.Wait(Soon()).code(), ErrorCode::kCancelled);
@@ -146,7 +147,7 @@ TEST_F(InProcessTest, CloseWaitsForDelayedBatchesInAutomaticMode) {
   Make(false);
   p_->InjectFault("D0", Fault{FaultKind::kDelay, 1, 50ms});
   BatchWaiter w;
-  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 4096)}, w.Callback()));
+  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 4096)}, kNoWriteKey, w.Callback()));
   EXPECT_TRUE(p_->ClosePeer(peer_, Soon()).ok());
   EXPECT_TRUE(w.done());
   EXPECT_TRUE(w.Wait(Soon()).ok());
@@ -156,7 +157,7 @@ TEST_F(InProcessTest, CloseWaitsForDelayedBatchesInAutomaticMode) {
 TEST_F(InProcessTest, ReceiverChecksItsRegistrationAtDelivery) {
   Make(true);
   BatchWaiter w;
-  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, w.Callback()));
+  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, kNoWriteKey, w.Callback()));
   ASSERT_TRUE(d_->DeregisterMemory(dst_.id, Soon()).ok());
   p_->Pump(TimePoint{});
   EXPECT_EQ(w.Wait(Soon()).code(), ErrorCode::kOutOfRange);
@@ -165,7 +166,7 @@ TEST_F(InProcessTest, ReceiverChecksItsRegistrationAtDelivery) {
 TEST_F(InProcessTest, DeregisterWaitsForLocalBatches) {
   Make(true);
   BatchWaiter w;
-  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, w.Callback()));
+  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, kNoWriteKey, w.Callback()));
   EXPECT_EQ(p_->DeregisterMemory(src_.id, Soon()).code(), ErrorCode::kTimeout);
   p_->Pump(TimePoint{});
   EXPECT_TRUE(w.Wait(Soon()).ok());
@@ -176,7 +177,7 @@ TEST_F(InProcessTest, BlockingCallsFromACallbackAreRefused) {
   Make(true);
   Status inner;
   auto cb = [&](BatchId, Status) { inner = p_->ClosePeer(peer_, Soon()); };
-  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, cb));
+  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, kNoWriteKey, cb));
   p_->Pump(TimePoint{});
   EXPECT_EQ(inner.code(), ErrorCode::kInvalidArgument);
 }
@@ -190,9 +191,44 @@ TEST_F(InProcessTest, ConnectChecksTheFabricAndBackend) {
   EXPECT_EQ(p_->Connect(desc, Soon()).error().code(), ErrorCode::kUnavailable);
   // A batch to a peer that vanished fails at delivery.
   BatchWaiter w;
-  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, w.Callback()));
+  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, kNoWriteKey, w.Callback()));
   p_->Pump(TimePoint{});
   EXPECT_EQ(w.Wait(Soon()).code(), ErrorCode::kUnavailable);
+}
+
+// ---- Receiver-side fencing (Engine::RevokeWriteKeys) ----
+
+TEST_F(InProcessTest, AFencingReceiverRefusesARevokedKeyAndAnUnstampedWriteAndLandsNothing) {
+  Make(false, /*fence_writes=*/true);
+  ASSERT_TRUE(d_->fences_writes());
+  const WriteOp op = Op(0, 4096, 4096);
+  auto write = [&](WriteKey key) {
+    BatchWaiter w;
+    EXPECT_TRUE(p_->SubmitWrites(peer_, std::vector{op}, key, w.Callback()));
+    return w.Wait(Soon());
+  };
+  EXPECT_TRUE(write(7).ok());
+  EXPECT_TRUE(Landed(op));
+  std::memset(dst_.base, 0, dst_.length);
+  ASSERT_TRUE(d_->RevokeWriteKeys(std::vector<WriteKey>{7}, Soon()).ok());
+  EXPECT_EQ(write(7).code(), ErrorCode::kRejected);
+  EXPECT_EQ(write(kNoWriteKey).code(), ErrorCode::kRejected);
+  EXPECT_FALSE(Landed(op));
+  EXPECT_TRUE(std::all_of(dst_.base, dst_.base + dst_.length, [](std::byte b) {
+    return b == std::byte{0};
+  }));
+  // Other keys, over the same connection, still write.
+  EXPECT_TRUE(write(8).ok());
+  EXPECT_TRUE(Landed(op));
+}
+
+TEST_F(InProcessTest, AReceiverThatDoesNotFenceIgnoresKeysAndRefusesToRevoke) {
+  Make(false);
+  EXPECT_FALSE(d_->fences_writes());
+  EXPECT_EQ(d_->RevokeWriteKeys(std::vector<WriteKey>{7}, Soon()).code(), ErrorCode::kRejected);
+  BatchWaiter w;
+  ASSERT_TRUE(p_->SubmitWrites(peer_, std::vector{Op(0, 0, 64)}, 7, w.Callback()));
+  EXPECT_TRUE(w.Wait(Soon()).ok());
 }
 
 }  // namespace

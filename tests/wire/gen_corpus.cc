@@ -46,6 +46,7 @@ wire::Pull SteadyPull() {
   p.num_blocks = 4096;
   p.requests.push_back({"cmpl-1", "xfer-1", {7, 8, 9, 4095}});
   p.id = 42;
+  p.write_key = 0x5eed00000007ULL;
   return p;
 }
 

@@ -31,6 +31,7 @@ Pull SamplePull() {
   p.num_blocks = 70000;
   p.requests.push_back({"cmpl-a", "xfer-a", {0, 1, 2, 65535, 65536, 69999}});
   p.requests.push_back({"cmpl-b", "xfer-b", {}});
+  p.write_key = 0x0123456789abcdefULL;
   return p;
 }
 

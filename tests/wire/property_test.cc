@@ -53,6 +53,7 @@ Pull GenPull() {
         {GenId(), GenId(), *rc::gen::resize(64, rc::gen::arbitrary<std::vector<core::BlockId>>())});
   }
   p.id = GenU64();
+  if (*rc::gen::arbitrary<bool>()) p.write_key = GenU64();
   return p;
 }
 

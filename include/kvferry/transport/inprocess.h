@@ -47,6 +47,9 @@ struct Fault {
 struct InProcessOptions {
   std::string name;  // unique within the fabric; faults name peers by it
   bool manual_pump = false;
+  // Engine::fences_writes: refuse inbound writes without a key or with a revoked one (checked
+  // under the fabric's lock at delivery, so RevokeWriteKeys never has to wait).
+  bool fence_writes = false;
 };
 
 class InProcessEngine : public Engine {

@@ -67,10 +67,19 @@ struct WriteOp {
   std::uint64_t length = 0;
 };
 
+// A receiver's credential for writes into its memory: it hands one out with each request for
+// data (wire::Pull carries it), and the writer stamps every batch it writes for that request with
+// it. A receiver that fences (Engine::fences_writes) refuses a write without a key or with a
+// revoked one, so revoking a key stops every writer that holds it — over its current connection
+// and any later one — without the writer's help: the receiver's fence (RevokeWriteKeys).
+using WriteKey = std::uint64_t;
+inline constexpr WriteKey kNoWriteKey = 0;
+
 // Called exactly once for every batch that SubmitWrites accepted. OK means every byte of every
 // op is in the peer's memory (not merely handed to the network). Errors:
 //   kUnavailable  the peer died or became unreachable (some ops may have landed)
 //   kOutOfRange   the peer refused a range (e.g. it deregistered the region meanwhile)
+//   kRejected     the peer fences writes and refused the batch's key (none, or revoked)
 //   kCancelled    ClosePeer or engine shutdown cancelled the batch (some ops may have landed)
 //   kInternal     a backend failure that is not one of the above
 using CompletionFn = std::function<void(BatchId, Status)>;
@@ -141,8 +150,10 @@ class Engine {
   // zero-length op, kUnavailable if the peer is known dead, kCancelled if it is being closed.
   // On such an error nothing was posted and `done` is never called. Otherwise `done` is called
   // exactly once with the batch's outcome.
+  // `key` is the receiver's credential for these writes (kNoWriteKey if it gave none); a
+  // receiver that fences checks it on every op it receives.
   virtual Result<BatchId> SubmitWrites(ConnectionId peer, std::span<const WriteOp> ops,
-                                       CompletionFn done) = 0;
+                                       WriteKey key, CompletionFn done) = 0;
 
   // Fence and close: refuses new batches at once, waits for in-flight batches until `deadline`,
   // cancels what is left (completions get kCancelled) and closes the endpoint. When it returns,
@@ -154,6 +165,23 @@ class Engine {
 
   // Transport details for logs and benchmarks.
   virtual Result<PeerInfo> DescribePeer(ConnectionId peer) = 0;
+
+  // ---- Receiver-side fencing ----
+  // True when this engine was made to fence writes (UcxOptions / InProcessOptions::fence_writes):
+  // it carries out every inbound write itself (no peer can write one-sided into its memory: a
+  // UCX engine's descriptors then carry no remote keys, so peers use active messages) and
+  // refuses, with kRejected at the writer, every write stamped with kNoWriteKey or a revoked
+  // key.
+  virtual bool fences_writes() const = 0;
+
+  // The fence: refuses from now on every inbound write stamped with one of `keys`, whichever
+  // connection carries it, then waits until no write stamped with one of them is still landing.
+  // OK: no byte of a write stamped with these keys lands in this engine's memory after the
+  // return. kTimeout at the deadline with some still landing (the keys stay revoked; a later
+  // call waits again). kRejected when this engine does not fence writes. Revoked keys are
+  // remembered for the engine's life (8 bytes each: receivers revoke on pull timeouts and
+  // peer deaths, not per transfer). Must not be called from a completion callback.
+  virtual Status RevokeWriteKeys(std::span<const WriteKey> keys, TimePoint deadline) = 0;
 };
 
 // A completion that a thread can wait on: pass Callback() as SubmitWrites' `done`, then Wait.

@@ -40,6 +40,11 @@ struct UcxOptions {
   // While batches are in flight the progress thread spins; when idle it sleeps on UCX's event fd
   // (no CPU burnt by an idle engine). Set to spin always (lowest latency, one core per engine).
   bool busy_poll = false;
+  // Receiver-side fencing (Engine::fences_writes). Descriptors then carry no remote keys, so
+  // every peer writes through active messages, which this engine receives itself and can refuse
+  // (by write key); that gives up the one-sided put path (shared memory, RDMA) for writes into
+  // this engine. A peer in UcxMode::kPut cannot connect to it.
+  bool fence_writes = false;
   // How long the destructor lets in-flight batches finish before cancelling them.
   std::chrono::milliseconds shutdown_drain{2000};
 };

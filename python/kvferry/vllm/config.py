@@ -18,6 +18,10 @@ Keys of ``kv_connector_extra_config``:
     starting its own (MooncakeConnector's key).
 ``kv_release``
     D releases a transfer to P the moment its request no longer needs it; default true.
+``fence_writes``
+    D's data plane fences its writers (no one-sided puts into D; every pull carries a write key
+    D can revoke), so D releases the blocks of a P that died or went silent mid-pull without
+    waiting for its answer; default false (the put path stays available).
 ``cluster_secret_file``
     A file (mode 0600, 32..4096 bytes) holding the cluster secret: signed bootstrap traffic and a
     CURVE side channel (docs/security.md), as ``kvferry serve`` takes it. Absent: an open cluster.
@@ -45,6 +49,7 @@ KNOWN_KEYS = frozenset(
         "bootstrap_port",
         "bootstrap_server_address",
         "kv_release",
+        "fence_writes",
         "cluster_secret_file",
     }
 )
@@ -62,6 +67,7 @@ class ConnectorSettings:
     bootstrap_server_address: str | None
     kv_release: bool
     cluster_secret_file: str | None = None
+    fence_writes: bool = False
     ignored_keys: tuple[str, ...] = ()  # extra-config keys kvferry does not know (logged)
 
     @property
@@ -151,6 +157,10 @@ def parse_settings(
     if not isinstance(release, bool):
         raise ConfigError(f"kv_release must be true or false, not {release!r}")
 
+    fence = extra.get("fence_writes", False)
+    if not isinstance(fence, bool):
+        raise ConfigError(f"fence_writes must be true or false, not {fence!r}")
+
     secret = extra.get("cluster_secret_file")
     if "cluster_secret_file" in extra and (
         not isinstance(secret, str) or not 0 < len(secret) <= 4096
@@ -164,5 +174,6 @@ def parse_settings(
         bootstrap_port=port,
         bootstrap_server_address=address,
         kv_release=release,
+        fence_writes=fence,
         ignored_keys=tuple(sorted(k for k in extra if k not in KNOWN_KEYS)),
     )

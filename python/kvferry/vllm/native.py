@@ -63,6 +63,7 @@ class WorkerOptions:
     side_channel_host: str = "127.0.0.1"  # P: the address D reaches this rank's side channel at
     data_plane: str = "ucx"  # "ucx", or "inprocess" for tests within one process
     cluster_secret_file: str | None = None
+    fence_writes: bool = False  # D: its data plane fences writers (config.py)
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,8 @@ class DecodeRuntime:
             lease_s=options.kv_lease_duration,
             abort_request_timeout_s=options.abort_request_timeout,
             data_plane=options.data_plane, cluster_secret_file=options.cluster_secret_file,
-            send_releases=options.kv_release, head_slices=head_slices(regions, options.kv_heads))
+            send_releases=options.kv_release, head_slices=head_slices(regions, options.kv_heads),
+            fence_writes=options.fence_writes)
         # Failed loads whose blocks a P peer may still write: reported once they are released.
         self._quarantined: dict[str, str] = {}
         self._failed: list[tuple[str, str]] = []  # loads refused before anything was sent

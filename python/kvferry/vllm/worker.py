@@ -188,6 +188,7 @@ class KvferryConnectorWorker:
             incarnation=_incarnation(engine_id, vllm_config),
             side_channel_host=_host_ip(),
             cluster_secret_file=settings.cluster_secret_file,
+            fence_writes=settings.fence_writes,
         )
         self.regions: list[KvRegion] = []
         self.prefill: PrefillWorker | None = None
