@@ -79,7 +79,7 @@ std::unique_ptr<ChildProcess> ChildProcess::Spawn(
     if (null_fd >= 0) ::dup2(null_fd, 0);
     ::dup2(log_fd, 1);
     ::dup2(log_fd, 2);
-    ::execve(cargv[0], cargv.data(), cenv.data());
+    ::execvpe(cargv[0], cargv.data(), cenv.data());  // a name without '/' is looked up in PATH
     const char msg[] = "exec failed\n";
     [[maybe_unused]] auto w = ::write(2, msg, sizeof msg - 1);
     ::_exit(127);

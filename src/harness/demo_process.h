@@ -16,7 +16,7 @@ namespace kvferry::harness {
 
 class ChildProcess {
  public:
-  // Starts argv[0] (a path) with `argv`, `extra_env` added to the environment, output appended
+  // Starts argv[0] (a path, or a name looked up in PATH) with `argv`, `extra_env` added to the environment, output appended
   // to `log_path`. Returns nullptr (with `error`) when it cannot start.
   static std::unique_ptr<ChildProcess> Spawn(const std::vector<std::string>& argv,
                                              const std::string& log_path,

@@ -179,7 +179,7 @@ struct Instance {
   std::string name;
   std::unique_ptr<ChildProcess> proc;
   std::string url;
-  std::string bootstrap;  // P: 127.0.0.1:port
+  std::string bootstrap;  // P: host:port
   std::string engine_id;
   std::string trace;
 };
@@ -201,17 +201,21 @@ std::optional<Instance> StartServe(Env& env, const std::string& name, bool prefi
   std::error_code ec;
   fs::remove(ready, ec);
   if (prefill) extra["bootstrap_port"] = 0;
+  if (!env.o.etcd_endpoints.empty()) extra["etcd_endpoints"] = env.o.etcd_endpoints;
+  const DemoHost& host = prefill ? env.o.p_host : env.o.d_host;
   const json config = {{"kv_connector", "kvferry"},
                        {"kv_role", prefill ? "kv_producer" : "kv_consumer"},
                        {"engine_id", name},
                        {"kv_load_failure_policy", "fail"},
                        {"kv_connector_extra_config", extra}};
-  std::vector<std::string> argv = {env.bin,
+  std::vector<std::string> argv;
+  if (!host.netns.empty()) argv = {"ip", "netns", "exec", host.netns};
+  const std::vector<std::string> serve = {env.bin,
                                    "serve",
                                    "--role",
                                    prefill ? "prefill" : "decode",
                                    "--host",
-                                   "127.0.0.1",
+                                   host.address,
                                    "--port",
                                    "0",
                                    "--tp",
@@ -220,6 +224,7 @@ std::optional<Instance> StartServe(Env& env, const std::string& name, bool prefi
                                    config.dump(),
                                    "--ready-file",
                                    ready};
+  argv.insert(argv.end(), serve.begin(), serve.end());
   argv.insert(argv.end(), args.begin(), args.end());
   if (trace) {
     inst.trace = env.logs + "/" + name + ".trace.jsonl";
@@ -251,8 +256,10 @@ std::optional<Instance> StartServe(Env& env, const std::string& name, bool prefi
     inst.proc->Stop(2);
     return std::nullopt;
   }
-  inst.url = fmt::format("http://127.0.0.1:{}", info["port"].get<int>());
-  if (prefill) inst.bootstrap = fmt::format("127.0.0.1:{}", info.value("bootstrap_port", 0));
+  inst.url = fmt::format("http://{}:{}", host.address, info["port"].get<int>());
+  if (prefill) {
+    inst.bootstrap = fmt::format("{}:{}", host.address, info.value("bootstrap_port", 0));
+  }
   inst.engine_id = info.value("engine_id", name);
   if (!WaitFor([&] { return HttpGet(inst.url, "/health", 1).has_value(); }, 15, 0.05,
                [&] { return inst.proc->Running(); })) {
@@ -1188,7 +1195,19 @@ int RunDemo(const DemoOptions& options) {
   }
   env.run_tag = fmt::format("{}-{}", ::getpid(), RandomUuid().substr(0, 8));
   const auto t0 = SteadyClock::now();
-  std::printf("kvferry demo: the seed experiments (SPEC §8) in real processes on 127.0.0.1\n");
+  if (options.p_host.netns.empty() && options.d_host.netns.empty()) {
+    std::printf("kvferry demo: the seed experiments (SPEC §8) in real processes on 127.0.0.1\n");
+  } else {
+    const std::string etcd =
+        options.etcd_endpoints.empty()
+            ? std::string()
+            : fmt::format("; etcd at {}", fmt::join(options.etcd_endpoints, ", "));
+    std::printf(
+        "kvferry demo: the seed experiments (SPEC §8) in real processes across test hosts: P on "
+        "%s (%s), D on %s (%s), proxy and clients here; UCX over tcp between hosts%s\n",
+        options.p_host.netns.c_str(), options.p_host.address.c_str(),
+        options.d_host.netns.c_str(), options.d_host.address.c_str(), etcd.c_str());
+  }
   if (options.quick) {
     std::printf("--quick: short runs with small loads; times are NOT the seed's scaled times\n");
   } else {

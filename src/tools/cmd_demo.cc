@@ -2,6 +2,7 @@
 // (src/harness/demo_runner.h). The README's main job.
 //
 //   kvferry demo [--quick] [--out DIR] [--scenario A|B|C|D|all] [--scale 10] [-v]
+//                [--p-netns NS --p-address ADDR --d-netns NS --d-address ADDR] [--etcd URL...]
 //
 // Exit code: 0 when every check passed, 1 when one failed, 2 when the demo could not run,
 // 128+signal when interrupted (every child process is stopped first).
@@ -27,6 +28,13 @@ void AddDemoCommand(CLI::App& app, int& exit_code) {
   cmd->add_option("--kvferry", o->kvferry_bin,
                   "binary with `serve` and `proxy` (default: this one)");
   cmd->add_flag("-v,--verbose", o->verbose, "progress of load and probes on stderr");
+  // Across test hosts (scripts/demo-hosts.sh sets these up and runs the demo on a third host).
+  cmd->add_option("--p-netns", o->p_host.netns, "run P in this network namespace (a test host)");
+  cmd->add_option("--p-address", o->p_host.address, "P's address there")->capture_default_str();
+  cmd->add_option("--d-netns", o->d_host.netns, "run D in this network namespace (a test host)");
+  cmd->add_option("--d-address", o->d_host.address, "D's address there")->capture_default_str();
+  cmd->add_option("--etcd", o->etcd_endpoints,
+                  "etcd endpoints (http://host:port) every serve registers with / looks up in");
   cmd->callback([o, &exit_code] {
     // Before any thread exists: SIGINT/SIGTERM stop every child process group, then exit.
     harness::InstallSignalWatcher();
