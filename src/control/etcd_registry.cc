@@ -387,6 +387,7 @@ struct EtcdWatcher::Impl {
       if (info) now.emplace(id, std::move(*info));
     }
     std::vector<EngineInfo> gone;
+    std::vector<std::pair<EngineInfo, std::string>> replaced;  // (old process, new incarnation)
     {
       std::lock_guard<std::mutex> lock(mu);
       ++stats.polls;
@@ -397,9 +398,15 @@ struct EtcdWatcher::Impl {
         return;
       }
       for (const auto& [id, info] : engines) {
-        if (now.count(id) == 0) gone.push_back(info);
+        auto next = now.find(id);
+        if (next == now.end()) {
+          gone.push_back(info);
+        } else if (next->second.incarnation != info.incarnation) {
+          replaced.emplace_back(info, next->second.incarnation);
+        }
       }
       stats.engines_down += gone.size();
+      stats.engines_replaced += replaced.size();
       engines = std::move(now);
     }
     for (const EngineInfo& info : gone) {
@@ -408,7 +415,14 @@ struct EtcdWatcher::Impl {
                                    "revoked",
                                    info.engine_id, info.incarnation));
       Log("etcd: " + why.message());
-      if (on_down) on_down(info.engine_id, info.incarnation, why);
+      if (on_down) on_down(info.engine_id, info.incarnation, "", why);
+    }
+    for (const auto& [info, successor] : replaced) {
+      const Status why(ErrorCode::kUnavailable,
+                       fmt::format("engine {} restarted: incarnation {} replaced {} in etcd",
+                                   info.engine_id, successor, info.incarnation));
+      Log("etcd: " + why.message());
+      if (on_down) on_down(info.engine_id, info.incarnation, successor, why);
     }
   }
 

@@ -112,16 +112,21 @@ class EtcdRegistrar {
 // D's side: polls `<prefix>/engines/` every `poll_interval` on a thread of its own and keeps the
 // engines it finds (assembled by BootstrapRegistry's rules, so an engine is `complete` only when
 // every rank is there). When an engine that was present disappears, `on_down(engine_id,
-// incarnation, why)` is called on that thread; a poll that fails changes nothing (advisory).
+// incarnation, "", why)` is called on that thread; when its keys name another incarnation
+// (the engine restarted within its lease's TTL, so its keys were replaced, not deleted),
+// `on_down(engine_id, old incarnation, new incarnation, why)`. A poll that fails changes
+// nothing (advisory).
 class EtcdWatcher {
  public:
-  using DownCallback = std::function<void(const std::string& engine_id,
-                                          const std::string& incarnation, const Status& why)>;
+  using DownCallback =
+      std::function<void(const std::string& engine_id, const std::string& incarnation,
+                         const std::string& successor, const Status& why)>;
 
   struct Stats {
     std::uint64_t polls = 0;
     std::uint64_t poll_failures = 0;
     std::uint64_t engines_down = 0;
+    std::uint64_t engines_replaced = 0;  // re-registered under another incarnation
     bool healthy = false;  // the last poll succeeded
   };
 

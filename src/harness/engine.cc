@@ -533,6 +533,11 @@ void ServingEngine::EngineDown(const std::string& engine_id, const Status& why) 
   for (auto& worker : impl_->decode) worker->EngineDown(engine_id, why);
 }
 
+void ServingEngine::ProcessGone(const std::string& engine_id, const std::string& incarnation,
+                                const Status& why) {
+  for (auto& worker : impl_->decode) worker->ProcessGone(engine_id, incarnation, why);
+}
+
 std::vector<control::WorkerRegistration> ServingEngine::Registrations() const {
   std::vector<control::WorkerRegistration> out;
   for (const auto& worker : impl_->prefill) out.push_back(worker->registration());

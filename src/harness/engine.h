@@ -160,6 +160,10 @@ class ServingEngine {
   // D: a liveness source says P engine `engine_id` is gone (runtime::DecodeWorker::EngineDown on
   // every rank). No-op on P.
   void EngineDown(const std::string& engine_id, const Status& why);
+  // D: one process (`incarnation`) of P engine `engine_id` is gone and another replaced it
+  // (runtime::DecodeWorker::ProcessGone on every rank). No-op on P.
+  void ProcessGone(const std::string& engine_id, const std::string& incarnation,
+                   const Status& why);
   // P: what its ranks register (bootstrap and etcd); empty on D.
   [[nodiscard]] std::vector<control::WorkerRegistration> Registrations() const;
 

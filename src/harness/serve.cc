@@ -51,6 +51,9 @@ std::string EtcdMetrics(const control::EtcdRegistrar* registrar,
     one("kvferry_etcd_engines_down_total", "counter",
         "D: P engines that left etcd (lease expired or revoked)",
         static_cast<double>(s.engines_down));
+    one("kvferry_etcd_engines_replaced_total", "counter",
+        "D: P engines whose keys came to name another incarnation (a restart within the TTL)",
+        static_cast<double>(s.engines_replaced));
   }
   return out;
 }
@@ -197,8 +200,15 @@ int RunServe(const ServeOptions& options) {
   if (!etcd.endpoints.empty() && options.role == Role::kDecode) {
     auto started = control::EtcdWatcher::Start(
         etcd, kEtcdPollInterval,
-        [down_target](const std::string& engine_id, const std::string&, const Status& why) {
-          if (ServingEngine* target = down_target->load()) target->EngineDown(engine_id, why);
+        [down_target](const std::string& engine_id, const std::string& incarnation,
+                      const std::string& successor, const Status& why) {
+          ServingEngine* target = down_target->load();
+          if (target == nullptr) return;
+          if (successor.empty()) {
+            target->EngineDown(engine_id, why);
+          } else {
+            target->ProcessGone(engine_id, incarnation, why);
+          }
         },
         [](std::string_view line) { spdlog::info("{}", line); });
     if (!started) return Fail("etcd: " + started.error().ToString());

@@ -517,7 +517,7 @@ void DecodeSession::ExpirePulls(TimePoint now) {
     // releases its quarantine; and the fence is tried again now (the engine may have died
     // since a first fence failed, and a fence of a dead peer succeeds).
     if (op->second.timed_out) {
-      AskFence(endpoint);
+      AskFence(endpoint, &peer_keys_[op->second.peer].incarnation);
       continue;
     }
     if (!ledger_->IsPending(op->second.request, op->second.peer)) {
@@ -534,7 +534,7 @@ void DecodeSession::ExpirePulls(TimePoint now) {
                        ep.address) != e.second.view->side_channels.end();
     });
     if (engine != engines_.end()) engine->second.view_stale = true;  // ask again next time
-    AskFence(endpoint);
+    AskFence(endpoint, &peer_keys_[op->second.peer].incarnation);
   }
   DrainLedger(now);
 }
@@ -549,12 +549,15 @@ void DecodeSession::GiveUpOnPull(PullOp& op, const Status& why) {
 
 // ---- fences ----
 
-void DecodeSession::AskFence(EndpointId endpoint) {
+void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation) {
   Endpoint& ep = endpoints_[endpoint];
   Fence fence{endpoint, {}};
   // Every epoch of this endpoint not yet proved stopped: also older ones whose fence failed.
   for (const auto& [key, peer] : peers_) {
-    if (key.endpoint == endpoint && quiesced_.count(peer) == 0) fence.peers.push_back(peer);
+    if (key.endpoint == endpoint && quiesced_.count(peer) == 0 &&
+        (incarnation == nullptr || key.incarnation == *incarnation)) {
+      fence.peers.push_back(peer);
+    }
   }
   // Pulls sent from now on are a new epoch of the peer: the fence does not cover them.
   const std::uint32_t through = ep.epoch++;
@@ -646,6 +649,48 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
       }
     }
     AskFence(ep->second);
+  }
+  DrainLedger(now);
+}
+
+void DecodeSession::OnProcessGone(const core::EngineId& engine, const std::string& incarnation,
+                                  const Status& why, TimePoint now) {
+  auto it = engines_.find(engine);
+  if (it == engines_.end()) return;
+  EngineState& state = it->second;
+  const Status failure(why.ok() ? ErrorCode::kUnavailable : why.code(),
+                       fmt::format("prefill engine {} (process {}) is gone: {}", engine,
+                                   incarnation, why.message()));
+  if (state.view && state.view->incarnation == incarnation) {
+    // The view names the process that is gone: the next load asks again (a lookup asked before
+    // now may still describe it, so its answer is stale).
+    state.view.reset();
+    state.view_stale = false;
+    state.lookup_in_flight = false;
+    state.lookup_deadline = core::kNever;
+    state.lookup_floor = last_lookup_id_ + 1;
+    if (!state.waiting_loads.empty()) RequestLookup(engine, state, now);
+  }
+  if (state.declared_down && state.declared_down->incarnation == incarnation) {
+    state.declared_down.reset();
+  }
+  // Its pulls in flight get no answer: their requests fail now and their blocks stay
+  // quarantined until the fence asked here (of that process's epochs only) or a late answer.
+  std::set<EndpointId> endpoints;
+  for (const auto& [key, peer] : peers_) {
+    if (key.incarnation == incarnation) endpoints.insert(key.endpoint);
+  }
+  for (EndpointId endpoint : endpoints) {
+    bool any = false;
+    for (auto& [id, op] : endpoints_[endpoint].pulls) {
+      if (peer_keys_[op.peer].incarnation != incarnation) continue;
+      any = true;
+      if (!op.timed_out && ledger_->IsPending(op.request, op.peer)) {
+        ++counters_.pulls_abandoned;
+        GiveUpOnPull(op, failure);
+      }
+    }
+    if (any) AskFence(endpoint, &incarnation);
   }
   DrainLedger(now);
 }

@@ -282,6 +282,14 @@ class DecodeSession {
   // its endpoints with pulls in flight are fenced — the blocks of those pulls stay quarantined
   // until the fences (or late replies) release them, never by this call alone.
   void OnEngineDown(const core::EngineId& engine, const Status& why, core::TimePoint now);
+  // A liveness source says one process of the engine — `incarnation` — is gone while the engine
+  // lives on in another (e.g. it restarted within its registry lease's TTL, so its keys were
+  // replaced rather than deleted). That process's pulls in flight fail now (as at their
+  // deadlines: blocks quarantined) and are fenced — only that incarnation's epochs, so pulls to
+  // the new process are untouched; a view of that process is dropped, so waiting and later
+  // loads look the engine up again (nothing fails for want of a view).
+  void OnProcessGone(const core::EngineId& engine, const std::string& incarnation,
+                     const Status& why, core::TimePoint now);
 
   // ---- Time ----
   void OnTimeout(core::TimePoint now);
@@ -406,7 +414,9 @@ class DecodeSession {
   void RenewalPass(core::TimePoint now);
   void ExpirePulls(core::TimePoint now);
   void GiveUpOnPull(PullOp& op, const Status& why);
-  void AskFence(EndpointId endpoint);
+  // Fences every epoch of `endpoint` not yet proved stopped — of `incarnation` only, when given
+  // (another process behind the same address is another writer) — and starts a new epoch.
+  void AskFence(EndpointId endpoint, const std::string* incarnation = nullptr);
   // The write key of a ledger peer's pulls (0 when keys are off).
   std::uint64_t WriteKeyOf(core::PeerId peer) const {
     return options_.write_key_base == 0 ? 0 : options_.write_key_base + peer + 1;

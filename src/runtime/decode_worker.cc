@@ -155,6 +155,12 @@ class DecodeWorker::Impl {
   void EngineDown(const core::EngineId& engine, const Status& why) {
     Run([&](protocol::DecodeSession& s, TimePoint now) { s.OnEngineDown(engine, why, now); });
   }
+  void ProcessGone(const core::EngineId& engine, const std::string& incarnation,
+                   const Status& why) {
+    Run([&](protocol::DecodeSession& s, TimePoint now) {
+      s.OnProcessGone(engine, incarnation, why, now);
+    });
+  }
 
   DecodeFinished TakeFinished() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -577,6 +583,10 @@ void DecodeWorker::RequestFinished(const core::RequestId& request) {
 void DecodeWorker::ReleaseTransfer(const RemoteSource& source) { impl_->ReleaseTransfer(source); }
 void DecodeWorker::EngineDown(const core::EngineId& engine, const Status& why) {
   impl_->EngineDown(engine, why);
+}
+void DecodeWorker::ProcessGone(const core::EngineId& engine, const std::string& incarnation,
+                               const Status& why) {
+  impl_->ProcessGone(engine, incarnation, why);
 }
 DecodeFinished DecodeWorker::TakeFinished() { return impl_->TakeFinished(); }
 DecodeFinished DecodeWorker::WaitFinished(TimePoint deadline) {

@@ -154,6 +154,9 @@ class DecodeWorker {
   // protocol::DecodeSession::OnEngineDown (waiting loads fail at once with `why`; endpoints
   // with pulls in flight are fenced; their blocks wait for the fence or a late answer).
   void EngineDown(const core::EngineId& engine, const Status& why);
+  // The liveness source says one process of the engine is gone and another took its place
+  // (protocol::DecodeSession::OnProcessGone: its pulls fail and are fenced, loads go on).
+  void ProcessGone(const core::EngineId& engine, const std::string& incarnation, const Status& why);
   DecodeFinished TakeFinished();
   // Waits until TakeFinished has something or `deadline` passes.
   DecodeFinished WaitFinished(core::TimePoint deadline);

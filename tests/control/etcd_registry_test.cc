@@ -50,7 +50,9 @@ class EtcdRegistryTest : public ::testing::Test {
     Clock::time_point first;
   };
   EtcdWatcher::DownCallback Recorder(Down& down) {
-    return [&down](const std::string& engine, const std::string&, const Status& why) {
+    return [&down](const std::string& engine, const std::string&, const std::string& successor,
+                   const Status& why) {
+      if (!successor.empty()) return;  // a replacement, not a down (counted in stats)
       std::lock_guard<std::mutex> lock(down.mu);
       if (down.engines.empty()) down.first = Clock::now();
       down.engines.push_back(engine);
@@ -190,6 +192,42 @@ TEST_F(EtcdRegistryTest, AKeptAliveEngineOutlivesItsTtlAndStopRevokesItAtOnce) {
   while (Count(down) == 0 && Clock::now() < stop + 3s) std::this_thread::sleep_for(5ms);
   ASSERT_EQ(Count(down), 1u);
   EXPECT_LT(down.first - stop, 1500ms);  // revoked, not left to expire (2 s + later)
+}
+
+// A P that crashes and restarts within its TTL replaces its keys instead of letting them expire:
+// the watcher reports the old process gone, naming its successor, and never reports the engine
+// down (it is there).
+TEST_F(EtcdRegistryTest, AnEngineRestartedWithinItsTtlIsReportedAsReplacedNotDown) {
+  auto first = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-1")}, 30s, nullptr);
+  ASSERT_TRUE(first);
+  struct Replaced {
+    std::mutex mu;
+    std::vector<std::string> lines;
+  } seen;
+  auto watcher = EtcdWatcher::Start(
+      options_, 50ms,
+      [&seen](const std::string& engine, const std::string& incarnation,
+              const std::string& successor, const Status&) {
+        std::lock_guard<std::mutex> lock(seen.mu);
+        seen.lines.push_back(engine + " " + incarnation + " -> " + successor);
+      },
+      nullptr);
+  ASSERT_TRUE(watcher);
+  ASSERT_TRUE((*watcher)->Lookup("p0"));
+  // The crashed process's lease is still alive (30 s TTL); the new one publishes over it.
+  auto second = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-2")}, 30s, nullptr);
+  ASSERT_TRUE(second);
+  const auto deadline = Clock::now() + 5s;
+  while ((*watcher)->stats().engines_replaced == 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  std::this_thread::sleep_for(200ms);  // more polls: nothing else may be reported
+  std::lock_guard<std::mutex> lock(seen.mu);
+  EXPECT_EQ(seen.lines, std::vector<std::string>{"p0 inc-1 -> inc-2"});
+  EXPECT_EQ((*watcher)->stats().engines_down, 0u);
+  auto info = (*watcher)->Lookup("p0");
+  ASSERT_TRUE(info);
+  EXPECT_EQ(info->incarnation, "inc-2");
 }
 
 TEST_F(EtcdRegistryTest, ALostLeaseIsPublishedAgainUnderTheSameIncarnation) {

@@ -1007,6 +1007,57 @@ TEST_F(ServeTest, WithEtcdAKilledPsWaitingLoadsFailWithinItsLeaseTtl) {
   EXPECT_EQ(Metric(after_metrics, "kvferry_fences_failed_total"), 0);
 }
 
+// A P that crashes and comes back within its etcd lease's TTL replaces its keys instead of
+// letting them expire. D learns at its next poll that the old process is gone: the load
+// waiting on it fails with the reason (not at its 35 s pull deadline, nor at the 30 s TTL), its
+// pull is fenced (D's pool idle), and the next request goes to the new process.
+TEST_F(ServeTest, WithEtcdAPRestartedWithinItsTtlFailsTheOldProcesssLoadAtOnce) {
+  if (!EtcdProcess::Available()) GTEST_SKIP() << "no etcd (scripts/install-deps.sh)";
+  EtcdProcess etcd(dir_);
+  ASSERT_TRUE(etcd.ok());
+  const std::string cfg = R"(,"etcd_endpoints":[")" + etcd.url() + R"("],"etcd_lease_ttl":30)";
+  const std::vector<std::string> prefill = {
+      "--role", "prefill", "--kv-transfer-config",
+      R"({"engine_id":"prefill-restarts","kv_role":"kv_producer","kv_connector_extra_config":{"bootstrap_port":0)" +
+          cfg + "}}",
+      "--num-blocks", "512", "--decode-us-per-step", "500", "--prefill-us-per-batch", "200"};
+  ServeProcess& p = Start("prefill", prefill);
+  ServeProcess& d = StartDecode({}, cfg);
+  ASSERT_FALSE(HasFailure());
+  auto pending = std::async(std::launch::async, [&] {
+    return Post(d.port(), DecodeBody(32, 4, false, "xfer-orphan", p), 60);
+  });
+  ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting_for_kv", 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the pull is at P
+  const auto killed = Clock::now();
+  p.Kill();
+  ServeProcess& again = Start("prefill-again", prefill);
+  ASSERT_FALSE(HasFailure());
+  const HttpResult r = pending.get();
+  const double after = SecondsSince(killed);
+  std::printf("[ measured ] P restarted within its TTL: D failed the old process's load %.2f s "
+              "after the kill (TTL 30 s)\n",
+              after);
+  EXPECT_GE(r.status, 500) << r.body;
+  EXPECT_NE(r.body.find("restarted"), std::string::npos) << r.body;
+  EXPECT_LT(after, 10.0) << "far below the TTL and the pull deadline";
+  double used = -1;
+  double quarantined = -1;
+  for (const auto deadline = Clock::now() + std::chrono::seconds(5); Clock::now() < deadline;
+       std::this_thread::sleep_for(std::chrono::milliseconds(50))) {
+    const std::string m = Get(d.port(), "/metrics");
+    used = Metric(m, "kvferry_kv_blocks_used");
+    quarantined = Metric(m, "kvferry_quarantined_blocks");
+    if (used == 0 && quarantined == 0) break;
+  }
+  EXPECT_EQ(used, 0);
+  EXPECT_EQ(quarantined, 0);
+  const std::string m = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(m, "kvferry_etcd_engines_replaced_total"), 1);
+  EXPECT_EQ(Metric(m, "kvferry_etcd_engines_down_total"), 0);
+  RunPair(again, d, "xfer-after-restart", 64, 4, false);  // the new process serves
+}
+
 // The control: a D whose data plane does not fence writers (fence_writes false: P may put
 // one-sided into its memory) cannot prove the killed P stopped, so the same pull's blocks stay
 // quarantined after etcd reported P gone.

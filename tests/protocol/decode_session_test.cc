@@ -308,6 +308,70 @@ TEST_F(DecodeSessionTest, WithoutAWriteKeyBasePullsCarryNoKeyAndFencesListNone) 
   EXPECT_FALSE(DecodeSession::ValidateOptions(o).ok()) << "a base that could wrap to 0 is refused";
 }
 
+// A P that restarted within its registry TTL (etcd: keys replaced, not deleted): the old
+// process's pulls fail and are fenced by their own keys only; the new process, behind the same
+// address, keeps its pull and completes it.
+TEST_F(DecodeSessionTest, AProcessGoneFailsAndFencesOnlyItsOwnPullsWhileTheNewProcessServesOn) {
+  DecodeSessionOptions o = Options();
+  o.write_key_base = 0x2000;
+  Make(o);
+  s().OnLookup(Engine("p", 1, "first"), kT0);
+  ASSERT_TRUE(s().StartLoad("old", Source("x1"), {1}, kT0).ok());
+  std::vector<wire::Pull> old_pull = Pulls();
+  ASSERT_EQ(old_pull.size(), 1u);
+  const EndpointId endpoint = last_endpoints_.back();
+  s().OnLookup(Engine("p", 1, "second"), kT0 + 1s);  // the restarted process, same address
+  ASSERT_TRUE(s().StartLoad("new", Source("x2"), {2}, kT0 + 1s).ok());
+  std::vector<wire::Pull> new_pull = Pulls();
+  ASSERT_EQ(new_pull.size(), 1u);
+  ASSERT_EQ(last_endpoints_.back(), endpoint);
+  (void)s().TakeEvents();
+
+  s().OnProcessGone("p", "first", Status(ErrorCode::kUnavailable, "restarted"), kT0 + 2s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "old");
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_TRUE(done[0].quarantined) << "the old process may have been writing";
+  EXPECT_NE(done[0].error.message().find("process first"), std::string::npos)
+      << done[0].error.ToString();
+  std::vector<FenceRequest> fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  EXPECT_EQ(fences[0].write_keys, std::vector<std::uint64_t>{old_pull[0].write_key})
+      << "the new process's key must not be revoked";
+  s().OnFenceDone(fences[0].id, Status::Ok(), kT0 + 3s);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+
+  s().OnPullResponse(endpoint, Finish(new_pull[0].id, {"new"}), kT0 + 4s);
+  done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "new");
+  EXPECT_TRUE(done[0].ok);
+}
+
+// The gone process is the one D knows: loads are not failed for want of a view; they look the
+// engine up again and go to the new process.
+TEST_F(DecodeSessionTest, AProcessGoneThatDKnewMakesLoadsLookTheEngineUpAgainInsteadOfFailing) {
+  Make();
+  s().OnLookup(Engine("p", 1, "first"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  (void)Pulls();
+  (void)s().TakeLookups();
+  s().OnProcessGone("p", "first", Status(ErrorCode::kUnavailable, "restarted"), kT0 + 1s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 1s).ok());
+  EXPECT_TRUE(Done().empty()) << "a load failed although the engine lives on";
+  EXPECT_TRUE(Pulls().empty()) << "a pull went to the process that is gone";
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  s().OnLookup(Engine("p", 1, "second"), kT0 + 2s, lookups[0].id);
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  EXPECT_EQ(pulls[0].requests[0].d_req_id, "r2");
+}
+
 // Found by exploration: a fence that failed (P alive) leaves its epoch to the next fence, e.g.
 // the one asked for once the engine is known down.
 TEST_F(DecodeSessionTest, EngineDownFencesEpochsWhoseEarlierFenceFailed) {
