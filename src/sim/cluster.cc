@@ -71,6 +71,7 @@ enum Kind : std::uint32_t {
   kAbortD,
   kSample,
   kPDeclaredDown,
+  kUnsent,
 };
 
 // Pools of P and D: core::BlockPool, whose generations tell a WRITE whether its destination
@@ -1225,6 +1226,20 @@ class Sim {
     }
     const std::uint32_t p = PRankOf(t.address);
     endpoint_[{r, p}] = t.endpoint;
+    if (p_dead_) {
+      // No connection to a process that is gone: the message never leaves, and D's pump
+      // reports it unsent after its connect wait (what runtime::DecodeWorker does).
+      ++res_.messages_unsent;
+      const std::uint64_t wire_id = std::visit([](const auto& m) { return m.id; }, t.message);
+      loop_.After(c_.d.connect_wait, kUnsent, r, [this, r, endpoint = t.endpoint, wire_id] {
+        if (d_dead_) return;
+        d_sessions_[r]->OnSendFailed(
+            endpoint, wire_id,
+            Status(ErrorCode::kUnavailable, "no connection to the prefill worker"), now());
+        DrainD(r);
+      });
+      return;
+    }
     if (auto* pull = std::get_if<wire::Pull>(&t.message)) {
       const int idx = RequestIndex(pull->requests.at(0).d_req_id);
       pulls_[{r, p, pull->id}] = {idx, r, p, dreqs_[idx].gens};

@@ -86,6 +86,10 @@ struct DecodeConfig {
   // abort_request_timeout plus this).
   Duration write_bound = 70s;
   Duration peer_dead_detect = 2s;  // how long until a liveness source tells D that P died
+  // A message to a P whose process is gone never leaves (no connection: the runtime hands
+  // ZeroMQ a message only while one is up, ZMQ_IMMEDIATE) and is reported unsent after this
+  // (runtime::DecodeWorker's kConnectWait): OnSendFailed, a plain failure.
+  Duration connect_wait = 3s;
 };
 
 struct Faults {
@@ -209,6 +213,7 @@ struct SimResult {
   std::uint64_t fences = 0;
   std::uint64_t duplicate_pulls_dropped = 0;  // P's sessions
   std::uint64_t messages_to_silent_engines = 0;
+  std::uint64_t messages_unsent = 0;  // to a dead P: reported unsent after connect_wait
   std::uint64_t hostile_pulls_sent = 0;
   std::uint64_t hostile_pulls_answered = 0;  // pulls answered (ERROR, or every request listed)
   core::HoldStats hold_stats;                // P rank 0

@@ -179,6 +179,7 @@ ExploreReport Explore(const ExploreOptions& options) {
     report.duplicate_pulls_dropped += run.duplicate_pulls_dropped;
     report.hostile_pulls += run.hostile_pulls_sent;
     report.messages_to_silent_engines += run.messages_to_silent_engines;
+    report.messages_unsent += run.messages_unsent;
     report.releases_delivered += run.releases_delivered;
     report.notices_delivered += run.notices_delivered;
     report.failed_by_notice += run.failed_by_notice;

@@ -117,13 +117,15 @@ int RunExplore(const SimOptions& o) {
   std::printf(
       "  reached: %llu pull timeouts, %llu late replies, %llu fences, %llu duplicate pulls "
       "dropped by P, %llu hostile pulls answered, %llu messages to silent P engines, %llu "
-      "releases and %llu abort notices delivered (%llu requests failed by a notice)\n",
+      "never sent (P gone), %llu releases and %llu abort notices delivered (%llu requests "
+      "failed by a notice)\n",
       static_cast<unsigned long long>(report.pull_timeouts),
       static_cast<unsigned long long>(report.late_replies),
       static_cast<unsigned long long>(report.fences),
       static_cast<unsigned long long>(report.duplicate_pulls_dropped),
       static_cast<unsigned long long>(report.hostile_pulls),
       static_cast<unsigned long long>(report.messages_to_silent_engines),
+      static_cast<unsigned long long>(report.messages_unsent),
       static_cast<unsigned long long>(report.releases_delivered),
       static_cast<unsigned long long>(report.notices_delivered),
       static_cast<unsigned long long>(report.failed_by_notice));

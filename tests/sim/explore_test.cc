@@ -26,6 +26,10 @@ TEST(Explore, TwoThousandSeedsKeepEveryInvariant) {
   EXPECT_GT(report.ok, report.requests / 4);
   EXPECT_GT(report.failed, report.requests / 10);
   EXPECT_GT(report.aborted, 0u);
+  // ... and the paths that only faults reach: fences, and messages to a dead P that never left
+  // (reported unsent, a plain failure: DecodeSession::OnSendFailed).
+  EXPECT_GT(report.fences, 0u);
+  EXPECT_GT(report.messages_unsent, 0u);
   RecordProperty("wall_seconds", std::to_string(wall));
   std::printf("explored %llu runs, %llu events in %.2f s\n",
               static_cast<unsigned long long>(report.runs),
