@@ -25,6 +25,7 @@ constexpr std::string_view kLabelFingerprint = "kvferry fingerprint v1";
 // Canonical-string prefixes: a request's signature is never a valid answer's, nor the reverse.
 constexpr std::string_view kRequestPrefix = "kvferry-request-v1";
 constexpr std::string_view kResponsePrefix = "kvferry-response-v1";
+constexpr std::string_view kRecordPrefix = "kvferry-record-v1";
 
 // A header longer than this is not ours ("kvferry-hmac t=" + 12 digits + ",sig=" + 64 hex).
 constexpr std::size_t kMaxHeaderBytes = 128;
@@ -322,6 +323,33 @@ Status VerifyResponse(const ClusterSecret& secret, std::string_view header_value
   return Verify(secret, header_value, "answer",
                 "answer is not signed: the bootstrap service runs without the cluster secret",
                 kResponsePrefix, std::to_string(status), path, body, now_unix_s);
+}
+
+std::string SignRecord(const ClusterSecret& secret, std::string_view key, std::string_view value,
+                       std::int64_t unix_time_s) {
+  return HeaderValue(unix_time_s,
+                     Mac(secret, Canonical(kRecordPrefix, "PUT", key, unix_time_s, value)));
+}
+
+Status VerifyRecord(const ClusterSecret& secret, std::string_view signature, std::string_view key,
+                    std::string_view value) {
+  if (signature.empty()) {
+    return Status(ErrorCode::kUnauthenticated,
+                  "record is not signed: its publisher runs without the cluster secret");
+  }
+  ParsedHeader parsed;
+  if (!ParseHeader(signature, parsed)) {
+    return Status(ErrorCode::kUnauthenticated, "malformed record signature");
+  }
+  const std::string message = Canonical(kRecordPrefix, "PUT", key, parsed.t, value);
+  if (crypto_auth_hmacsha256_verify(parsed.sig.data(),
+                                    reinterpret_cast<const unsigned char*>(message.data()),
+                                    message.size(), secret.hmac_key().data()) != 0) {
+    return Status(ErrorCode::kUnauthenticated,
+                  "record signature does not match (another cluster secret, or the record was "
+                  "altered or moved under another key)");
+  }
+  return Status::Ok();
 }
 
 bool CurveAvailable() { return zmq_has("curve") == 1; }

@@ -124,6 +124,20 @@ std::string SignResponse(const ClusterSecret& secret, int status, std::string_vi
                                     int status, std::string_view path, std::string_view body,
                                     std::int64_t now_unix_s);
 
+// ---- Registry record signing (the values P publishes in etcd) ----
+
+// The signature of a record `value` stored under `key`, published at `unix_time_s`: same
+// format, over "kvferry-record-v1\nPUT\n" key "\n" t "\n" hex(sha256(value)). It binds the
+// record to its key, so a record cannot be moved under another engine's name.
+std::string SignRecord(const ClusterSecret& secret, std::string_view key, std::string_view value,
+                       std::int64_t unix_time_s);
+
+// OK when `signature` is SignRecord's value for exactly this key and value with the same secret;
+// kUnauthenticated with the reason otherwise (empty: not signed). No freshness check: a record
+// is current while etcd keeps it (its lease), whatever its age.
+[[nodiscard]] Status VerifyRecord(const ClusterSecret& secret, std::string_view signature,
+                                  std::string_view key, std::string_view value);
+
 // Whether this libzmq can do CURVE (zmq_has("curve")).
 bool CurveAvailable();
 

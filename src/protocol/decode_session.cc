@@ -16,6 +16,12 @@ namespace {
 constexpr std::size_t kMaxBootstrapAddressBytes = 2048;
 // How often SweepEngines runs at most.
 constexpr core::Duration kEngineSweep = std::chrono::seconds(10);
+// A fence that found writes still landing under its keys (a writer stalled mid-batch) is asked
+// again after 1 s, then 2, 4, ... up to 60 s, while pulls of that epoch wait for proof: the
+// writer may finish, or die, meanwhile (found by review: without it, such blocks stayed
+// quarantined for good when no engine-down or later deadline came).
+constexpr core::Duration kFenceRetryFirst = std::chrono::seconds(1);
+constexpr core::Duration kFenceRetryMax = std::chrono::seconds(60);
 
 bool IdFits(const std::string& id) { return !id.empty() && id.size() <= wire::kMaxIdBytes; }
 
@@ -550,59 +556,66 @@ void DecodeSession::GiveUpOnPull(PullOp& op, const Status& why) {
 // ---- fences ----
 
 void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation) {
-  Endpoint& ep = endpoints_[endpoint];
-  Fence fence{endpoint, {}};
-  // Every epoch of this endpoint not yet proved stopped: also older ones whose fence failed.
+  // Pulls sent from now on are a new epoch of the peer: no fence asked here covers them.
+  const std::uint32_t through = endpoints_[endpoint].epoch++;
+  // Every epoch of this endpoint not yet proved stopped (also older ones whose fence failed),
+  // one fence each, so an epoch whose writes are still landing holds up no other.
   for (const auto& [key, peer] : peers_) {
-    if (key.endpoint == endpoint && quiesced_.count(peer) == 0 &&
-        (incarnation == nullptr || key.incarnation == *incarnation)) {
-      fence.peers.push_back(peer);
+    if (key.endpoint == endpoint && (incarnation == nullptr || key.incarnation == *incarnation)) {
+      IssueFence(peer, through);
     }
   }
-  // Pulls sent from now on are a new epoch of the peer: the fence does not cover them.
-  const std::uint32_t through = ep.epoch++;
-  if (fence.peers.empty()) return;
+}
+
+void DecodeSession::IssueFence(core::PeerId peer, std::uint32_t through) {
+  if (quiesced_.count(peer) != 0 || fencing_.count(peer) != 0) return;
+  const EndpointId endpoint = peer_keys_[peer].endpoint;
   const std::uint64_t id = next_fence_++;
   ++counters_.fences_requested;
+  fencing_.insert(peer);
+  fences_.emplace(id, Fence{endpoint, peer});
   std::vector<std::uint64_t> keys;
-  if (options_.write_key_base != 0) {
-    for (core::PeerId peer : fence.peers) keys.push_back(WriteKeyOf(peer));
-  }
-  fences_.emplace(id, std::move(fence));
-  fences_out_.push_back({id, endpoint, ep.address, through, std::move(keys)});
+  if (options_.write_key_base != 0) keys.push_back(WriteKeyOf(peer));
+  fences_out_.push_back({id, endpoint, endpoints_[endpoint].address, through, std::move(keys)});
 }
 
 void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, TimePoint now) {
-  (void)now;
   auto it = fences_.find(fence_id);
   if (it == fences_.end()) return;
-  Fence fence = std::move(it->second);
+  const Fence fence = it->second;
   fences_.erase(it);
+  fencing_.erase(fence.peer);
+  Endpoint& ep = endpoints_[fence.endpoint];
   if (!result.ok()) {
-    // Not proved: the quarantined blocks wait for the peer's late replies instead.
+    // Not proved: the quarantined blocks wait for the peer's late replies or a later fence.
     ++counters_.fences_failed;
     if (!warned_fence_) {
       warned_fence_ = true;
       events_out_.push_back(Warning{
           Warning::Kind::kFence,
-          fmt::format(
-              "cannot fence prefill worker {} ({}); its timed-out pulls stay quarantined until it "
-              "answers",
-              endpoints_[fence.endpoint].address, result.ToString())});
+          fmt::format("cannot fence prefill worker {} ({}); its timed-out pulls stay quarantined "
+                      "until it answers or a later fence holds",
+                      ep.address, result.ToString())});
+    }
+    // Writes were still landing (a stalled writer): ask again, backing off, while pulls of
+    // that epoch still wait for proof. A data plane that cannot fence at all (kRejected) is
+    // not asked again here: only a pull's deadline or the engine's death asks again.
+    const bool waiting = std::any_of(ep.pulls.begin(), ep.pulls.end(),
+                                     [&](const auto& op) { return op.second.peer == fence.peer; });
+    if (result.code() == ErrorCode::kTimeout && waiting) {
+      core::Duration& backoff = fence_backoff_[fence.peer];
+      backoff = backoff.count() == 0 ? kFenceRetryFirst : std::min(2 * backoff, kFenceRetryMax);
+      fence_retries_.insert({now + backoff, fence.peer});
     }
     return;
   }
-  // Nothing of these epochs can land any more: their unknown writers are known stopped, and
-  // their pulls need no answer any more.
-  for (core::PeerId peer : fence.peers) {
-    quiesced_.insert(peer);
-    ledger_->PeerQuiesced(peer);
-  }
-  Endpoint& ep = endpoints_[fence.endpoint];
+  // Nothing of this epoch can land any more: its unknown writers are known stopped, and its
+  // pulls need no answer any more.
+  fence_backoff_.erase(fence.peer);
+  quiesced_.insert(fence.peer);
+  ledger_->PeerQuiesced(fence.peer);
   for (auto op = ep.pulls.begin(); op != ep.pulls.end();) {
-    const bool covered =
-        std::find(fence.peers.begin(), fence.peers.end(), op->second.peer) != fence.peers.end();
-    if (covered) {
+    if (op->second.peer == fence.peer) {
       pull_deadlines_.erase({op->second.deadline, fence.endpoint, op->first});
       op = ep.pulls.erase(op);
     } else {
@@ -981,6 +994,11 @@ void DecodeSession::OnTimeout(TimePoint now) {
     if (endpoints_[endpoint].releases.erase(id) != 0) ++counters_.release_failures;
   }
   if (release_due_ <= now) FlushReleases(now);
+  while (!fence_retries_.empty() && fence_retries_.begin()->first <= now) {
+    const core::PeerId peer = fence_retries_.begin()->second;
+    fence_retries_.erase(fence_retries_.begin());
+    IssueFence(peer, peer_keys_[peer].epoch);
+  }
   ExpirePulls(now);
   if (renewals_.tracked() > 0 && renewals_.NextDue() <= now) RenewalPass(now);
   SweepEngines(now);
@@ -1017,6 +1035,7 @@ TimePoint DecodeSession::NextDeadline() const {
     next = std::min(next, std::get<0>(*release_deadlines_.begin()));
   }
   next = std::min(next, release_due_);
+  if (!fence_retries_.empty()) next = std::min(next, fence_retries_.begin()->first);
   for (const auto& [engine, state] : engines_) {
     if (state.lookup_in_flight) next = std::min(next, state.lookup_deadline);
   }

@@ -372,7 +372,7 @@ class DecodeSession {
   };
   struct Fence {
     EndpointId endpoint;
-    std::vector<core::PeerId> peers;  // the epochs it covers
+    core::PeerId peer;  // the epoch it covers
   };
 
   EngineState& Engine(const core::EngineId& engine, const std::string& bootstrap_address);
@@ -417,6 +417,8 @@ class DecodeSession {
   // Fences every epoch of `endpoint` not yet proved stopped — of `incarnation` only, when given
   // (another process behind the same address is another writer) — and starts a new epoch.
   void AskFence(EndpointId endpoint, const std::string* incarnation = nullptr);
+  // Asks for a fence of one epoch, unless it is proved stopped or a fence of it is in flight.
+  void IssueFence(core::PeerId peer, std::uint32_t through);
   // The write key of a ledger peer's pulls (0 when keys are off).
   std::uint64_t WriteKeyOf(core::PeerId peer) const {
     return options_.write_key_base == 0 ? 0 : options_.write_key_base + peer + 1;
@@ -446,6 +448,11 @@ class DecodeSession {
   std::unordered_set<core::RequestId> loading_;      // StartLoad until its ReceiveDone
   std::unordered_set<core::RequestId> quarantined_;  // ReceiveDone quarantined, not released
   std::map<std::uint64_t, Fence> fences_;
+  std::unordered_set<core::PeerId> fencing_;  // epochs with a fence in flight
+  // A fence that timed out (writes still landing) is asked again: when, and how long the next
+  // wait will be (doubling from kFenceRetryFirst to kFenceRetryMax).
+  std::set<std::pair<core::TimePoint, core::PeerId>> fence_retries_;
+  std::unordered_map<core::PeerId, core::Duration> fence_backoff_;
   std::uint64_t next_fence_ = 1;
   bool warned_fence_ = false;
 

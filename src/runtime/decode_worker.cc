@@ -496,24 +496,38 @@ class DecodeWorker::Impl {
     }
   }
 
-  // The fencer thread: revokes the write keys of each fence the session asks for (waiting up to
-  // kFenceDrain for writes already landing under them) and answers the session. Its own
-  // thread, because a revocation waits for in-flight receives and the I/O thread never waits.
+  // The fencer thread: revokes the write keys of the fences the session asks for and answers
+  // it. Its own thread, because a revocation waits for writes already landing under its keys
+  // and the I/O thread never waits. It takes every queued fence at once, revokes all their keys
+  // first (refused from then on), then waits for the ones still landing until one shared
+  // deadline (kFenceDrain): a stalled writer delays the others' answers by at most that.
   void FenceMain() {
     for (;;) {
-      protocol::FenceRequest fence;
+      std::deque<protocol::FenceRequest> fences;
       {
         std::unique_lock<std::mutex> lock(mu_);
         fence_cv_.wait(lock, [&] { return stopping_ || !fence_queue_.empty(); });
         if (stopping_) return;
-        fence = std::move(fence_queue_.front());
-        fence_queue_.pop_front();
+        fences.swap(fence_queue_);
       }
-      Status result = engine_->RevokeWriteKeys(fence.write_keys, Clock::now() + kFenceDrain);
-      if (!result.ok()) {
-        result = Status(result.code(), fmt::format("fencing {}: {}", fence.address, result.message()));
+      std::vector<Status> results;
+      results.reserve(fences.size());
+      for (const protocol::FenceRequest& fence : fences) {
+        results.push_back(engine_->RevokeWriteKeys(fence.write_keys, Clock::now()));
       }
-      Run([&](protocol::DecodeSession& s, TimePoint now) { s.OnFenceDone(fence.id, result, now); });
+      const TimePoint deadline = Clock::now() + kFenceDrain;
+      for (std::size_t i = 0; i < fences.size(); ++i) {
+        if (results[i].code() == ErrorCode::kTimeout) {
+          results[i] = engine_->RevokeWriteKeys(fences[i].write_keys, deadline);
+        }
+        if (!results[i].ok()) {
+          results[i] = Status(results[i].code(), fmt::format("fencing {}: {}", fences[i].address,
+                                                             results[i].message()));
+        }
+      }
+      Run([&](protocol::DecodeSession& s, TimePoint now) {
+        for (std::size_t i = 0; i < fences.size(); ++i) s.OnFenceDone(fences[i].id, results[i], now);
+      });
     }
   }
 

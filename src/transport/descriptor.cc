@@ -7,7 +7,10 @@ namespace kvferry::transport::internal {
 namespace {
 
 constexpr char kMagic[4] = {'K', 'V', 'F', 'D'};
-constexpr std::uint8_t kVersion = 1;
+// 2: the UCX backend's write headers carry a write key (transport::WriteKey). Engines of
+// version 1 cannot read them and would leave every write unacknowledged until its timeout, so
+// their descriptors are refused at Connect instead, saying why (found by review).
+constexpr std::uint8_t kVersion = 2;
 
 std::uint8_t BackendCode(const std::string& name) {
   if (name == "ucx") return 1;
@@ -109,8 +112,11 @@ Result<Descriptor> DecodeDescriptor(std::span<const std::byte> bytes) {
   if (!r.Bytes(magic, 4) || std::memcmp(magic, kMagic, 4) != 0) {
     return Err(ErrorCode::kProtocol, "descriptor: bad magic");
   }
-  if (!r.Int(&version) || version != kVersion) {
-    return Err(ErrorCode::kProtocol, "descriptor: unsupported version");
+  if (!r.Int(&version)) return Err(ErrorCode::kProtocol, "descriptor: truncated");
+  if (version != kVersion) {
+    return Err(ErrorCode::kProtocol,
+               "descriptor: version " + std::to_string(version) + ", this build reads version " +
+                   std::to_string(kVersion) + " (a peer of another kvferry release: upgrade both)");
   }
   Descriptor d;
   if (!r.Int(&backend) || !r.Int(&pad16)) return Err(ErrorCode::kProtocol, "descriptor: truncated");

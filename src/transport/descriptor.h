@@ -1,7 +1,7 @@
 // Internal: the byte format of a transport descriptor, shared by every backend.
 //
 // Little-endian; all sizes are bounded and checked before anything is allocated:
-//   "KVFD" u8:version(1) u8:backend(1 ucx, 2 inprocess) u16:0
+//   "KVFD" u8:version(2) u8:backend(1 ucx, 2 inprocess) u16:0
 //   u64:engine_uid  u32:address_len  address
 //   u32:region_count, then per region:
 //     u32:id u8:kind u8[3]:0 u64:base u64:length u32:rkey_len rkey

@@ -407,6 +407,22 @@ Status UcxEngine::Init() {
     if (std::getenv(env.c_str()) == nullptr) (void)ucp_config_modify(config, name, value.c_str());
   };
   set_default("KEEPALIVE_INTERVAL", std::to_string(options_.keepalive_interval.count()) + "ms");
+  if (options_.fence_writes) {
+    // A fence must hold against a writer that resumes later (a frozen or partitioned P): the
+    // rendezvous of a write into this engine must be driven by this engine (it reads the
+    // sender's buffer; the get scheme), never by the sender putting into our memory with a
+    // remote key UCX would hand it for the receive (the put scheme). Whatever the environment
+    // says; a config that asks otherwise is refused below.
+    for (const auto& [name, value] : options_.config) {
+      if (name == "RNDV_SCHEME" && value != "get_zcopy") {
+        ucp_config_release(config);
+        return Status(ErrorCode::kInvalidArgument,
+                      "fence_writes needs RNDV_SCHEME=get_zcopy (the receiver drives every "
+                      "rendezvous), not " + value);
+      }
+    }
+    (void)ucp_config_modify(config, "RNDV_SCHEME", "get_zcopy");
+  }
   for (const auto& [name, value] : options_.config) {
     s = ucp_config_modify(config, name.c_str(), value.c_str());
     if (s != UCS_OK) {

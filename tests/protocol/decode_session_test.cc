@@ -100,8 +100,9 @@ class DecodeSessionTest : public ::testing::Test {
     return s().TakeMessages();
   }
   // A load of `request` from engine "p" whose pull deadline passed unanswered: the fences asked.
-  std::vector<FenceRequest> TimedOutLoad(const core::RequestId& request) {
-    Make();
+  std::vector<FenceRequest> TimedOutLoad(const core::RequestId& request,
+                                         DecodeSessionOptions options = Options()) {
+    Make(options);
     s().OnLookup(Engine("p"), kT0);
     if (!s().StartLoad(request, Source("x-" + request), {1}, kT0).ok()) ADD_FAILURE();
     s().OnTimeout(kT0 + 600s);
@@ -286,17 +287,58 @@ TEST_F(DecodeSessionTest, PullsCarryTheirEpochsWriteKeyAndAFenceListsTheKeysItCo
   ASSERT_EQ(second.size(), 1u);
   EXPECT_NE(second[0].write_key, 0u);
   EXPECT_NE(second[0].write_key, first[0].write_key);
-  // The engine goes down: the fence covers both epochs (the first one's fence failed).
+  // The engine goes down: both epochs are fenced (the first one's fence failed), one fence
+  // each, so an epoch whose writes are still landing holds up no other.
   s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "left etcd"), kT0 + 602s);
   std::vector<FenceRequest> fence2 = s().TakeFences();
-  ASSERT_EQ(fence2.size(), 1u);
-  std::vector<std::uint64_t> keys = fence2[0].write_keys;
+  ASSERT_EQ(fence2.size(), 2u);
+  std::vector<std::uint64_t> keys;
+  for (const FenceRequest& f : fence2) {
+    ASSERT_EQ(f.write_keys.size(), 1u);
+    keys.push_back(f.write_keys[0]);
+  }
   std::sort(keys.begin(), keys.end());
   std::vector<std::uint64_t> expected{first[0].write_key, second[0].write_key};
   std::sort(expected.begin(), expected.end());
   EXPECT_EQ(keys, expected);
-  s().OnFenceDone(fence2[0].id, Status::Ok(), kT0 + 603s);
+  for (const FenceRequest& f : fence2) s().OnFenceDone(f.id, Status::Ok(), kT0 + 603s);
   EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+}
+
+// Found by review: a fence that timed out (the writer stalled with writes landing) was never
+// asked again when no later deadline or engine-down came, and its blocks stayed quarantined for
+// good. It is asked again, backing off (1 s, 2 s, ...), until it holds; a data plane that
+// cannot fence at all (kRejected) is not asked again this way.
+TEST_F(DecodeSessionTest, AFenceThatFoundWritesStillLandingIsAskedAgainUntilItHolds) {
+  DecodeSessionOptions o = Options();
+  o.write_key_base = 0x3000;
+  std::vector<FenceRequest> fences = TimedOutLoad("r1", o);
+  ASSERT_EQ(fences.size(), 1u);
+  s().OnFenceDone(fences[0].id, Status(ErrorCode::kTimeout, "still landing"), kT0 + 605s);
+  EXPECT_LE(s().NextDeadline(), kT0 + 606s);
+  s().OnTimeout(kT0 + 605900ms);
+  EXPECT_TRUE(s().TakeFences().empty());
+  s().OnTimeout(kT0 + 606s);
+  std::vector<FenceRequest> again = s().TakeFences();
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].write_keys, fences[0].write_keys);
+  s().OnFenceDone(again[0].id, Status(ErrorCode::kTimeout, "still landing"), kT0 + 611s);
+  s().OnTimeout(kT0 + 612900ms);
+  EXPECT_TRUE(s().TakeFences().empty()) << "the wait doubles";
+  s().OnTimeout(kT0 + 613s);
+  again = s().TakeFences();
+  ASSERT_EQ(again.size(), 1u);
+  s().OnFenceDone(again[0].id, Status::Ok(), kT0 + 613s);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+  s().OnTimeout(kT0 + 800s);
+  EXPECT_TRUE(s().TakeFences().empty()) << "a fence that held is not asked again";
+
+  std::vector<FenceRequest> unsupported = TimedOutLoad("r2", o);
+  ASSERT_EQ(unsupported.size(), 1u);
+  s().OnFenceDone(unsupported[0].id, Status(ErrorCode::kRejected, "cannot fence"), kT0 + 605s);
+  s().OnTimeout(kT0 + 700s);
+  EXPECT_TRUE(s().TakeFences().empty());
+  EXPECT_GT(s().stats().quarantined_blocks, 0u);
 }
 
 TEST_F(DecodeSessionTest, WithoutAWriteKeyBasePullsCarryNoKeyAndFencesListNone) {

@@ -52,6 +52,18 @@ TEST(DescriptorTest, HugeDeclaredSizesAreRejectedWithoutAllocating) {
   EXPECT_EQ(d.error().code(), ErrorCode::kProtocol);
 }
 
+// Version 1 engines write headers without a write key: their descriptors (and ours, to them)
+// are refused at once, naming both versions, instead of every write hanging to its timeout.
+TEST(DescriptorTest, ADescriptorOfAnotherVersionIsRefusedNamingBoth) {
+  auto bytes = internal::EncodeDescriptor(Sample());
+  bytes[4] = std::byte{1};
+  auto d = internal::DecodeDescriptor(bytes);
+  ASSERT_FALSE(d);
+  EXPECT_EQ(d.error().code(), ErrorCode::kProtocol);
+  EXPECT_NE(d.error().message().find("version 1, this build reads version 2"), std::string::npos)
+      << d.error().ToString();
+}
+
 TEST(DescriptorTest, RangeFitsIsOverflowSafe) {
   EXPECT_TRUE(internal::RangeFits(0, 10, 10));
   EXPECT_FALSE(internal::RangeFits(1, 10, 10));

@@ -282,13 +282,16 @@ TEST(UcxEngineTest, RegisteredCallerMemoryAndMalformedDescriptors) {
 
 // ---- Receiver-side fencing (Engine::RevokeWriteKeys): two engines of this process over tcp.
 
-class UcxFenceTest : public ::testing::Test {
+// Over tcp (the path between hosts) and over shared memory with cma (one host): with
+// fence_writes the receiver drives every rendezvous (RNDV_SCHEME=get_zcopy), so no sender ever
+// holds a remote key into its memory.
+class UcxFenceTest : public ::testing::TestWithParam<const char*> {
  protected:
   static constexpr std::size_t kLen = 16 << 20;
 
   void SetUp() override {
     UcxOptions options;
-    options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
+    options.config = {{"TLS", GetParam()}, {"NET_DEVICES", "lo"}};
     auto sender = MakeUcxEngine(options);
     ASSERT_TRUE(sender) << sender.error().ToString();
     sender_ = std::move(*sender);
@@ -336,7 +339,7 @@ class UcxFenceTest : public ::testing::Test {
   ConnectionId peer_ = 0;
 };
 
-TEST_F(UcxFenceTest, ARevokedKeyAndAnUnstampedWriteAreRefusedWithoutLandingAByte) {
+TEST_P(UcxFenceTest, ARevokedKeyAndAnUnstampedWriteAreRefusedWithoutLandingAByte) {
   ASSERT_TRUE(receiver_->fences_writes());
   auto path = sender_->DescribePeer(peer_);
   ASSERT_TRUE(path);
@@ -361,7 +364,7 @@ TEST_F(UcxFenceTest, ARevokedKeyAndAnUnstampedWriteAreRefusedWithoutLandingAByte
   EXPECT_FALSE(Zero());
 }
 
-TEST_F(UcxFenceTest, TheRevocationHoldsOverANewConnection) {
+TEST_P(UcxFenceTest, TheRevocationHoldsOverANewConnection) {
   ASSERT_TRUE(receiver_->RevokeWriteKeys(std::vector<WriteKey>{7}, In(5s)).ok());
   ASSERT_TRUE(sender_->ClosePeer(peer_, In(5s)).ok());
   Reconnect();
@@ -371,7 +374,7 @@ TEST_F(UcxFenceTest, TheRevocationHoldsOverANewConnection) {
 
 // The fence's promise: once RevokeWriteKeys returns OK, nothing stamped with the key lands, even
 // a batch that was in flight (its rendezvous receives were admitted) when it was called.
-TEST_F(UcxFenceTest, NoByteLandsOnceTheRevocationReturns) {
+TEST_P(UcxFenceTest, NoByteLandsOnceTheRevocationReturns) {
   int refused = 0;
   for (WriteKey key = 100; key < 120; ++key) {
     std::memset(dst_.base, 0, dst_.length);
@@ -390,6 +393,12 @@ TEST_F(UcxFenceTest, NoByteLandsOnceTheRevocationReturns) {
   std::printf("batches refused mid-flight: %d of 20\n", refused);
 }
 
+INSTANTIATE_TEST_SUITE_P(Transports, UcxFenceTest,
+                         ::testing::Values("tcp", "posix,sysv,cma,self"),
+                         [](const ::testing::TestParamInfo<const char*>& p) {
+                           return std::string(p.param[0] == 't' ? "tcp" : "shm_cma");
+                         });
+
 TEST(UcxFenceEngineTest, AnEngineThatDoesNotFenceKeepsRemoteKeysAndRefusesToRevoke) {
   UcxOptions options;
   options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
@@ -406,6 +415,11 @@ TEST(UcxFenceEngineTest, AnEngineThatDoesNotFenceKeepsRemoteKeysAndRefusesToRevo
   options.fence_writes = true;
   auto fencing = MakeUcxEngine(options);
   ASSERT_TRUE(fencing);
+  options.config.push_back({"RNDV_SCHEME", "put_zcopy"});
+  auto put_scheme = MakeUcxEngine(options);
+  ASSERT_FALSE(put_scheme) << "a fencing receiver must drive every rendezvous";
+  EXPECT_EQ(put_scheme.error().code(), ErrorCode::kInvalidArgument);
+  options.config.pop_back();
   ASSERT_TRUE((*fencing)->AllocateRegion(1 << 20));
   auto desc = (*fencing)->ExportDescriptor({});
   ASSERT_TRUE(desc);
