@@ -13,6 +13,7 @@
 
 #include "control/bootstrap_json.h"
 #include "control/bootstrap_registry.h"
+#include "control/json_limits.h"
 
 namespace kvferry::control {
 namespace {
@@ -93,6 +94,41 @@ bool IsPowerOfTen(std::uint64_t n) {
 
 std::string WorkerKey(const EtcdOptions& o, const WorkerRegistration& r) {
   return fmt::format("{}{}/{}-{}", EngineKeyPrefix(o), r.engine_id, r.tp_rank, r.pp_rank);
+}
+
+// What P stores under a worker's key: the registration's JSON, or, with a cluster secret,
+// {"registration": "<that JSON>", "signature": "<SignRecord over key and that JSON>"}.
+std::string EncodeRecord(const EtcdOptions& o, const std::string& key,
+                         const WorkerRegistration& r) {
+  std::string registration = EncodeRegistration(r);
+  if (!o.cluster_secret) return registration;
+  const std::string signature = SignRecord(*o.cluster_secret, key, registration, UnixNowSeconds());
+  return nlohmann::json{{"registration", std::move(registration)}, {"signature", signature}}.dump();
+}
+
+// The registration in a record, checked against the cluster secret when there is one.
+Result<WorkerRegistration> DecodeRecord(const EtcdOptions& o, const std::string& key,
+                                        const std::string& value) {
+  std::string registration = value;
+  std::string signature;
+  // Bounded before parsing, as every JSON from the network (json_limits.h): anyone who reaches
+  // etcd can write this value.
+  nlohmann::json j;
+  if (JsonDepth(value) <= kMaxJsonDepth && JsonValues(value) <= kMaxJsonValues) {
+    j = nlohmann::json::parse(value, nullptr, false);
+  }
+  if (j.is_object() && j.contains("registration") && j["registration"].is_string()) {
+    registration = j["registration"].get<std::string>();
+    if (j.contains("signature") && j["signature"].is_string()) {
+      signature = j["signature"].get<std::string>();
+    }
+  }
+  if (o.cluster_secret) {
+    if (Status v = VerifyRecord(*o.cluster_secret, signature, key, registration); !v.ok()) {
+      return tl::unexpected(v);
+    }
+  }
+  return DecodeRegistration(registration);
 }
 
 }  // namespace
@@ -224,7 +260,8 @@ struct EtcdRegistrar::Impl {
     auto granted = client.Grant(ttl);
     if (!granted) return granted.error();
     for (const WorkerRegistration& r : registrations) {
-      if (Status put = client.Put(WorkerKey(client.options(), r), EncodeRegistration(r), *granted);
+      const std::string key = WorkerKey(client.options(), r);
+      if (Status put = client.Put(key, EncodeRecord(client.options(), key, r), *granted);
           !put.ok()) {
         (void)client.Revoke(*granted);
         return put;
@@ -376,10 +413,26 @@ struct EtcdWatcher::Impl {
     // entry that does not validate is skipped (it could only come from a bad writer, and must
     // not hide the others).
     std::map<std::string, BootstrapRegistry> per_engine;
+    std::uint64_t refused = 0;
+    Status first_refusal;
     for (const EtcdClient::KeyValue& kv : *kvs) {
-      auto reg = DecodeRegistration(kv.value);
-      if (!reg) continue;
+      auto reg = DecodeRecord(client.options(), kv.key, kv.value);
+      if (!reg) {
+        if (reg.error().code() == ErrorCode::kUnauthenticated) {
+          if (refused++ == 0) first_refusal = Status(reg.error().code(), kv.key + ": " + reg.error().message());
+        }
+        continue;
+      }
       (void)per_engine[reg->engine_id].Register(*reg);
+    }
+    if (refused > 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      stats.records_refused += refused;
+      if (!warned_refusal) {
+        warned_refusal = true;
+        Log(fmt::format("etcd: ignoring {} record(s) not signed with the cluster secret, e.g. {}",
+                        refused, first_refusal.message()));
+      }
     }
     std::map<std::string, EngineInfo> now;
     for (auto& [id, registry] : per_engine) {
@@ -446,6 +499,7 @@ struct EtcdWatcher::Impl {
   std::chrono::steady_clock::time_point last_refresh{};
   Stats stats;
   std::string last_error;
+  bool warned_refusal = false;  // the first refused record is logged, the rest counted
 
   std::mutex run_mu;
   std::condition_variable run_cv;

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "control/bootstrap_types.h"
+#include "control/cluster_auth.h"
 #include "kvferry/status.h"
 
 namespace kvferry::control {
@@ -39,6 +40,12 @@ struct EtcdOptions {
   // endpoint once, so it returns within about endpoints.size() * 2 * request_timeout (connect,
   // then read); names are resolved by the system resolver, outside this bound — use addresses.
   std::chrono::milliseconds request_timeout{1000};
+  // The cluster secret (docs/security.md); null: an open cluster. With it, P signs every
+  // record it publishes (SignRecord, bound to its key) and D believes only records signed with
+  // it: a record written by anyone else who can reach etcd — unsigned, signed with another
+  // secret, or a member's record copied under another engine's key — is ignored and counted
+  // (EtcdWatcher::Stats::records_refused). Without it D also reads signed records.
+  std::shared_ptr<const ClusterSecret> cluster_secret;
 };
 
 // OK, or kInvalidArgument naming what is wrong (no endpoint, an endpoint that is not
@@ -127,6 +134,7 @@ class EtcdWatcher {
     std::uint64_t poll_failures = 0;
     std::uint64_t engines_down = 0;
     std::uint64_t engines_replaced = 0;  // re-registered under another incarnation
+    std::uint64_t records_refused = 0;   // records not believed (signature), summed over polls
     bool healthy = false;  // the last poll succeeded
   };
 

@@ -51,6 +51,9 @@ std::string EtcdMetrics(const control::EtcdRegistrar* registrar,
     one("kvferry_etcd_engines_down_total", "counter",
         "D: P engines that left etcd (lease expired or revoked)",
         static_cast<double>(s.engines_down));
+    one("kvferry_etcd_records_refused_total", "counter",
+        "D: etcd records ignored because they are not signed with the cluster secret (per poll)",
+        static_cast<double>(s.records_refused));
     one("kvferry_etcd_engines_replaced_total", "counter",
         "D: P engines whose keys came to name another incarnation (a restart within the TTL)",
         static_cast<double>(s.engines_replaced));
@@ -195,6 +198,7 @@ int RunServe(const ServeOptions& options) {
   control::EtcdOptions etcd;
   etcd.endpoints = config->etcd_endpoints;
   etcd.prefix = config->etcd_prefix;
+  etcd.cluster_secret = secret;  // P signs what it publishes; D believes only signed records
   std::unique_ptr<control::EtcdWatcher> watcher;
   auto down_target = std::make_shared<std::atomic<ServingEngine*>>(nullptr);
   if (!etcd.endpoints.empty() && options.role == Role::kDecode) {

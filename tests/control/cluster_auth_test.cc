@@ -192,6 +192,31 @@ TEST(RequestSigning, MissingOrMalformedHeaderIsRefused) {
   }
 }
 
+// Registry records (etcd values) are bound to their key, and carry no freshness limit: a record
+// is current while etcd keeps it.
+TEST(RecordSigning, ARecordVerifiesUnderItsOwnKeyOnlyAndAtAnyAge) {
+  const ClusterSecret secret = Secret(std::string(32, 'a'));
+  const ClusterSecret other = Secret(std::string(32, 'b'));
+  const std::string sig = SignRecord(secret, "/kvferry/engines/p/0-0", "{\"x\":1}", 1000);
+  EXPECT_TRUE(VerifyRecord(secret, sig, "/kvferry/engines/p/0-0", "{\"x\":1}").ok())
+      << "signed at unix time 1000: records have no freshness limit";
+  EXPECT_EQ(VerifyRecord(secret, sig, "/kvferry/engines/q/0-0", "{\"x\":1}").code(),
+            ErrorCode::kUnauthenticated)
+      << "moved under another key";
+  EXPECT_EQ(VerifyRecord(secret, sig, "/kvferry/engines/p/0-0", "{\"x\":2}").code(),
+            ErrorCode::kUnauthenticated)
+      << "altered";
+  EXPECT_EQ(VerifyRecord(other, sig, "/kvferry/engines/p/0-0", "{\"x\":1}").code(),
+            ErrorCode::kUnauthenticated)
+      << "another secret";
+  const Status unsigned_record = VerifyRecord(secret, "", "/kvferry/engines/p/0-0", "{}");
+  EXPECT_NE(unsigned_record.message().find("not signed"), std::string::npos);
+  EXPECT_EQ(VerifyRecord(secret, "garbage", "/k", "{}").code(), ErrorCode::kUnauthenticated);
+  const std::string request = SignRequest(secret, "PUT", "/kvferry/engines/p/0-0", "{}", 1000);
+  EXPECT_FALSE(VerifyRecord(secret, request, "/kvferry/engines/p/0-0", "{}").ok())
+      << "a request's signature is not a record's";
+}
+
 TEST(ResponseSigning, SignedAnswerVerifiesAndAlteredStatusOrBodyDoesNot) {
   const ClusterSecret secret = Secret(kSecretA);
   const std::string header = SignResponse(secret, 200, "/query", R"({"engine_id":"p"})", kNow);

@@ -230,6 +230,55 @@ TEST_F(EtcdRegistryTest, AnEngineRestartedWithinItsTtlIsReportedAsReplacedNotDow
   EXPECT_EQ(info->incarnation, "inc-2");
 }
 
+// The attacker's test for the registry: with a cluster secret, D believes only records P signed
+// with it. A record written by anyone else who reaches etcd — unsigned, signed with another
+// secret, or a member's signed record copied under another engine's key — is ignored and
+// counted; the member's own engine is found.
+TEST_F(EtcdRegistryTest, WithASecretOnlyRecordsSignedWithItAreBelievedAndForgeriesAreCounted) {
+  auto secret = std::make_shared<const ClusterSecret>(
+      ClusterSecret::FromBytes(std::string(32, 'k')).value());
+  auto other = std::make_shared<const ClusterSecret>(
+      ClusterSecret::FromBytes(std::string(32, 'x')).value());
+  EtcdOptions member = options_;
+  member.cluster_secret = secret;
+  auto registrar = EtcdRegistrar::Start(member, {MakeWorker("good", 0, 1, "inc-1")}, 30s, nullptr);
+  ASSERT_TRUE(registrar);
+  EtcdClient client(options_);
+  auto lease = client.Grant(30s);
+  ASSERT_TRUE(lease);
+  // Unsigned.
+  ASSERT_TRUE(client.Put("/kvferry/engines/plain/0-0",
+                         EncodeRegistration(MakeWorker("plain", 0, 1, "inc-9")), *lease)
+                  .ok());
+  // Signed with another secret.
+  EtcdOptions outsider = options_;
+  outsider.cluster_secret = other;
+  auto foreign = EtcdRegistrar::Start(outsider, {MakeWorker("foreign", 0, 1, "inc-8")}, 30s, nullptr);
+  ASSERT_TRUE(foreign);
+  // The member's signed record, copied under another engine's key.
+  auto kvs = client.Range("/kvferry/engines/good/");
+  ASSERT_TRUE(kvs);
+  ASSERT_EQ(kvs->size(), 1u);
+  ASSERT_TRUE(client.Put("/kvferry/engines/copied/0-0", (*kvs)[0].value, *lease).ok());
+
+  auto watcher = EtcdWatcher::Start(member, 50ms, nullptr, nullptr);
+  ASSERT_TRUE(watcher);
+  auto good = (*watcher)->Lookup("good");
+  ASSERT_TRUE(good) << good.error().ToString();
+  EXPECT_EQ(good->incarnation, "inc-1");
+  EXPECT_FALSE((*watcher)->Lookup("plain"));
+  EXPECT_FALSE((*watcher)->Lookup("foreign"));
+  // The copy names engine "good" inside, under "copied"'s key: refused, so "good" is not
+  // overwritten by it either.
+  EXPECT_GE((*watcher)->stats().records_refused, 3u);
+
+  // A D without the secret (an open cluster) reads signed records too.
+  auto open = EtcdWatcher::Start(options_, 50ms, nullptr, nullptr);
+  ASSERT_TRUE(open);
+  EXPECT_TRUE((*open)->Lookup("good"));
+  EXPECT_EQ((*open)->stats().records_refused, 0u);
+}
+
 TEST_F(EtcdRegistryTest, ALostLeaseIsPublishedAgainUnderTheSameIncarnation) {
   auto registrar = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-1")}, 2s, nullptr);
   ASSERT_TRUE(registrar);

@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "control/etcd_registry.h"
 #include "harness/client_proxy.h"
 #include "support/etcd_process.h"
 #include "support/raw_socket.h"
@@ -1056,6 +1057,49 @@ TEST_F(ServeTest, WithEtcdAPRestartedWithinItsTtlFailsTheOldProcesssLoadAtOnce) 
   EXPECT_EQ(Metric(m, "kvferry_etcd_engines_replaced_total"), 1);
   EXPECT_EQ(Metric(m, "kvferry_etcd_engines_down_total"), 0);
   RunPair(again, d, "xfer-after-restart", 64, 4, false);  // the new process serves
+}
+
+// etcd with a cluster secret: P signs the records it publishes and D believes only signed ones.
+// The pair transfers through etcd as without the secret, and a record an outsider writes into
+// etcd for an engine id is ignored (counted) — D's load naming that engine fails, unsent.
+TEST_F(ServeTest, WithEtcdAndASecretDBelievesOnlySignedRecords) {
+  if (!EtcdProcess::Available()) GTEST_SKIP() << "no etcd (scripts/install-deps.sh)";
+  EtcdProcess etcd(dir_);
+  ASSERT_TRUE(etcd.ok());
+  const fs::path secret = dir_ / "cluster.secret";
+  std::ofstream(secret) << std::string(48, 's') << "\n";
+  fs::permissions(secret, fs::perms::owner_read | fs::perms::owner_write,
+                  fs::perm_options::replace);
+  const std::string cfg = R"(,"etcd_endpoints":[")" + etcd.url() +
+                          R"("],"etcd_lease_ttl":5,"cluster_secret_file":")" + secret.string() +
+                          "\"";
+  ServeProcess& p = StartPrefill({}, cfg);
+  ServeProcess& d = StartDecode({}, cfg);
+  ASSERT_FALSE(HasFailure());
+  RunPair(p, d, "xfer-signed", 64, 4, false);
+  // An outsider's record: P's own registration, re-published unsigned under another engine id.
+  kvferry::control::EtcdOptions outsider;
+  outsider.endpoints = {etcd.url()};
+  kvferry::control::EtcdClient client(outsider);
+  auto kvs = client.Range("/kvferry/engines/" + p.engine_id() + "/");
+  ASSERT_TRUE(kvs && kvs->size() == 1);
+  auto envelope = nlohmann::json::parse((*kvs)[0].value, nullptr, false);
+  ASSERT_TRUE(envelope.is_object() && envelope.contains("signature") &&
+              envelope["registration"].is_string())
+      << (*kvs)[0].value;
+  auto registration = nlohmann::json::parse(envelope["registration"].get<std::string>());
+  registration["engine_id"] = "forged-prefill";
+  auto lease = client.Grant(std::chrono::seconds(30));
+  ASSERT_TRUE(lease);
+  ASSERT_TRUE(client.Put("/kvferry/engines/forged-prefill/0-0", registration.dump(), *lease).ok());
+  auto body = DecodeBody(32, 2, false, "xfer-forged", p);
+  body["kv_transfer_params"]["remote_engine_id"] = "forged-prefill";
+  const HttpResult r = Post(d.port(), body, 10);
+  EXPECT_GE(r.status, 500) << r.body;
+  EXPECT_NE(r.body.find("forged-prefill"), std::string::npos) << r.body;
+  EXPECT_GE(Metric(Get(d.port(), "/metrics"), "kvferry_etcd_records_refused_total"), 1);
+  EXPECT_EQ(Metric(Get(p.port(), "/metrics"), "kvferry_kv_blocks_used"), 0)
+      << "P never saw a pull for the forged engine";
 }
 
 // The control: a D whose data plane does not fence writers (fence_writes false: P may put
