@@ -642,13 +642,21 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
                          fmt::format("prefill engine {} is down: {}", engine, why.message()));
   std::vector<Load> loads = std::move(state.waiting_loads);
   state.waiting_loads.clear();
-  // Its KV went with it: nothing to release.
-  counters_.releases_dropped += state.waiting_releases.size() + state.pending_releases.size();
+  std::vector<core::Fingerprint> releases = std::move(state.waiting_releases);
   state.waiting_releases.clear();
+  releases.insert(releases.end(), state.pending_releases.begin(), state.pending_releases.end());
   state.pending_releases.clear();
   for (Load& load : loads) FailLoad(std::move(load), state.failure, now);
-  if (!view) return;
+  if (!view) {
+    counters_.releases_dropped += releases.size();  // nowhere to send them: the lease frees them
+    return;
+  }
   state.declared_down = view;
+  // The word of a liveness source is advisory: a P cut off (or frozen) past its registry TTL
+  // lives on and holds the KV of these transfers, so the releases still go to the process D
+  // knew (found with the test hosts: without them a P thawed after a freeze kept the KV of
+  // requests D had failed until its lease ran out, and its queued prefills waited for blocks).
+  if (!releases.empty()) SendReleases(engine, *view, releases, now);
   // Its pulls in flight will get no answer: their requests fail now, not at their deadlines,
   // and their blocks stay quarantined (a P cut off by a partition may still be writing) until
   // the fence asked here, or a late answer, proves it stopped.
@@ -824,6 +832,8 @@ void DecodeSession::FlushReleases(TimePoint now) {
     if (state.view) {
       // A stale view still names the process that holds the KV.
       SendReleases(engine, *state.view, ids, now);
+    } else if (state.declared_down) {
+      SendReleases(engine, *state.declared_down, ids, now);  // advisory down: see OnEngineDown
     } else if (state.failed_until > now) {
       counters_.releases_dropped += ids.size();  // known unreachable: the lease frees them
     } else {

@@ -8,7 +8,11 @@
 #     cannot start ("etcd registration: etcd unreachable ..."); with the members back, it can;
 #   - P's host killed while D waits on it: D fails the load within the lease TTL + one poll,
 #     naming the reason, instead of at its pull deadline (105 s here), and its fence releases the
-#     blocks of that pull: D's pool ends idle with 0 blocks quarantined.
+#     blocks of that pull: D's pool ends idle with 0 blocks quarantined;
+#   - P's host frozen (SIGSTOP) past its TTL under load: D's pool goes idle while P is frozen
+#     (fences), the thawed P's writes for the fenced pulls are refused (0 corrupt), D's releases
+#     reach it so it frees that KV and aborts those prefills at once, and it serves new
+#     requests.
 # Every process and namespace is removed at the end (the trap), also when a check fails.
 # Usage: hosts_etcd_test.sh KVFERRY_BINARY REPO_ROOT. Exit 77 (skipped) without network
 # namespaces or without etcd.
@@ -34,7 +38,7 @@ d_addr=$("$th" addr 5)
 extra="\"etcd_endpoints\":[$endpoints],\"etcd_lease_ttl\":2,\"kv_lease_duration\":30"
 start_p() {  # start_p ENGINE HTTP_PORT BOOTSTRAP_PORT READY_FILE LOG
   "$th" exec "$name" 4 "$bin" serve --role prefill --host "$p_addr" --port "$2" \
-    --num-blocks 1024 --ready-file "$4" --kv-transfer-config \
+    --num-blocks 1024 --prefill-us-per-token 200 --ready-file "$4" --kv-transfer-config \
     "{\"engine_id\":\"$1\",\"kv_role\":\"kv_producer\",\"kv_connector_extra_config\":{\"bootstrap_port\":$3,$extra}}" \
     >"$5" 2>&1
 }
@@ -102,6 +106,105 @@ done
 [ -s "$out/p1.json" ] || fail "a new P could not start once etcd recovered"
 load 16 || fail "requests failed after etcd recovered"
 echo "etcd members back: quorum, a new P registered, 16/16 requests"
+
+# P's host frozen (SIGSTOP) under load for longer than its etcd TTL: D declares it down, fails
+# what waits on it and fences its pulls (their write keys revoked), so D's pool goes idle while
+# P is still frozen. When P thaws, nothing it does for those pulls lands in D's reused blocks,
+# and P, back in etcd under the same incarnation, serves new requests.
+p_failed_before=$(metric 4 8100 kvferry_writes_failed_total)
+p_released_before=$(metric 4 8100 kvferry_releases_received_total)
+d_down_before=$(metric 5 8200 kvferry_etcd_engines_down_total)
+# 64 request pairs sent straight to P and D (not through the proxy, which would cancel P's half
+# once D fails it): 128 blocks each, so P holds 8 prefills at a time (0.4 s each at 200 us per
+# token) and D 8 loads, and the
+# pulls of those loads wait at P when it freezes. P's halves stay open across the freeze, so
+# the thawed P finishes them and writes for the pulls D fenced meanwhile.
+"$th" exec "$name" 6 python3 - "$p_addr" "$d_addr" >"$out/freeze.log" 2>&1 <<'PY' &
+import json, sys, threading, urllib.error, urllib.request
+p, d = sys.argv[1], sys.argv[2]
+prompt = list(range(100, 100 + 2048))
+def post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except Exception as e:
+        return str(e)
+results = []
+def pair(i):
+    xfer = f"xfer-freeze-{i}"
+    pt = threading.Thread(target=lambda: results.append(("P", post(
+        f"http://{p}:8100/v1/completions",
+        {"model": "m", "prompt": prompt, "max_tokens": 1, "stream": False,
+         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                "transfer_id": xfer}}))))
+    pt.start()
+    results.append(("D", post(f"http://{d}:8200/v1/completions",
+        {"model": "m", "prompt": prompt, "max_tokens": 2, "stream": False,
+         "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                "transfer_id": xfer, "remote_engine_id": "prefill-0",
+                                "remote_bootstrap_addr": "unused"}})))
+    pt.join()
+import time
+start = time.time()
+threads = [threading.Thread(target=pair, args=(i,)) for i in range(64)]
+for t in threads: t.start()
+for t in threads: t.join()
+for side in ("P", "D"):
+    codes = [str(r) for s, r in results if s == side]
+    print(side, {c: codes.count(c) for c in sorted(set(codes))})
+print(f"wall {time.time() - start:.1f} s")
+PY
+freeze_load=$!
+sleep 0.4
+"$th" freeze "$name" 4
+frozen=$(date +%s.%N)
+idle=""
+for _ in $(seq 1 100); do
+  down=$(metric 5 8200 kvferry_etcd_engines_down_total)
+  used=$(metric 5 8200 kvferry_kv_blocks_used)
+  quarantined=$(metric 5 8200 kvferry_quarantined_blocks)
+  if [ "${down:-0}" != "${d_down_before:-0}" ] && [ "${used:-1}" = 0 ] && [ "${quarantined:-1}" = 0 ]; then
+    idle=$(python3 -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.2f}')" "$frozen")
+    break
+  fi
+  sleep 0.1
+done
+"$th" thaw "$name" 4
+[ -n "$idle" ] || fail "D still holds blocks for the frozen P: used ${used:-?}, quarantined ${quarantined:-?}, fences $(metric 5 8200 kvferry_fences_total)/failed $(metric 5 8200 kvferry_fences_failed_total)"
+wait "$freeze_load" || true  # requests that waited on the frozen P fail, with the reason
+# D released what it gave up to the P it had declared down (advisory), so the thawed P frees
+# that KV and aborts the prefills nobody needs any more at once: every P half ends (503 for the
+# aborted ones), none waits for blocks held for requests D gave up, until its lease ran out.
+if grep -q "timed out" "$out/freeze.log"; then
+  fail "P halves waited out the client's timeout after the thaw: $(tr '\n' ' ' <"$out/freeze.log")"
+fi
+# What became of the pulls P held when it froze: it finished their prefills and wrote, and D
+# refused every such write (P counts them failed; nothing else can fail them here: D is up and
+# the link never broke), or D's releases reached it first and it dropped them. Which comes first
+# is a race after the thaw; either way nothing lands in D's reused blocks.
+refused=0
+released=0
+for _ in $(seq 1 50); do
+  p_failed=$(metric 4 8100 kvferry_writes_failed_total)
+  refused=$(( ${p_failed%.*} - ${p_failed_before%.*} ))
+  p_released=$(metric 4 8100 kvferry_releases_received_total)
+  released=$(( ${p_released%.*} - ${p_released_before%.*} ))
+  [ $(( refused + released )) -gt 0 ] && break
+  sleep 0.1
+done
+[ $(( refused + released )) -gt 0 ] || fail "the thawed P neither wrote for the fenced pulls nor got D's releases (nothing was tested)"
+corrupt=$(metric 5 8200 kvferry_corrupt_blocks_total)
+[ "${corrupt:-1}" = 0 ] || fail "${corrupt:-no} corrupt blocks on D after P thawed"
+for _ in $(seq 1 50); do  # P's lease was lost while frozen: it publishes again
+  load 8 2>/dev/null && break
+  sleep 0.2
+done
+load 8 || fail "the thawed P does not serve new requests"
+echo "P's host frozen past its TTL: D's pool idle ${idle} s after the freeze (0 quarantined); after the thaw D refused ${refused} late writes of the P and it got ${released} releases, 0 corrupt, every P half ended: $(grep '^P ' "$out/freeze.log") ($(grep '^wall' "$out/freeze.log")); 8/8 new requests"
 
 # D waits on P for a transfer P never prefills (P parks the pull); then P's host dies.
 "$th" exec "$name" 6 python3 - "$d_addr" >"$out/orphan.log" 2>&1 <<'PY' &

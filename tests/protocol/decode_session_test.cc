@@ -414,6 +414,33 @@ TEST_F(DecodeSessionTest, AProcessGoneThatDKnewMakesLoadsLookTheEngineUpAgainIns
   EXPECT_EQ(pulls[0].requests[0].d_req_id, "r2");
 }
 
+// A liveness source's down is advisory: a P frozen or cut off past its registry TTL lives on and
+// holds the KV of D's requests, so D still sends it the releases of requests it gives up —
+// queued at the down and later ones — or that P keeps the KV until its lease runs out.
+TEST_F(DecodeSessionTest, ReleasesStillGoToAnEngineDeclaredDownWhichMayLiveOn) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnNewRequest("r2", Source("x2"), kT0);
+  (void)s().TakeMessages();
+  s().RequestFinished("r1", kT0 + 1s);  // queued (release_delay) when the down comes
+  s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "left etcd"), kT0 + 1s);
+  s().RequestFinished("r2", kT0 + 2s);
+  s().OnTimeout(kT0 + 3s);
+  std::vector<core::Fingerprint> released;
+  for (Transmit& t : s().TakeMessages()) {
+    if (auto* r = std::get_if<wire::Release>(&t.message)) {
+      EXPECT_EQ(t.address, "p/0");
+      released.insert(released.end(), r->fingerprints.begin(), r->fingerprints.end());
+    }
+  }
+  std::sort(released.begin(), released.end());
+  std::vector<core::Fingerprint> expected{core::FingerprintOf("x1"), core::FingerprintOf("x2")};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(released, expected);
+  EXPECT_EQ(s().stats().releases_dropped, 0u);
+}
+
 // Found by exploration: a fence that failed (P alive) leaves its epoch to the next fence, e.g.
 // the one asked for once the engine is known down.
 TEST_F(DecodeSessionTest, EngineDownFencesEpochsWhoseEarlierFenceFailed) {
