@@ -32,7 +32,13 @@ constexpr std::uint64_t kSeed = 7;
 struct TransportSpec {
   std::string name;
   std::string tls;
+  // The receiver fences its writers (UcxOptions::fence_writes): no remote keys, so active
+  // messages only, and a rendezvous the receiver drives; every batch carries a write key.
+  bool fence = false;
+  std::string base;  // the transport's name without the fence (its baselines are shared)
 };
+// What every batch of the benchmark is stamped with (a receiver that fences refuses none).
+constexpr WriteKey kBenchKey = 1;
 
 struct Row {
   std::string transport;
@@ -166,7 +172,7 @@ std::optional<double> Measure(Engine& engine, ConnectionId peer, const std::vect
         ++in_flight;
         ++submitted;
         lock.unlock();
-        auto r = engine.SubmitWrites(peer, ops, kNoWriteKey, cb);
+        auto r = engine.SubmitWrites(peer, ops, kBenchKey, cb);
         lock.lock();
         if (!r) {
           --in_flight;
@@ -224,7 +230,7 @@ bool ParseBenchFlags(int argc, char** argv, BenchOptions* options) {
       options->seconds_per_point = std::strtod(a.c_str() + 10, nullptr);
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--quick] [--transport=shm,cma,tcp] [--peer=PATH] "
+                   "usage: %s [--quick] [--transport=shm,cma,tcp,shmF,tcpF] [--peer=PATH] "
                    "[--no-baselines] [--seconds=S]\n",
                    argv[0]);
       return false;
@@ -239,8 +245,11 @@ int RunTransferBench(const BenchOptions& options) {
   std::vector<std::size_t> sizes =
       quick ? std::vector<std::size_t>{64 << 10, 1 << 20, 16 << 20}
             : std::vector<std::size_t>{64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
-  std::vector<TransportSpec> all = {
-      {"shm", "posix,sysv,self"}, {"tcp", "tcp"}, {"cma", "cma,tcp,self"}};
+  std::vector<TransportSpec> all = {{"shm", "posix,sysv,self", false, "shm"},
+                                    {"tcp", "tcp", false, "tcp"},
+                                    {"cma", "cma,tcp,self", false, "cma"},
+                                    {"shmF", "posix,sysv,self", true, "shm"},
+                                    {"tcpF", "tcp", true, "tcp"}};
   std::vector<TransportSpec> specs;
   for (const auto& t : all) {
     bool wanted = options.transports.empty()
@@ -257,9 +266,11 @@ int RunTransferBench(const BenchOptions& options) {
   auto bench_start = Clock::now();
 
   for (const auto& spec : specs) {
-    auto peer =
-        PeerProcess::Spawn(peer_binary, {"--region-bytes", std::to_string(kRegion)},
-                           {"UCX_TLS=" + spec.tls, "UCX_NET_DEVICES=lo"}, Clock::now() + 20s);
+    std::vector<std::string> peer_args = {"--region-bytes", std::to_string(kRegion)};
+    if (spec.fence) peer_args.insert(peer_args.end(), {"--fence-writes", "1"});
+    auto peer = PeerProcess::Spawn(peer_binary, peer_args,
+                                   {"UCX_TLS=" + spec.tls, "UCX_NET_DEVICES=lo"},
+                                   Clock::now() + 20s);
     if (!peer) {
       std::fprintf(stderr, "%s: cannot start %s: %s\n", spec.name.c_str(), peer_binary.c_str(),
                    peer.error().ToString().c_str());
@@ -337,7 +348,7 @@ int RunTransferBench(const BenchOptions& options) {
     (void)peer->Command("EXIT", Clock::now() + 5s);
     peer->Kill();
 
-    if (perftest) {
+    if (perftest && !spec.fence) {
       // Same transport and sizes, one message per iteration, as a bytes budget per point.
       const double budget = (spec.name == "tcp" ? 0.25e9 : 1e9) * (quick ? 0.25 : 1.0);
       for (Row& row : rows) {
@@ -367,6 +378,19 @@ int RunTransferBench(const BenchOptions& options) {
     }
   }
 
+  // Fenced rows share their transport's baselines: the fence's cost reads off beside them.
+  for (Row& row : rows) {
+    const auto spec = std::find_if(specs.begin(), specs.end(),
+                                   [&](const TransportSpec& s) { return s.name == row.transport; });
+    if (spec == specs.end() || !spec->fence) continue;
+    for (const Row& plain : rows) {
+      if (plain.transport == spec->base && plain.size == row.size && plain.layout == row.layout) {
+        row.perf_am = plain.perf_am;
+        row.perf_tag = plain.perf_tag;
+        row.perf_put = plain.perf_put;
+      }
+    }
+  }
   double iperf_default = -1, iperf_1m = -1;
   if (iperf) {
     iperf_default = Iperf(quick ? 1 : 2, "");
@@ -394,7 +418,8 @@ int RunTransferBench(const BenchOptions& options) {
                 r.transport.c_str(), SizeName(r.size).c_str(), r.layout.c_str(), r.path.c_str(),
                 Gbps(r.gbps).c_str(), r.verified ? "yes" : "NO", Gbps(r.perf_put).c_str(),
                 Gbps(r.perf_am).c_str(), Gbps(r.perf_tag).c_str(), Ratio(r.gbps, best).c_str(),
-                r.transport == "tcp" ? Ratio(r.gbps, iperf_best).c_str() : "", Gbps(mc).c_str());
+                r.transport.rfind("tcp", 0) == 0 ? Ratio(r.gbps, iperf_best).c_str() : "",
+                Gbps(mc).c_str());
   }
   std::printf(
       "\nratio  = kvferry / best ucx_perftest (ucp_put_bw, ucp_am_bw, tag_bw on tcp) on the "
@@ -403,6 +428,9 @@ int RunTransferBench(const BenchOptions& options) {
       "vs tcp = kvferry / best single-stream iperf3 on 127.0.0.1: default writes %s GB/s, "
       "-l 1M %s GB/s\n",
       Gbps(iperf_default).c_str(), Gbps(iperf_1m).c_str());
+  std::printf(
+      "shmF, tcpF = the same transport with a receiver that fences its writers (fence_writes: "
+      "no remote keys, receiver-driven rendezvous, every write keyed); baselines as without\n");
   std::printf("total time %.1f s\n", core::ToSeconds(Clock::now() - bench_start));
   return rc;
 }

@@ -13,7 +13,8 @@ namespace kvferry::transport {
 
 struct BenchOptions {
   bool quick = false;  // fewer sizes and shorter runs: about 20 s instead of about 2 minutes
-  // Subset of {"shm", "cma", "tcp"}; empty = shm and tcp (cma only on request: UCX 1.13
+  // Subset of {"shm", "cma", "tcp", "shmF", "tcpF"} (F: the receiver fences its writers);
+  // empty = all but cma (cma only on request: UCX 1.13
   // does not use it on peer-error-mode endpoints, so kvferry falls back to tcp there).
   std::vector<std::string> transports;
   // The receiver binary; empty = kvferry_transport_peer next to the running executable.

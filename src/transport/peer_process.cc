@@ -74,8 +74,11 @@ int RunTransferPeer(int argc, char** argv) {
       region_bytes = std::strtoull(value.c_str(), nullptr, 10);
     } else if (flag == "--mode") {
       options.mode = value == "put" ? UcxMode::kPut : value == "am" ? UcxMode::kAm : UcxMode::kAuto;
+    } else if (flag == "--fence-writes") {
+      options.fence_writes = value == "1";
     } else {
-      std::fprintf(stderr, "usage: %s --region-bytes N [--mode auto|put|am]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s --region-bytes N [--mode auto|put|am] [--fence-writes 1]\n",
+                   argv[0]);
       return 2;
     }
   }
