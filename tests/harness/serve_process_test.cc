@@ -154,6 +154,28 @@ class ServeTest : public ::testing::Test {
     return Start("decode", args);
   }
 
+  // D waits for a prefill that never comes: a load for `transfer` from P, which P parks (it
+  // never admits the transfer). Returns once the pull is at P; the future is D's answer.
+  std::future<HttpResult> OrphanLoad(ServeProcess& d, ServeProcess& p, double timeout_s) {
+    auto pending = std::async(std::launch::async, [&d, &p, timeout_s] {
+      return Post(d.port(), DecodeBody(32, 4, false, "xfer-orphan", p), timeout_s);
+    });
+    EXPECT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting_for_kv", 1), 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the pull is at P
+    return pending;
+  }
+  // Polls D's /metrics (up to 5 s) until nothing is in use or quarantined: true if it got there.
+  bool WaitPoolIdle(ServeProcess& d) {
+    for (const auto deadline = Clock::now() + std::chrono::seconds(5); Clock::now() < deadline;
+         std::this_thread::sleep_for(std::chrono::milliseconds(50))) {
+      const std::string m = Get(d.port(), "/metrics");
+      if (Metric(m, "kvferry_kv_blocks_used") == 0 && Metric(m, "kvferry_quarantined_blocks") == 0) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   // One request pair as the proxy sends it; checks D's answer.
   void RunPair(ServeProcess& p, ServeProcess& d, const std::string& transfer, int prompt,
                int max_tokens, bool stream) {
@@ -969,12 +991,8 @@ TEST_F(ServeTest, WithEtcdAKilledPsWaitingLoadsFailWithinItsLeaseTtl) {
   ServeProcess& p = StartPrefill({}, cfg);
   ServeProcess& d = StartDecode({}, cfg);
   ASSERT_FALSE(HasFailure());
-  // D waits for a prefill that never comes (P parks the pull).
-  auto pending = std::async(std::launch::async, [&] {
-    return Post(d.port(), DecodeBody(32, 4, false, "xfer-orphan", p), 30);
-  });
-  ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting_for_kv", 1), 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the pull is at P
+  auto pending = OrphanLoad(d, p, 30);
+  ASSERT_FALSE(HasFailure());
   const auto killed = Clock::now();
   p.Kill();
   const HttpResult r = pending.get();
@@ -990,19 +1008,9 @@ TEST_F(ServeTest, WithEtcdAKilledPsWaitingLoadsFailWithinItsLeaseTtl) {
   // Liveness from etcd is advisory: a P cut off by a partition would look the same and may
   // still be writing. So the pull's blocks are released by D's fence, not by etcd's word: D
   // (fence_writes, on with etcd) revokes the pull's write key, and its pool is idle at once.
-  double used = -1;
-  double quarantined = -1;
-  for (const auto deadline = Clock::now() + std::chrono::seconds(5); Clock::now() < deadline;
-       std::this_thread::sleep_for(std::chrono::milliseconds(50))) {
-    const std::string m = Get(d.port(), "/metrics");
-    used = Metric(m, "kvferry_kv_blocks_used");
-    quarantined = Metric(m, "kvferry_quarantined_blocks");
-    if (used == 0 && quarantined == 0) break;
-  }
+  EXPECT_TRUE(WaitPoolIdle(d)) << Get(d.port(), "/metrics");
   std::printf("[ measured ] with etcd and D's fence: pool idle %.2f s after P was killed\n",
               SecondsSince(killed));
-  EXPECT_EQ(quarantined, 0);
-  EXPECT_EQ(used, 0);
   const std::string after_metrics = Get(d.port(), "/metrics");
   EXPECT_GE(Metric(after_metrics, "kvferry_fences_total"), 1);
   EXPECT_EQ(Metric(after_metrics, "kvferry_fences_failed_total"), 0);
@@ -1025,11 +1033,8 @@ TEST_F(ServeTest, WithEtcdAPRestartedWithinItsTtlFailsTheOldProcesssLoadAtOnce) 
   ServeProcess& p = Start("prefill", prefill);
   ServeProcess& d = StartDecode({}, cfg);
   ASSERT_FALSE(HasFailure());
-  auto pending = std::async(std::launch::async, [&] {
-    return Post(d.port(), DecodeBody(32, 4, false, "xfer-orphan", p), 60);
-  });
-  ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting_for_kv", 1), 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the pull is at P
+  auto pending = OrphanLoad(d, p, 60);
+  ASSERT_FALSE(HasFailure());
   const auto killed = Clock::now();
   p.Kill();
   ServeProcess& again = Start("prefill-again", prefill);
@@ -1042,17 +1047,7 @@ TEST_F(ServeTest, WithEtcdAPRestartedWithinItsTtlFailsTheOldProcesssLoadAtOnce) 
   EXPECT_GE(r.status, 500) << r.body;
   EXPECT_NE(r.body.find("restarted"), std::string::npos) << r.body;
   EXPECT_LT(after, 10.0) << "far below the TTL and the pull deadline";
-  double used = -1;
-  double quarantined = -1;
-  for (const auto deadline = Clock::now() + std::chrono::seconds(5); Clock::now() < deadline;
-       std::this_thread::sleep_for(std::chrono::milliseconds(50))) {
-    const std::string m = Get(d.port(), "/metrics");
-    used = Metric(m, "kvferry_kv_blocks_used");
-    quarantined = Metric(m, "kvferry_quarantined_blocks");
-    if (used == 0 && quarantined == 0) break;
-  }
-  EXPECT_EQ(used, 0);
-  EXPECT_EQ(quarantined, 0);
+  EXPECT_TRUE(WaitPoolIdle(d)) << Get(d.port(), "/metrics");
   const std::string m = Get(d.port(), "/metrics");
   EXPECT_EQ(Metric(m, "kvferry_etcd_engines_replaced_total"), 1);
   EXPECT_EQ(Metric(m, "kvferry_etcd_engines_down_total"), 0);
@@ -1113,11 +1108,8 @@ TEST_F(ServeTest, WithEtcdButWithoutFencingAKilledPsBlocksStayQuarantined) {
   ServeProcess& p = StartPrefill({}, cfg);
   ServeProcess& d = StartDecode({}, cfg + R"(,"fence_writes":false)");
   ASSERT_FALSE(HasFailure());
-  auto pending = std::async(std::launch::async, [&] {
-    return Post(d.port(), DecodeBody(32, 4, false, "xfer-orphan", p), 30);
-  });
-  ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_waiting_for_kv", 1), 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the pull is at P
+  auto pending = OrphanLoad(d, p, 30);
+  ASSERT_FALSE(HasFailure());
   p.Kill();
   const HttpResult r = pending.get();
   EXPECT_NE(r.body.find("left etcd"), std::string::npos) << r.body;

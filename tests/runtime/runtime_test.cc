@@ -181,6 +181,16 @@ struct Cluster {
     return {req, false, Status(ErrorCode::kTimeout, "test: no completion"), {}, false};
   }
 
+  // Waits until D reports `req`'s quarantined blocks released (or `timeout` passes).
+  bool WaitReleased(const core::RequestId& req, core::Duration timeout) {
+    const auto deadline = core::Clock::now() + timeout;
+    auto seen = [&] { return std::find(released.begin(), released.end(), req) != released.end(); };
+    while (!seen() && core::Clock::now() < deadline) {
+      (void)Receive("none", std::min(deadline, core::Clock::now() + 50ms));
+    }
+    return seen();
+  }
+
   std::size_t FreedBlocksEvents() {
     std::lock_guard<std::mutex> lock(mu);
     return static_cast<std::size_t>(std::count_if(
@@ -329,15 +339,7 @@ TEST(RuntimeEndToEnd, APullThatNeverLeftIsAPlainFailureAndLiftsAQuarantine) {
   r = c.Receive("req-3", core::Clock::now() + 2s);
   EXPECT_FALSE(r.ok);
   EXPECT_TRUE(r.quarantined) << "given up on while it might have left";
-  const auto deadline = core::Clock::now() + 6s;
-  while (std::find(c.released.begin(), c.released.end(), "req-3") == c.released.end() &&
-         core::Clock::now() < deadline) {
-    for (auto& [request, blocks] : c.d->WaitFinished(core::Clock::now() + 100ms).released) {
-      c.released.push_back(request);
-    }
-  }
-  EXPECT_NE(std::find(c.released.begin(), c.released.end(), "req-3"), c.released.end())
-      << "the quarantine of a pull that never left stayed";
+  EXPECT_TRUE(c.WaitReleased("req-3", 6s)) << "the quarantine of a pull that never left stayed";
   EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
 }
 
@@ -348,6 +350,9 @@ TEST(RuntimeEndToEnd, APullThatNeverLeftIsAPlainFailureAndLiftsAQuarantine) {
 TEST(RuntimeEndToEnd, AFenceOfAnEngineDeclaredDownLiftsTheQuarantineAndRefusesItsLateWrite) {
   Cluster c;
   c.d_fences = true;
+  // Without releases: D would release xfer-2 to the P it declared down (that P may live on),
+  // and P would drop the transfer instead of writing; this test needs the late write.
+  c.d_releases = false;
   ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
   ReceiveResult first = c.PrefillAndLoad("req-1", "xfer-1");
   ASSERT_TRUE(first.ok) << "a live P's writes carry their pull's key: " << first.error.ToString();
@@ -363,15 +368,7 @@ TEST(RuntimeEndToEnd, AFenceOfAnEngineDeclaredDownLiftsTheQuarantineAndRefusesIt
   ReceiveResult r = c.Receive("req-2", core::Clock::now() + 2s);
   EXPECT_FALSE(r.ok);
   EXPECT_TRUE(r.quarantined) << "given up on while P held the pull";
-  const auto deadline = core::Clock::now() + 3s;
-  while (std::find(c.released.begin(), c.released.end(), "req-2") == c.released.end() &&
-         core::Clock::now() < deadline) {
-    for (auto& [request, released] : c.d->WaitFinished(core::Clock::now() + 100ms).released) {
-      c.released.push_back(request);
-    }
-  }
-  ASSERT_NE(std::find(c.released.begin(), c.released.end(), "req-2"), c.released.end())
-      << "the fence did not lift the quarantine";
+  ASSERT_TRUE(c.WaitReleased("req-2", 3s)) << "the fence did not lift the quarantine";
   EXPECT_LT(core::Clock::now() - down_at, 1s);
   DecodeWorkerStats stats = c.d->Stats();
   EXPECT_EQ(stats.quarantined_blocks, 0u);
@@ -482,15 +479,6 @@ TEST(RuntimeEndToEnd, SecondLoadOfALoadingRequestIsRefused) {
   EXPECT_TRUE(c.Receive("req-d", core::Clock::now() + 5s).ok);
 }
 
-// Waits until `request`'s quarantined blocks came back (or `deadline`).
-bool WaitReleased(Cluster& c, const core::RequestId& request, core::TimePoint deadline) {
-  while (core::Clock::now() < deadline) {
-    if (std::find(c.released.begin(), c.released.end(), request) != c.released.end()) return true;
-    (void)c.Receive("none", std::min(deadline, core::Clock::now() + 50ms));
-  }
-  return std::find(c.released.begin(), c.released.end(), request) != c.released.end();
-}
-
 // Hole 3: D's deadline passed before P answered (D misconfigured with a shorter
 // abort_request_timeout than P's): the blocks are quarantined, and P's late answer — P is
 // alive and answers every pull within its own abort_request_timeout — releases them. Before,
@@ -507,7 +495,7 @@ TEST(RuntimeEndToEnd, TimedOutPullIsReleasedByTheLateAnswerOfALivePrefill) {
   EXPECT_TRUE(r.quarantined);
   EXPECT_EQ(c.d->Stats().quarantined_blocks, kDestBlocks.size());
   // P's answer comes at its wait deadline (1.5 s) and is still applied.
-  EXPECT_TRUE(WaitReleased(c, "req-stuck", core::Clock::now() + 5s));
+  EXPECT_TRUE(c.WaitReleased("req-stuck", 5s));
   EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
   EXPECT_EQ(c.d->Stats().late_replies, 1u);
 }
@@ -552,7 +540,7 @@ TEST(RuntimeEndToEnd, SecondRegistrationOfALiveEngineReleasesNothing) {
       << "a registration released blocks the first process may still write";
   EXPECT_TRUE(c.released.empty());
   // The first process answers at its wait deadline: now the blocks come back.
-  EXPECT_TRUE(WaitReleased(c, "req-stuck", core::Clock::now() + 5s));
+  EXPECT_TRUE(c.WaitReleased("req-stuck", 5s));
   EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
 }
 
@@ -566,7 +554,7 @@ TEST(RuntimeEndToEnd, ReleaseOfATimedOutPullEndsItsQuarantineAtOnce) {
   const auto start = core::Clock::now();
   ASSERT_TRUE(c.d->StartLoad("req-stuck", c.Source("xfer-stuck"), kDestBlocks).ok());
   ASSERT_TRUE(c.Receive("req-stuck", core::Clock::now() + 5s).quarantined);
-  EXPECT_TRUE(WaitReleased(c, "req-stuck", core::Clock::now() + 2s));
+  EXPECT_TRUE(c.WaitReleased("req-stuck", 2s));
   EXPECT_LT(core::Clock::now() - start, 2s) << "the quarantine waited for P's wait deadline";
   EXPECT_EQ(c.d->Stats().quarantined_blocks, 0u);
   const control::ListenerStats stats = c.p[0]->listener().Stats();
