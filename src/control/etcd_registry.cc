@@ -96,6 +96,11 @@ std::string WorkerKey(const EtcdOptions& o, const WorkerRegistration& r) {
   return fmt::format("{}{}/{}-{}", EngineKeyPrefix(o), r.engine_id, r.tp_rank, r.pp_rank);
 }
 
+// The most an etcd answer may hold (a range of every engine's records: ~0.5 KB each, so room for
+// about 100,000 workers), and one record (a registration is under 1 KB).
+constexpr std::size_t kMaxAnswerBytes = std::size_t{64} << 20;
+constexpr std::size_t kMaxRecordBytes = 64 * 1024;
+
 // What P stores under a worker's key: the registration's JSON, or, with a cluster secret,
 // {"registration": "<that JSON>", "signature": "<SignRecord over key and that JSON>"}.
 std::string EncodeRecord(const EtcdOptions& o, const std::string& key,
@@ -109,6 +114,10 @@ std::string EncodeRecord(const EtcdOptions& o, const std::string& key,
 // The registration in a record, checked against the cluster secret when there is one.
 Result<WorkerRegistration> DecodeRecord(const EtcdOptions& o, const std::string& key,
                                         const std::string& value) {
+  if (value.size() > kMaxRecordBytes) {
+    return Err(ErrorCode::kInvalidArgument,
+               fmt::format("record of {} bytes (at most {})", value.size(), kMaxRecordBytes));
+  }
   std::string registration = value;
   std::string signature;
   // Bounded before parsing, as every JSON from the network (json_limits.h): anyone who reaches
@@ -171,15 +180,37 @@ Result<std::string> EtcdClient::Call(const std::string& path, const std::string&
     cli.set_connection_timeout(timeout);
     cli.set_read_timeout(timeout);
     cli.set_write_timeout(timeout);
-    auto res = cli.Post(path, body, "application/json");
+    // The answer is read into a bounded buffer: whoever can write under the prefix decides how
+    // large a range answer is, and D reads it every poll.
+    httplib::Request req;
+    req.method = "POST";
+    req.path = path;
+    req.body = body;
+    req.set_header("Content-Type", "application/json");
+    std::string answer;
+    bool too_large = false;
+    req.content_receiver = [&](const char* data, std::size_t length, std::uint64_t,
+                               std::uint64_t) {
+      if (answer.size() + length > kMaxAnswerBytes) {
+        too_large = true;
+        return false;
+      }
+      answer.append(data, length);
+      return true;
+    };
+    httplib::Response res;
+    httplib::Error error = httplib::Error::Success;
+    const bool sent = cli.send(req, res, error);
     std::string why;
-    if (!res) {
-      why = httplib::to_string(res.error());
-    } else if (res->status == 200) {
+    if (too_large) {
+      why = fmt::format("answer larger than {} MiB", kMaxAnswerBytes >> 20);
+    } else if (!sent) {
+      why = httplib::to_string(error);
+    } else if (res.status == 200) {
       preferred_.store(index, std::memory_order_relaxed);
-      return res->body;
+      return answer;
     } else {
-      why = fmt::format("HTTP {}: {}", res->status, res->body.substr(0, 200));
+      why = fmt::format("HTTP {}: {}", res.status, answer.substr(0, 200));
     }
     failures += fmt::format("{}{}: {}", failures.empty() ? "" : "; ", endpoint, why);
   }
@@ -447,7 +478,14 @@ struct EtcdWatcher::Impl {
       if (!stats.healthy) Log("etcd: reachable; " + std::to_string(now.size()) + " engines");
       stats.healthy = true;
       if (!report) {
-        for (auto& [id, info] : now) engines[id] = std::move(info);
+        // New engines, and known ones completing (more ranks of the same process). A known
+        // engine under another incarnation is left to the reporting poll, which must see the
+        // change to report the old process gone (found by review: a lookup's refresh that
+        // took the new incarnation hid a restart from D).
+        for (auto& [id, info] : now) {
+          auto [known, added] = engines.try_emplace(id, info);
+          if (!added && known->second.incarnation == info.incarnation) known->second = info;
+        }
         return;
       }
       for (const auto& [id, info] : engines) {

@@ -558,13 +558,24 @@ void DecodeSession::GiveUpOnPull(PullOp& op, const Status& why) {
 void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation) {
   // Pulls sent from now on are a new epoch of the peer: no fence asked here covers them.
   const std::uint32_t through = endpoints_[endpoint].epoch++;
-  // Every epoch of this endpoint not yet proved stopped (also older ones whose fence failed),
-  // one fence each, so an epoch whose writes are still landing holds up no other.
-  for (const auto& [key, peer] : peers_) {
-    if (key.endpoint == endpoint && (incarnation == nullptr || key.incarnation == *incarnation)) {
-      IssueFence(peer, through);
+  // Every epoch of this endpoint with pulls still known (given up on, or in flight) and not yet
+  // proved stopped — also older ones whose fence failed — one fence each, so an epoch whose
+  // writes are still landing holds up no other. An epoch whose pulls were all answered has
+  // nothing quarantined: it needs no fence (and without one per timeout forever, fences stay
+  // linear in the pulls given up on).
+  std::set<core::PeerId> epochs;
+  for (const auto& [id, op] : endpoints_[endpoint].pulls) {
+    if (incarnation == nullptr || peer_keys_[op.peer].incarnation == *incarnation) {
+      epochs.insert(op.peer);
     }
   }
+  for (core::PeerId peer : epochs) IssueFence(peer, through);
+}
+
+bool DecodeSession::PullsWaitFor(core::PeerId peer) const {
+  const Endpoint& ep = endpoints_[peer_keys_[peer].endpoint];
+  return std::any_of(ep.pulls.begin(), ep.pulls.end(),
+                     [&](const auto& op) { return op.second.peer == peer; });
 }
 
 void DecodeSession::IssueFence(core::PeerId peer, std::uint32_t through) {
@@ -600,12 +611,12 @@ void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, Ti
     // Writes were still landing (a stalled writer): ask again, backing off, while pulls of
     // that epoch still wait for proof. A data plane that cannot fence at all (kRejected) is
     // not asked again here: only a pull's deadline or the engine's death asks again.
-    const bool waiting = std::any_of(ep.pulls.begin(), ep.pulls.end(),
-                                     [&](const auto& op) { return op.second.peer == fence.peer; });
-    if (result.code() == ErrorCode::kTimeout && waiting) {
+    if (result.code() == ErrorCode::kTimeout && PullsWaitFor(fence.peer)) {
       core::Duration& backoff = fence_backoff_[fence.peer];
       backoff = backoff.count() == 0 ? kFenceRetryFirst : std::min(2 * backoff, kFenceRetryMax);
       fence_retries_.insert({now + backoff, fence.peer});
+    } else {
+      fence_backoff_.erase(fence.peer);
     }
     return;
   }
@@ -648,7 +659,12 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
   state.pending_releases.clear();
   for (Load& load : loads) FailLoad(std::move(load), state.failure, now);
   if (!view) {
-    counters_.releases_dropped += releases.size();  // nowhere to send them: the lease frees them
+    // Down again before any lookup: the process declared down earlier may still hold the KV.
+    if (state.declared_down && !releases.empty()) {
+      SendReleases(engine, *state.declared_down, releases, now);
+    } else {
+      counters_.releases_dropped += releases.size();  // nowhere to send them: the lease frees them
+    }
     return;
   }
   state.declared_down = view;
@@ -682,14 +698,20 @@ void DecodeSession::OnProcessGone(const core::EngineId& engine, const std::strin
   const Status failure(why.ok() ? ErrorCode::kUnavailable : why.code(),
                        fmt::format("prefill engine {} (process {}) is gone: {}", engine,
                                    incarnation, why.message()));
-  if (state.view && state.view->incarnation == incarnation) {
-    // The view names the process that is gone: the next load asks again (a lookup asked before
-    // now may still describe it, so its answer is stale).
-    state.view.reset();
-    state.view_stale = false;
+  // A lookup asked before now may have read the process that is gone: its answer is stale.
+  state.lookup_floor = last_lookup_id_ + 1;
+  if (state.lookup_in_flight) {
     state.lookup_in_flight = false;
     state.lookup_deadline = core::kNever;
-    state.lookup_floor = last_lookup_id_ + 1;
+    if (!state.waiting_loads.empty() || !state.waiting_renewals.empty() ||
+        !state.waiting_releases.empty()) {
+      RequestLookup(engine, state, now);
+    }
+  }
+  if (state.view && state.view->incarnation == incarnation) {
+    // The view names the process that is gone: the next load asks again.
+    state.view.reset();
+    state.view_stale = false;
     if (!state.waiting_loads.empty()) RequestLookup(engine, state, now);
   }
   if (state.declared_down && state.declared_down->incarnation == incarnation) {
@@ -755,8 +777,12 @@ void DecodeSession::RenewalPass(TimePoint now) {
       // Renewals never wait for a refresh: the transfers they keep are on the known process.
       if (state.view_stale) RequestLookup(batch.engine, state, now);
       SendRenewals(batch.engine, *state.view, batch.ids, now);
-    } else if (state.failed_until > now && state.declared_down) {
-      // Declared down, maybe wrongly: keep its KV alive (unanswered renewals cost nothing).
+    } else if (state.declared_down) {
+      // Declared down, maybe wrongly (a P frozen or cut off past its registry TTL lives on):
+      // keep its KV alive for as long as D wants it — unanswered renewals cost nothing — and,
+      // once the failure is no longer believed, look for it again (found by review: these
+      // stopped lookup_failure_ttl after the down, and a P back after its lease freed the KV).
+      if (state.failed_until <= now) RequestLookup(batch.engine, state, now);
       SendRenewals(batch.engine, *state.declared_down, batch.ids, now);
     } else if (state.failed_until > now) {
       ++counters_.renewal_failures;  // known unreachable: one lookup per ttl, not per batch
@@ -1007,7 +1033,11 @@ void DecodeSession::OnTimeout(TimePoint now) {
   while (!fence_retries_.empty() && fence_retries_.begin()->first <= now) {
     const core::PeerId peer = fence_retries_.begin()->second;
     fence_retries_.erase(fence_retries_.begin());
-    IssueFence(peer, peer_keys_[peer].epoch);
+    if (PullsWaitFor(peer)) {
+      IssueFence(peer, peer_keys_[peer].epoch);
+    } else {
+      fence_backoff_.erase(peer);  // answered meanwhile (late replies): nothing to prove
+    }
   }
   ExpirePulls(now);
   if (renewals_.tracked() > 0 && renewals_.NextDue() <= now) RenewalPass(now);

@@ -419,6 +419,8 @@ class DecodeSession {
   void AskFence(EndpointId endpoint, const std::string* incarnation = nullptr);
   // Asks for a fence of one epoch, unless it is proved stopped or a fence of it is in flight.
   void IssueFence(core::PeerId peer, std::uint32_t through);
+  // Whether pulls of this epoch are still known (given up on and awaiting proof, or in flight).
+  bool PullsWaitFor(core::PeerId peer) const;
   // The write key of a ledger peer's pulls (0 when keys are off).
   std::uint64_t WriteKeyOf(core::PeerId peer) const {
     return options_.write_key_base == 0 ? 0 : options_.write_key_base + peer + 1;

@@ -47,7 +47,7 @@ constexpr int kSendHighWaterMark = 4096;
 constexpr std::chrono::milliseconds kConnectWait{3000};
 // A fence waits this long for writes that were already landing under the revoked keys (a
 // rendezvous receive in progress; a dead P's fail within UCX's keepalive, 1 s here). Past it the
-// fence fails, and the session asks again at each covered pull's deadline.
+// fence fails; the session asks again after 1 s, 2 s, ... up to 60 s while the epoch's pulls wait.
 constexpr std::chrono::milliseconds kFenceDrain{5000};
 
 protocol::DecodeSessionOptions SessionOptions(const DecodeWorkerOptions& o,

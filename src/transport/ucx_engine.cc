@@ -421,7 +421,12 @@ Status UcxEngine::Init() {
                       "rendezvous), not " + value);
       }
     }
-    (void)ucp_config_modify(config, "RNDV_SCHEME", "get_zcopy");
+    if (ucp_config_modify(config, "RNDV_SCHEME", "get_zcopy") != UCS_OK) {
+      ucp_config_release(config);
+      return Status(ErrorCode::kUnavailable,
+                    "fence_writes: this UCX cannot make the receiver drive every rendezvous "
+                    "(RNDV_SCHEME=get_zcopy)");
+    }
   }
   for (const auto& [name, value] : options_.config) {
     s = ucp_config_modify(config, name.c_str(), value.c_str());

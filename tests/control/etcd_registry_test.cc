@@ -279,6 +279,25 @@ TEST_F(EtcdRegistryTest, WithASecretOnlyRecordsSignedWithItAreBelievedAndForgeri
   EXPECT_EQ((*open)->stats().records_refused, 0u);
 }
 
+// Found by review: a lookup of an engine the watcher does not know refreshes it at once, and
+// that refresh took a known engine's new incarnation without reporting it, so the next poll
+// saw no change and the restart was never reported. A refresh now leaves that to the poll.
+TEST_F(EtcdRegistryTest, ALookupsRefreshDoesNotHideARestart) {
+  auto first = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-1")}, 30s, nullptr);
+  ASSERT_TRUE(first);
+  auto watcher = EtcdWatcher::Start(options_, 1s, nullptr, nullptr);
+  ASSERT_TRUE(watcher);
+  ASSERT_TRUE((*watcher)->Lookup("p0"));
+  auto second = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-2")}, 30s, nullptr);
+  ASSERT_TRUE(second);
+  EXPECT_FALSE((*watcher)->Lookup("never-registered"));  // refreshes before the next poll
+  const auto deadline = Clock::now() + 4s;
+  while ((*watcher)->stats().engines_replaced == 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ((*watcher)->stats().engines_replaced, 1u);
+}
+
 TEST_F(EtcdRegistryTest, ALostLeaseIsPublishedAgainUnderTheSameIncarnation) {
   auto registrar = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-1")}, 2s, nullptr);
   ASSERT_TRUE(registrar);

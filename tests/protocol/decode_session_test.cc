@@ -441,6 +441,50 @@ TEST_F(DecodeSessionTest, ReleasesStillGoToAnEngineDeclaredDownWhichMayLiveOn) {
   EXPECT_EQ(s().stats().releases_dropped, 0u);
 }
 
+// Found by review: renewals to an engine declared down stopped once its failure was no longer
+// believed (lookup_failure_ttl, 2 s) and the lookup failed, so a P frozen past its registry TTL
+// and then its lease freed the KV D still wanted. They go on while D wants the transfer.
+TEST_F(DecodeSessionTest, RenewalsKeepGoingToAnEngineDeclaredDownPastTheFailureTtl) {
+  Make(Options(30s));
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  (void)s().TakeMessages();
+  s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "left etcd"), kT0 + 1s);
+  int renewals = 0;
+  for (int i = 1; i <= 6; ++i) {  // passes every lease/6 = 5 s
+    const TimePoint now = kT0 + 1s + i * 5s;
+    s().OnTimeout(now);
+    for (Transmit& t : s().TakeMessages()) {
+      if (std::holds_alternative<wire::Renewal>(t.message) && t.address == "p/0") ++renewals;
+    }
+    for (const LookupRequest& l : s().TakeLookups()) {  // the engine is gone from etcd
+      s().OnLookupFailed(l.engine_id, Status(ErrorCode::kNotFound, "not in etcd"), now, l.id);
+    }
+  }
+  EXPECT_GE(renewals, 5);
+}
+
+// Found by review: with a data plane that cannot fence (kRejected), every pull timeout asked a
+// fence of every earlier epoch again — quadratic in timeouts. Only epochs whose pulls are still
+// known (given up on, awaiting proof) are fenced; one whose pull was answered late needs none.
+TEST_F(DecodeSessionTest, OnlyEpochsWithPullsAwaitingProofAreFenced) {
+  std::vector<FenceRequest> first = TimedOutLoad("r1");
+  ASSERT_EQ(first.size(), 1u);
+  const EndpointId endpoint = first[0].endpoint;
+  s().OnFenceDone(first[0].id, Status(ErrorCode::kRejected, "cannot fence"), kT0 + 600s);
+  s().OnLookup(Engine("p"), kT0 + 600s);
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 600s).ok());
+  std::vector<wire::Pull> pulls = Pulls();  // r1's (never taken by TimedOutLoad) and r2's
+  ASSERT_EQ(pulls.size(), 2u);
+  ASSERT_EQ(pulls[0].requests[0].d_req_id, "r1");
+  // r1's late answer settles its epoch: nothing of it is quarantined any more.
+  s().OnPullResponse(endpoint, Finish(pulls[0].id, {"r1"}), kT0 + 601s);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+  s().OnTimeout(kT0 + 1200s);  // r2 times out
+  std::vector<FenceRequest> second = s().TakeFences();
+  ASSERT_EQ(second.size(), 1u) << "only r2's epoch awaits proof";
+}
+
 // Found by exploration: a fence that failed (P alive) leaves its epoch to the next fence, e.g.
 // the one asked for once the engine is known down.
 TEST_F(DecodeSessionTest, EngineDownFencesEpochsWhoseEarlierFenceFailed) {
