@@ -22,3 +22,14 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny model directory vLLM's config loader reads (one for every test that needs one)."""
+    from vllm_harness import write_model_dir  # imports vLLM: only for the tests that use it
+
+    return write_model_dir(tmp_path_factory.mktemp("tiny-model"))

@@ -47,16 +47,10 @@ from vllm_harness import (  # noqa: E402
     make_vllm_config,
     p_params,
     runner_output,
-    write_model_dir,
 )
 
 LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
 SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("tiny-model-e2e"))
 
 
 def worker_kv_config(num_blocks: int) -> KVCacheConfig:

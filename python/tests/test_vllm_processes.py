@@ -30,14 +30,9 @@ from test_vllm_end_to_end import (  # noqa: E402
     d_params,
     prefill,
 )
-from vllm_harness import assert_scheduler_empty, read_line, write_model_dir  # noqa: E402
+from vllm_harness import assert_scheduler_empty, read_line  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("tiny-model-processes"))
 
 
 class EngineProcess:

@@ -24,15 +24,9 @@ from vllm_harness import (  # noqa: E402
     make_vllm_config,
     p_params,
     step,
-    write_model_dir,
 )
 
 PROMPT = 40  # three blocks of 16, the last one partial
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
 def scheduler_for(model_dir, role, **kw):

@@ -25,15 +25,10 @@ import torch  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from test_vllm_end_to_end import LAYERS, PROMPT, SPEC, Engine  # noqa: E402
-from vllm_harness import make_request, read_line, write_model_dir  # noqa: E402
+from vllm_harness import make_request, read_line  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 NUM_BLOCKS = 64
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("tiny-model-tp"))
 
 
 class PRank:

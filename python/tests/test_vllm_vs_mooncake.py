@@ -24,13 +24,7 @@ from vllm_harness import (  # noqa: E402
     make_vllm_config,
     p_params,
     step,
-    write_model_dir,
 )
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
 def both(model_dir, role):

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "control/bootstrap_json.h"
+#include "control/bounded_answer.h"
 
 namespace kvferry::control {
 namespace {
@@ -138,14 +139,7 @@ Result<HttpReply> Call(const BootstrapAddress& address, const char* method, cons
   if (!authorization.empty()) req.set_header("Authorization", authorization);
   std::string answer;
   bool too_large = false;
-  req.content_receiver = [&](const char* data, std::size_t n, std::uint64_t, std::uint64_t) {
-    if (answer.size() + n > max_answer) {
-      too_large = true;
-      return false;
-    }
-    answer.append(data, n);
-    return true;
-  };
+  req.content_receiver = BoundedAnswerReceiver(&answer, max_answer, &too_large);
 
   httplib::Response res;
   httplib::Error error = httplib::Error::Success;

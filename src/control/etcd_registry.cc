@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "control/bootstrap_json.h"
+#include "control/bounded_answer.h"
 #include "control/bootstrap_registry.h"
 #include "control/json_limits.h"
 
@@ -97,9 +98,9 @@ std::string WorkerKey(const EtcdOptions& o, const WorkerRegistration& r) {
 }
 
 // The most an etcd answer may hold (a range of every engine's records: ~0.5 KB each, so room for
-// about 100,000 workers), and one record (a registration is under 1 KB).
+// about 100,000 workers). One record is bounded like a registration's HTTP body
+// (kMaxBodyBytes), envelope included, before anything parses it.
 constexpr std::size_t kMaxAnswerBytes = std::size_t{64} << 20;
-constexpr std::size_t kMaxRecordBytes = 64 * 1024;
 
 // What P stores under a worker's key: the registration's JSON, or, with a cluster secret,
 // {"registration": "<that JSON>", "signature": "<SignRecord over key and that JSON>"}.
@@ -114,9 +115,9 @@ std::string EncodeRecord(const EtcdOptions& o, const std::string& key,
 // The registration in a record, checked against the cluster secret when there is one.
 Result<WorkerRegistration> DecodeRecord(const EtcdOptions& o, const std::string& key,
                                         const std::string& value) {
-  if (value.size() > kMaxRecordBytes) {
+  if (value.size() > kMaxBodyBytes) {
     return Err(ErrorCode::kInvalidArgument,
-               fmt::format("record of {} bytes (at most {})", value.size(), kMaxRecordBytes));
+               fmt::format("record of {} bytes (at most {})", value.size(), kMaxBodyBytes));
   }
   std::string registration = value;
   std::string signature;
@@ -189,15 +190,7 @@ Result<std::string> EtcdClient::Call(const std::string& path, const std::string&
     req.set_header("Content-Type", "application/json");
     std::string answer;
     bool too_large = false;
-    req.content_receiver = [&](const char* data, std::size_t length, std::uint64_t,
-                               std::uint64_t) {
-      if (answer.size() + length > kMaxAnswerBytes) {
-        too_large = true;
-        return false;
-      }
-      answer.append(data, length);
-      return true;
-    };
+    req.content_receiver = BoundedAnswerReceiver(&answer, kMaxAnswerBytes, &too_large);
     httplib::Response res;
     httplib::Error error = httplib::Error::Success;
     const bool sent = cli.send(req, res, error);

@@ -298,6 +298,23 @@ TEST_F(EtcdRegistryTest, ALookupsRefreshDoesNotHideARestart) {
   EXPECT_EQ((*watcher)->stats().engines_replaced, 1u);
 }
 
+// Whoever can write under the prefix decides how large a record is: one above 64 KiB is skipped
+// before it is parsed, and the engines beside it are still found.
+TEST_F(EtcdRegistryTest, AnOversizedRecordIsSkippedAndTheOthersAreFound) {
+  auto registrar = EtcdRegistrar::Start(options_, {MakeWorker("good", 0, 1, "inc-1")}, 30s, nullptr);
+  ASSERT_TRUE(registrar);
+  EtcdClient client(options_);
+  auto lease = client.Grant(30s);
+  ASSERT_TRUE(lease);
+  std::string huge = EncodeRegistration(MakeWorker("huge", 0, 1, "inc-2"));
+  huge.insert(huge.size() - 1, ",\"pad\":\"" + std::string(100 * 1024, 'x') + "\"");
+  ASSERT_TRUE(client.Put("/kvferry/engines/huge/0-0", huge, *lease).ok());
+  auto watcher = EtcdWatcher::Start(options_, 50ms, nullptr, nullptr);
+  ASSERT_TRUE(watcher);
+  EXPECT_TRUE((*watcher)->Lookup("good"));
+  EXPECT_FALSE((*watcher)->Lookup("huge"));
+}
+
 TEST_F(EtcdRegistryTest, ALostLeaseIsPublishedAgainUnderTheSameIncarnation) {
   auto registrar = EtcdRegistrar::Start(options_, {MakeWorker("p0", 0, 1, "inc-1")}, 2s, nullptr);
   ASSERT_TRUE(registrar);
