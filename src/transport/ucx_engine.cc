@@ -413,10 +413,9 @@ Status UcxEngine::Init() {
     // key UCX hands it for the receive (the put scheme over shared memory or RDMA), since a
     // sender frozen mid-copy can resume after its receive failed. So where such lanes may
     // exist, this engine drives every rendezvous (RNDV_SCHEME=get_zcopy: it reads the sender's
-    // buffer). Not over tcp alone: there every byte is applied by this engine's progress thread
-    // on a connection UCX closes when the receive fails, and get_zcopy over tcp (emulated)
-    // left about one transfer in 12 hanging in UCX 1.13 (hosts demo, case B: 4 of 24 runs
-    // failed with it, 0 of 20 without). A config asking for the put scheme is refused.
+    // buffer). Not over tcp alone, where it is not needed: every byte is applied by this
+    // engine's progress thread on a connection UCX closes when the receive fails (and get over
+    // tcp is emulated). A config asking for the put scheme is refused.
     std::string tls = std::getenv("UCX_TLS") != nullptr ? std::getenv("UCX_TLS") : "all";
     for (const auto& [name, value] : options_.config) {
       if (name == "TLS") tls = value;
