@@ -267,3 +267,36 @@ def test_requests_finished_before_their_prefill_leave_nothing_behind():
         assert stats["held_transfers"] == 0, stats
     finally:
         stop(d, p, bootstrap)
+
+
+def test_a_p_restarted_on_a_new_side_channel_gets_the_loads_after_the_first_unsent_one():
+    # The engine-adapter issue's hole 9 through the binding: P restarts (same engine id and
+    # bootstrap, a new incarnation on a new side-channel port). A load D begins before it knows
+    # fails unsent (nothing listens at the old address; nothing can be writing), and that makes
+    # D look the engine up again: the next load is served by the new process.
+    bootstrap, p, d, p_kv, d_kv, src = make_pair(lease_s=0)
+    engine_id = src("x")["engine_id"]
+    p2 = None
+    try:
+        p.admit("xfer-1", 1)
+        p.prefill_done("xfer-1", [0])
+        d.start_load("req-1", src("xfer-1"), [1])
+        assert receive(d, "req-1")[1]
+        p.stop()
+        p2 = native.PrefillWorker(engine_id=engine_id, block_len=BLOCK_LEN, num_blocks=NUM_BLOCKS,
+                                  planes=planes(p_kv), lease_s=0, abort_request_timeout_s=30.0,
+                                  bootstrap_address=f"127.0.0.1:{bootstrap.port}",
+                                  incarnation=uuid.uuid4().hex)
+        d.start_load("req-2", src("xfer-2"), [2])
+        request, ok, error, invalid, quarantined = receive(d, "req-2")
+        assert not ok and "not sent" in error, error
+        assert not quarantined, "a pull that never left cannot be written for"
+        p2.admit("xfer-3", 3)
+        p2.prefill_done("xfer-3", [5])
+        d.start_load("req-3", src("xfer-3"), [6])
+        request, ok, error, invalid, quarantined = receive(d, "req-3")
+        assert ok, error
+        for layer in range(LAYERS):
+            assert torch.equal(d_kv[layer][:, 6], p_kv[layer][:, 5]), f"layer {layer}"
+    finally:
+        stop(*(w for w in (d, p2, p, bootstrap) if w is not None))

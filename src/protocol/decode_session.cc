@@ -490,6 +490,12 @@ void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, con
   (void)now;
   if (endpoint >= endpoints_.size()) return;
   Endpoint& ep = endpoints_[endpoint];
+  // Nothing took the message: no process listens at that address any more (a P restarted on
+  // a new side-channel port, or gone), so whichever engine D knows there is looked up again
+  // before its next load or renewal (found by attacking real processes: without it a P
+  // restarted without etcd never got a pull again, since only a pull *timing out* marked the
+  // view stale, and a pull to a dead address fails unsent instead).
+  MarkViewsStale(ep.address);
   if (auto op = ep.pulls.find(wire_id); op != ep.pulls.end()) {
     // Never left: P cannot be writing for it. A plain failure, no quarantine.
     (void)ledger_->Settle(
@@ -534,15 +540,19 @@ void DecodeSession::ExpirePulls(TimePoint now) {
     GiveUpOnPull(op->second,
                  Status(ErrorCode::kTimeout, fmt::format("no answer from prefill worker {} within {}",
                                                          ep.address, Secs(options_.pull_timeout))));
-    auto engine = std::find_if(engines_.begin(), engines_.end(), [&](const auto& e) {
-      return e.second.view &&
-             std::find(e.second.view->side_channels.begin(), e.second.view->side_channels.end(),
-                       ep.address) != e.second.view->side_channels.end();
-    });
-    if (engine != engines_.end()) engine->second.view_stale = true;  // ask again next time
+    MarkViewsStale(ep.address);  // the engine may have restarted elsewhere: ask again
     AskFence(endpoint, &peer_keys_[op->second.peer].incarnation);
   }
   DrainLedger(now);
+}
+
+void DecodeSession::MarkViewsStale(const std::string& address) {
+  for (auto& [engine, state] : engines_) {
+    if (state.view && std::find(state.view->side_channels.begin(), state.view->side_channels.end(),
+                                address) != state.view->side_channels.end()) {
+      state.view_stale = true;
+    }
+  }
 }
 
 void DecodeSession::GiveUpOnPull(PullOp& op, const Status& why) {
@@ -855,9 +865,14 @@ void DecodeSession::FlushReleases(TimePoint now) {
   for (auto& [engine, state] : engines_) {
     if (state.pending_releases.empty()) continue;
     std::vector<core::Fingerprint> ids = std::exchange(state.pending_releases, {});
-    if (state.view) {
-      // A stale view still names the process that holds the KV.
+    if (state.view && !state.view_stale) {
       SendReleases(engine, *state.view, ids, now);
+    } else if (state.view) {
+      // The process the view names may be gone and the KV on its successor (a P restarted on
+      // a new side channel prefilled the request D gave up on): they go wherever the lookup
+      // finds the engine, or to the known view if it fails (OnLookupFailed).
+      state.waiting_releases.insert(state.waiting_releases.end(), ids.begin(), ids.end());
+      RequestLookup(engine, state, now);
     } else if (state.declared_down) {
       SendReleases(engine, *state.declared_down, ids, now);  // advisory down: see OnEngineDown
     } else if (state.failed_until > now) {

@@ -28,6 +28,10 @@
 //    never releases entries it does not cover.
 //  - A new incarnation of an engine (a lookup naming another process) never settles anything by
 //    itself: the old process's pulls end by their own replies or by a fence.
+//  - A message that could not be sent (OnSendFailed: nothing listens at the address, or its
+//    queue is full) or a pull that timed out makes every engine whose view names that side
+//    channel stale: its next loads, releases and renewal pass wait for a fresh lookup (renewals
+//    still go to the known view meanwhile), so a P restarted on a new port gets traffic again.
 //  - Only the requests a pull asked for are settled by its replies (ApplyPullResponse).
 //  - `pull_timeout` must exceed `abort_request_timeout` + `write_bound` (P answers every pull
 //    within that, even one that waits for a prefill), or the options are refused.
@@ -414,6 +418,9 @@ class DecodeSession {
   void RenewalPass(core::TimePoint now);
   void ExpirePulls(core::TimePoint now);
   void GiveUpOnPull(PullOp& op, const Status& why);
+  // Every engine whose view names the side channel `address` is looked up again before its
+  // next load or renewal pass: something said the process there may be gone.
+  void MarkViewsStale(const std::string& address);
   // Fences every epoch of `endpoint` not yet proved stopped — of `incarnation` only, when given
   // (another process behind the same address is another writer) — and starts a new epoch.
   void AskFence(EndpointId endpoint, const std::string* incarnation = nullptr);

@@ -538,6 +538,54 @@ TEST_F(DecodeSessionTest, UnsentPullIsAPlainFailure) {
   EXPECT_FALSE(done[0].quarantined);
 }
 
+// A P restarted without etcd binds a new side channel: pulls to the old address fail unsent
+// (nothing listens there). The engine is then looked up again, and the next load goes to the
+// process the lookup finds, as does the next renewal pass (found by attacking real processes:
+// before, only a pull timing out made D ask again, so a restarted P never got a pull).
+TEST_F(DecodeSessionTest, AnUnsentPullMakesTheNextLoadAndRenewalLookTheEngineUpAgain) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnLookup(Engine("p", 1, "first"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  (void)s().TakeLookups();
+  s().OnSendFailed(last_endpoints_[0], pulls[0].id,
+                   Status(ErrorCode::kUnavailable, "no connection within 3000 ms"), kT0 + 3s);
+  ASSERT_EQ(Done().size(), 1u);
+  // Its release waits for the lookup too: the new process may hold x1 (it prefilled it).
+  s().OnTimeout(kT0 + 3s + 2ms);
+  EXPECT_TRUE(s().TakeMessages().empty());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  // The next load waits for that lookup instead of pulling from the dead address.
+  s().OnNewRequest("r2", Source("x2"), kT0 + 4s);
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 4s).ok());
+  EXPECT_TRUE(s().TakeMessages().empty());
+  EXPECT_TRUE(s().TakeLookups().empty()) << "one lookup in flight per engine";
+  PeerEngine restarted{"p", "second", 1, {"p/new-port"}, wire::kProtocolFeatures};
+  s().OnLookup(restarted, kT0 + 4s, lookups[0].id);
+  std::vector<Transmit> out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 2u);
+  for (const Transmit& t : out) EXPECT_EQ(t.address, "p/new-port");
+  ASSERT_TRUE(std::holds_alternative<wire::Pull>(out[0].message));
+  EXPECT_EQ(std::get<wire::Pull>(out[0].message).requests[0].d_req_id, "r2");
+  ASSERT_TRUE(std::holds_alternative<wire::Release>(out[1].message));
+  EXPECT_EQ(std::get<wire::Release>(out[1].message).fingerprints,
+            std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+  // A renewal that could not be sent also makes the next pass look the engine up first.
+  s().OnTimeout(kT0 + 10s);
+  std::vector<Transmit> sent = s().TakeMessages();
+  ASSERT_EQ(sent.size(), 1u);
+  ASSERT_TRUE(std::holds_alternative<wire::Renewal>(sent[0].message));
+  EXPECT_EQ(sent[0].address, "p/new-port");
+  EXPECT_TRUE(s().TakeLookups().empty());
+  s().OnSendFailed(sent[0].endpoint, std::get<wire::Renewal>(sent[0].message).id,
+                   Status(ErrorCode::kUnavailable, "no connection within 3000 ms"), kT0 + 13s);
+  s().OnTimeout(kT0 + 15s);
+  EXPECT_EQ(s().TakeLookups().size(), 1u);
+}
+
 TEST_F(DecodeSessionTest, SecondLoadOfALoadingRequestIsRefused) {
   Make();
   ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
