@@ -421,25 +421,31 @@ void ServingEngine::Shutdown() {
 
 Result<std::shared_ptr<RequestStream>> ServingEngine::Submit(const CompletionSpec& spec) {
   Result<std::shared_ptr<RequestStream>> queued = Enqueue(spec);
-  if (!queued && options_.role == Role::kPrefill && spec.kind == RequestKind::kRemoteDecode &&
-      !spec.transfer_id.empty()) {
+  if (!queued) Refused(spec, queued.error());
+  return queued;
+}
+
+void ServingEngine::Refused(const CompletionSpec& spec, const Status& why) {
+  if (spec.transfer_id.empty()) return;
+  const ErrorCode code = why.code();
+  if (options_.role == Role::kPrefill && spec.kind == RequestKind::kRemoteDecode) {
     // P will not prefill it: D's half must not wait abort_request_timeout for it. (An Admit
     // that found the transfer held or freed already changes nothing: Refuse leaves admitted
     // entries alone, and a tombstone stays a tombstone.) The transfer id is spent here: a
     // router retrying this P must use a new one, as vLLM's proxy does for every request. Not
     // while shutting down: the ranks are going away (and their KV with them).
-    const ErrorCode code = queued.error().code();
-    if (code != ErrorCode::kAlreadyExists && code != ErrorCode::kTombstoned &&
-        code != ErrorCode::kUnavailable) {
-      const Status why(code,
-                       "the prefill instance refused the request: " + queued.error().message());
-      std::vector<std::future<Status>> acks;
-      for (auto& worker : impl_->prefill) acks.push_back(worker->Refuse(spec.transfer_id, why));
-      for (auto& f : acks) (void)f.wait_for(kListenerAckTimeout);
+    if (code == ErrorCode::kAlreadyExists || code == ErrorCode::kTombstoned ||
+        code == ErrorCode::kUnavailable) {
+      return;
     }
+    const Status refusal(code, "the prefill instance refused the request: " + why.message());
+    std::vector<std::future<Status>> acks;
+    for (auto& worker : impl_->prefill) acks.push_back(worker->Refuse(spec.transfer_id, refusal));
+    for (auto& f : acks) (void)f.wait_for(kListenerAckTimeout);
+    return;
   }
-  if (!queued && queued.error().code() == ErrorCode::kInvalidArgument &&
-      options_.role == Role::kDecode && spec.kind == RequestKind::kRemotePrefill) {
+  if (options_.role == Role::kDecode && spec.kind == RequestKind::kRemotePrefill &&
+      code == ErrorCode::kInvalidArgument) {
     // This instance can never serve it as sent: P must not prefill it and hold its KV for
     // nobody. (A full queue or a shutdown is left alone: a router may retry another decoder
     // with the same transfer, whose KV P still holds.)
@@ -447,7 +453,6 @@ Result<std::shared_ptr<RequestStream>> ServingEngine::Submit(const CompletionSpe
                                        spec.remote_bootstrap_addr};
     for (auto& worker : impl_->decode) worker->ReleaseTransfer(source);
   }
-  return queued;
 }
 
 Result<std::shared_ptr<RequestStream>> ServingEngine::Enqueue(const CompletionSpec& spec) {

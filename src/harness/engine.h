@@ -155,6 +155,13 @@ class ServingEngine {
   // A remote-prefill request D can never serve as sent (kInvalidArgument) is released to its P
   // at once (P neither prefills nor holds it).
   [[nodiscard]] Result<std::shared_ptr<RequestStream>> Submit(const CompletionSpec& spec);
+  // A remote request this instance refused and will never serve as sent (Submit calls it for
+  // its own refusals; the HTTP front for bodies it refused after reading their transfer). Its
+  // transfer is settled with the other half: P refuses it on every rank (D's pulls fail at
+  // once, tombstoned); D releases it to P (P frees its KV now) when the refusal is for good
+  // (kInvalidArgument) — not for a full queue or a shutdown, which a router may retry
+  // elsewhere with the same transfer.
+  void Refused(const CompletionSpec& spec, const Status& why);
   // The client went away: finish the request early (its blocks follow the normal rules).
   void Abort(std::uint64_t handle);
   // D: a liveness source says P engine `engine_id` is gone (runtime::DecodeWorker::EngineDown on

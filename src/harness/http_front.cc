@@ -91,8 +91,47 @@ std::string TokenText(std::uint32_t token) { return fmt::format(" t{}", token); 
 
 }  // namespace
 
+namespace {
+
+// kv_transfer_params into `spec` (kind, transfer id, remote engine and bootstrap).
+Status ParseTransferParams(const json& doc, Role role, CompletionSpec* spec) {
+  auto params = doc.find("kv_transfer_params");
+  if (params == doc.end() || params->is_null()) return Status::Ok();
+  if (!params->is_object()) return Bad("kv_transfer_params must be an object");
+  auto remote_decode = BoolField(*params, "do_remote_decode", "kv_transfer_params.");
+  if (!remote_decode) return remote_decode.error();
+  auto remote_prefill = BoolField(*params, "do_remote_prefill", "kv_transfer_params.");
+  if (!remote_prefill) return remote_prefill.error();
+  if (*remote_decode && *remote_prefill) {
+    return Bad("do_remote_decode and do_remote_prefill are exclusive");
+  }
+  if (*remote_decode) {
+    if (role != Role::kPrefill) return Bad("do_remote_decode sent to a decode instance");
+    auto id = IdField(*params, "transfer_id", true);
+    if (!id) return id.error();
+    spec->kind = RequestKind::kRemoteDecode;
+    spec->transfer_id = *id;
+  } else if (*remote_prefill) {
+    if (role != Role::kDecode) return Bad("do_remote_prefill sent to a prefill instance");
+    auto id = IdField(*params, "transfer_id", true);
+    if (!id) return id.error();
+    auto engine = IdField(*params, "remote_engine_id", true);
+    if (!engine) return engine.error();
+    auto bootstrap = IdField(*params, "remote_bootstrap_addr", true);
+    if (!bootstrap) return bootstrap.error();
+    spec->kind = RequestKind::kRemotePrefill;
+    spec->transfer_id = *id;
+    spec->remote_engine_id = *engine;
+    spec->remote_bootstrap_addr = *bootstrap;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<CompletionRequest> ParseCompletionRequest(std::string_view body, Role role,
-                                                 std::uint32_t max_model_len) {
+                                                 std::uint32_t max_model_len,
+                                                 CompletionSpec* refused) {
   if (control::JsonDepth(body) > control::kMaxJsonDepth) {
     return tl::unexpected(
         Bad(fmt::format("JSON nested deeper than {} levels", control::kMaxJsonDepth)));
@@ -105,15 +144,24 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, Role rol
   if (doc.is_discarded()) return tl::unexpected(Bad("body is not valid JSON"));
   if (!doc.is_object()) return tl::unexpected(Bad("body must be a JSON object"));
   CompletionRequest out;
+  // The transfer first: once it is known, every refusal below names it to the caller, which
+  // must settle it with the other half (found by attacking real processes: a D that refused a
+  // too-long request here released nothing, and P held its KV for a lease or 480 s).
+  Status params = ParseTransferParams(doc, role, &out.spec);
+  if (!params.ok()) return tl::unexpected(params);
+  auto refuse = [&](Status why) -> Result<CompletionRequest> {
+    if (refused != nullptr && out.spec.kind != RequestKind::kLocal) *refused = out.spec;
+    return tl::unexpected(std::move(why));
+  };
   if (auto it = doc.find("model"); it != doc.end() && !it->is_null()) {
     if (!it->is_string() || it->get_ref<const std::string&>().size() > kMaxIdBytes) {
-      return tl::unexpected(Bad("model must be a short string"));
+      return refuse(Bad("model must be a short string"));
     }
     out.model = it->get<std::string>();
   }
   // prompt: token ids, or a string whose bytes are the tokens.
   auto prompt = doc.find("prompt");
-  if (prompt == doc.end()) return tl::unexpected(Bad("prompt is required"));
+  if (prompt == doc.end()) return refuse(Bad("prompt is required"));
   std::uint64_t prompt_tokens = 0;
   if (prompt->is_string()) {
     prompt_tokens = prompt->get_ref<const std::string&>().size();
@@ -121,71 +169,34 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, Role rol
     for (const json& token : *prompt) {
       if (!token.is_number_integer() || token.get<std::int64_t>() < 0 ||
           token.get<std::int64_t>() > std::numeric_limits<std::int32_t>::max()) {
-        return tl::unexpected(
+        return refuse(
             Bad("prompt must be a string or a list of non-negative token ids (one prompt only)"));
       }
     }
     prompt_tokens = prompt->size();
   } else {
-    return tl::unexpected(Bad("prompt must be a string or a list of token ids"));
+    return refuse(Bad("prompt must be a string or a list of token ids"));
   }
-  if (prompt_tokens == 0) return tl::unexpected(Bad("prompt is empty"));
+  if (prompt_tokens == 0) return refuse(Bad("prompt is empty"));
   std::int64_t max_tokens = 16;
   if (auto it = doc.find("max_tokens"); it != doc.end() && !it->is_null()) {
     if (!it->is_number_integer() || it->get<std::int64_t>() < 1) {
-      return tl::unexpected(Bad("max_tokens must be a positive integer"));
+      return refuse(Bad("max_tokens must be a positive integer"));
     }
     max_tokens = it->get<std::int64_t>();
   }
   if (prompt_tokens + static_cast<std::uint64_t>(std::min<std::int64_t>(max_tokens, 1ll << 40)) >
       max_model_len) {
-    return tl::unexpected(
-        Bad(fmt::format("prompt ({} tokens) + max_tokens ({}) exceeds "
-                        "max_model_len {}",
-                        prompt_tokens, max_tokens, max_model_len)));
+    return refuse(Bad(fmt::format("prompt ({} tokens) + max_tokens ({}) exceeds max_model_len {}",
+                                  prompt_tokens, max_tokens, max_model_len)));
   }
   auto stream = BoolField(doc, "stream", "");
-  if (!stream) return tl::unexpected(stream.error());
+  if (!stream) return refuse(stream.error());
   out.stream = *stream;
   auto ignore_eos = BoolField(doc, "ignore_eos", "");  // the synthetic model has no EOS anyway
-  if (!ignore_eos) return tl::unexpected(ignore_eos.error());
+  if (!ignore_eos) return refuse(ignore_eos.error());
   out.spec.prompt_tokens = static_cast<std::uint32_t>(prompt_tokens);
   out.spec.max_tokens = static_cast<std::uint32_t>(max_tokens);
-
-  auto params = doc.find("kv_transfer_params");
-  if (params != doc.end() && !params->is_null()) {
-    if (!params->is_object()) return tl::unexpected(Bad("kv_transfer_params must be an object"));
-    auto remote_decode = BoolField(*params, "do_remote_decode", "kv_transfer_params.");
-    if (!remote_decode) return tl::unexpected(remote_decode.error());
-    auto remote_prefill = BoolField(*params, "do_remote_prefill", "kv_transfer_params.");
-    if (!remote_prefill) return tl::unexpected(remote_prefill.error());
-    if (*remote_decode && *remote_prefill) {
-      return tl::unexpected(Bad("do_remote_decode and do_remote_prefill are exclusive"));
-    }
-    if (*remote_decode) {
-      if (role != Role::kPrefill) {
-        return tl::unexpected(Bad("do_remote_decode sent to a decode instance"));
-      }
-      out.spec.kind = RequestKind::kRemoteDecode;
-      auto id = IdField(*params, "transfer_id", true);
-      if (!id) return tl::unexpected(id.error());
-      out.spec.transfer_id = *id;
-    } else if (*remote_prefill) {
-      if (role != Role::kDecode) {
-        return tl::unexpected(Bad("do_remote_prefill sent to a prefill instance"));
-      }
-      out.spec.kind = RequestKind::kRemotePrefill;
-      auto id = IdField(*params, "transfer_id", true);
-      if (!id) return tl::unexpected(id.error());
-      auto engine = IdField(*params, "remote_engine_id", true);
-      if (!engine) return tl::unexpected(engine.error());
-      auto bootstrap = IdField(*params, "remote_bootstrap_addr", true);
-      if (!bootstrap) return tl::unexpected(bootstrap.error());
-      out.spec.transfer_id = *id;
-      out.spec.remote_engine_id = *engine;
-      out.spec.remote_bootstrap_addr = *bootstrap;
-    }
-  }
   return out;
 }
 
@@ -270,8 +281,13 @@ void HttpFront::Impl::Completions(const control::HttpRequest& req, control::Http
     ex.Reply(ErrorResponse(503, "the server is shutting down"));
     return;
   }
-  auto parsed = ParseCompletionRequest(req.body, engine->options().role, options.max_model_len);
+  CompletionSpec refused;
+  auto parsed =
+      ParseCompletionRequest(req.body, engine->options().role, options.max_model_len, &refused);
   if (!parsed) {
+    // A request this instance will never serve as sent: its transfer is settled with the other
+    // half (ServingEngine::Refused), then the client hears why.
+    if (refused.kind != RequestKind::kLocal) engine->Refused(refused, parsed.error());
     ex.Reply(ErrorResponse(400, parsed.error().message()));
     return;
   }

@@ -50,9 +50,13 @@ struct CompletionRequest {
   bool stream = false;
   std::string model;
 };
-// Errors: kInvalidArgument with a reason fit for the client.
+// Errors: kInvalidArgument with a reason fit for the client. A body refused after its
+// kv_transfer_params were read (too long for max_model_len, a bad field) still names a
+// transfer: then `*refused` (when given) gets that transfer (kind, ids, remote engine), for the
+// caller to settle with the other half (ServingEngine::Refused); otherwise it is left alone.
 Result<CompletionRequest> ParseCompletionRequest(std::string_view body, Role role,
-                                                 std::uint32_t max_model_len);
+                                                 std::uint32_t max_model_len,
+                                                 CompletionSpec* refused = nullptr);
 
 class HttpFront {
  public:

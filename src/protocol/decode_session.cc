@@ -14,6 +14,9 @@ namespace {
 
 // A bootstrap address is a URL a client may name: bounded like an id, generously.
 constexpr std::size_t kMaxBootstrapAddressBytes = 2048;
+// A refused request may name an engine D never paired with, to release its transfer there; it
+// adds engine state (and a lookup) only while D knows fewer engines than this.
+constexpr std::size_t kMaxEnginesForRefusals = 1024;
 // How often SweepEngines runs at most.
 constexpr core::Duration kEngineSweep = std::chrono::seconds(10);
 // A fence that found writes still landing under its keys (a writer stalled mid-batch) is asked
@@ -132,11 +135,20 @@ void DecodeSession::RequestFinished(const core::RequestId& request, TimePoint no
 }
 
 void DecodeSession::ReleaseTransfer(const RemoteSource& source, TimePoint now) {
-  // A refused request may name any engine at any address: no lookups, no state for strangers.
-  auto engine = engines_.find(source.engine_id);
-  if (engine == engines_.end() || !engine->second.view || source.transfer_id.empty() ||
-      by_transfer_.count(source.transfer_id) != 0) {
+  if (!SourceFits(source.transfer_id, source) || by_transfer_.count(source.transfer_id) != 0) {
     return;
+  }
+  if (engines_.count(source.engine_id) == 0) {
+    // An engine D never paired with: P prefilled its copy all the same, so it is looked up to
+    // be told (found by attacking real processes: a fresh D that refused 16 requests left P
+    // holding 4,000 of its 4,096 blocks). A refusal costs the client nothing, so the engines a
+    // refusal may introduce are capped; beyond the cap the release is dropped (P's lease or
+    // timeout frees it), and SweepEngines forgets them once their lookup ended.
+    if (engines_.size() >= kMaxEnginesForRefusals) {
+      ++counters_.releases_dropped;
+      return;
+    }
+    Engine(source.engine_id, source.bootstrap_address);
   }
   QueueRelease(source.engine_id, source.transfer_id, now);
 }

@@ -254,9 +254,11 @@ class DecodeSession {
   void RequestFinished(const core::RequestId& request, core::TimePoint now);
   // The engine refused a request before announcing it and will not serve it as sent (e.g. too
   // large for this instance): release its transfer so P neither prefills nor holds it for
-  // nobody. Only to an engine D already knows (no lookup for a refused request), and ignored
-  // while a tracked request names the same transfer. Do not call it for a refusal a router may
-  // retry elsewhere with the same transfer (queue full, shutting down).
+  // nobody. An engine D does not know yet is looked up first, while D knows fewer than 1,024
+  // engines (a refusal costs a client nothing: beyond that the release is dropped and P's
+  // lease frees the KV). Ignored while a tracked request names the same transfer. Do not call
+  // it for a refusal a router may retry elsewhere with the same transfer (queue full, shutting
+  // down).
   void ReleaseTransfer(const RemoteSource& source, core::TimePoint now);
 
   // ---- Results of what the session asked for ----

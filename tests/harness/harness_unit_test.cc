@@ -207,6 +207,32 @@ TEST(CompletionRequest, RejectsBadBodies) {
           .has_value());
 }
 
+// A body refused after its transfer was read names that transfer, so the instance can settle
+// it with the other half; one refused before (unreadable params, or none) names nothing.
+TEST(CompletionRequest, ARefusalAfterTheTransferWasReadNamesIt) {
+  CompletionSpec refused;
+  EXPECT_FALSE(ParseCompletionRequest(
+                   R"({"prompt":[1,2,3],"max_tokens":100,
+                       "kv_transfer_params":{"do_remote_prefill":true,"transfer_id":"xfer-9",
+                                             "remote_engine_id":"p0",
+                                             "remote_bootstrap_addr":"http://p:8998"}})",
+                   Role::kDecode, 64, &refused)
+                   .has_value());
+  EXPECT_EQ(refused.kind, RequestKind::kRemotePrefill);
+  EXPECT_EQ(refused.transfer_id, "xfer-9");
+  EXPECT_EQ(refused.remote_engine_id, "p0");
+  EXPECT_EQ(refused.remote_bootstrap_addr, "http://p:8998");
+  CompletionSpec untouched;
+  for (const std::string& bad : std::vector<std::string>{
+           R"({"prompt":[1],"max_tokens":100})",
+           R"({"prompt":[1],"max_tokens":100,"kv_transfer_params":{"do_remote_prefill":true}})",
+           R"({"prompt":[1],"kv_transfer_params":{"do_remote_decode":true,"transfer_id":"x"}})"}) {
+    EXPECT_FALSE(ParseCompletionRequest(bad, Role::kDecode, 64, &untouched).has_value()) << bad;
+    EXPECT_EQ(untouched.kind, RequestKind::kLocal) << bad;
+    EXPECT_TRUE(untouched.transfer_id.empty()) << bad;
+  }
+}
+
 TEST(Metrics, HistogramIsCumulative) {
   Histogram h;
   h.Observe(0.0001);

@@ -1175,4 +1175,42 @@ TEST_F(ServeTest, APRestartedWithoutEtcdOnItsPortsIsPairedAgainByTheNextLoads) {
   EXPECT_EQ(WaitMetric(d.port(), "kvferry_kv_blocks_used", 0), 0);
 }
 
+// A D that never paired with P refuses a request too long for it (prompt + max_tokens over its
+// max_model_len, refused while the body is read): P had prefilled its copy, and D releases the
+// transfer, looking P up for it, so P frees the KV at once — not after its lease or 480 s. (16
+// such requests held 4,000 of P's 4,096 blocks before.) P runs without a lease, so only the
+// release can free it within the test.
+TEST_F(ServeTest, ADecoderThatRefusesARequestTooLongForItReleasesItsTransfer) {
+  ServeProcess& p = StartPrefill();
+  ServeProcess& d = Start("decode", {"--role", "decode", "--max-model-len", "300",
+                                     "--kv-transfer-config",
+                                     R"({"kv_role":"kv_consumer"})"});
+  ASSERT_FALSE(HasFailure());
+  constexpr int kRequests = 16;
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_EQ(Post(p.port(), PrefillBody(400, "xfer-long-" + std::to_string(i))).status, 200);
+  }
+  EXPECT_EQ(Metric(Get(p.port(), "/metrics"), "kvferry_hold_entries"), kRequests);
+  const auto start = Clock::now();
+  for (int i = 0; i < kRequests; ++i) {
+    const HttpResult r =
+        Post(d.port(), DecodeBody(400, 200, false, "xfer-long-" + std::to_string(i), p));
+    EXPECT_EQ(r.status, 400) << r.body;
+    EXPECT_NE(r.body.find("max_model_len"), std::string::npos) << r.body;
+  }
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
+  EXPECT_EQ(Metric(Get(p.port(), "/metrics"), "kvferry_kv_blocks_used"), 0);
+  std::printf("[ measured ] D refused %d requests: P held nothing %.2f s after the first\n",
+              kRequests, SecondsSince(start));
+  const std::string dm = Get(d.port(), "/metrics");
+  EXPECT_EQ(Metric(dm, "kvferry_releases_sent_total"), kRequests);
+  EXPECT_EQ(Metric(dm, "kvferry_kv_blocks_used"), 0);
+  // The attacker's half: a refused body that names no readable transfer releases nothing.
+  EXPECT_EQ(Post(d.port(), {{"prompt", Prompt(400)},
+                            {"kv_transfer_params", {{"do_remote_prefill", true}}}})
+                .status,
+            400);
+  EXPECT_EQ(Metric(Get(d.port(), "/metrics"), "kvferry_releases_sent_total"), kRequests);
+}
+
 }  // namespace

@@ -1010,19 +1010,48 @@ TEST_F(DecodeSessionTest, RenewalsOfASharedTransferEndWithItsLastRequest) {
   EXPECT_EQ(s().stats().tracked, 0u);
 }
 
-// A refused request may name any engine at any address: no lookup, no state, nothing sent.
-TEST_F(DecodeSessionTest, ReleaseTransferOfAnUnknownEngineDoesNothing) {
+// A fresh D refuses a request naming an engine it never paired with: P prefilled its copy all
+// the same, so the engine is looked up once and told; the lookup is shared with what else
+// waits for it.
+TEST_F(DecodeSessionTest, ReleaseTransferOfAnUnknownEngineLooksItUpAndReleases) {
   Make();
   s().ReleaseTransfer(Source("x1", "stranger"), kT0);
+  s().ReleaseTransfer(Source("x2", "stranger"), kT0);
   s().OnTimeout(kT0 + 1s);
-  EXPECT_TRUE(s().TakeLookups().empty());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  EXPECT_EQ(lookups[0].engine_id, "stranger");
+  EXPECT_EQ(lookups[0].bootstrap_address, "stranger:8998");
   EXPECT_TRUE(s().TakeMessages().empty());
-  EXPECT_EQ(s().stats().lookups, 0u);
-  // Of a known engine it releases at once.
-  s().OnLookup(Engine("p"), kT0 + 1s);
-  s().ReleaseTransfer(Source("x2"), kT0 + 1s);
-  s().OnTimeout(kT0 + 2s);
+  s().OnLookup(Engine("stranger"), kT0 + 1s, lookups[0].id);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(std::get<wire::Release>(out[0].message).fingerprints.size(), 2u);
+  // Of a known engine it releases without a lookup.
+  s().ReleaseTransfer(Source("x3", "stranger"), kT0 + 2s);
+  s().OnTimeout(kT0 + 3s);
+  EXPECT_TRUE(s().TakeLookups().empty());
   EXPECT_EQ(ReleasesIn(s().TakeMessages()).size(), 1u);
+}
+
+// The attacker's test: refusals cost a client nothing, so the engines they introduce are capped
+// and forgotten once their lookups failed; nothing is released twice.
+TEST_F(DecodeSessionTest, RefusalsNamingManyUnknownEnginesAddBoundedStateThatIsForgotten) {
+  Make();
+  for (int i = 0; i < 5000; ++i) {
+    s().ReleaseTransfer(Source("x" + std::to_string(i), "stranger-" + std::to_string(i)), kT0);
+  }
+  s().OnTimeout(kT0 + 2ms);  // the release delay
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  EXPECT_EQ(lookups.size(), 1024u);
+  EXPECT_EQ(s().stats().engines_known, 1024u);
+  EXPECT_EQ(s().stats().releases_dropped, 5000u - 1024u);
+  for (const LookupRequest& l : lookups) {
+    s().OnLookupFailed(l.engine_id, Status(ErrorCode::kUnavailable, "refused"), kT0 + 1s, l.id);
+  }
+  s().OnTimeout(kT0 + 20s);
+  EXPECT_EQ(s().stats().engines_known, 0u);
+  EXPECT_TRUE(s().TakeMessages().empty());
 }
 
 TEST_F(DecodeSessionTest, ReleaseReplyCountsLandInTheStats) {
