@@ -5,6 +5,7 @@ process."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +35,21 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def adopt_vllm_logging() -> None:
+    """Sends the ``kvferry`` loggers' records through vLLM's logging (its handlers, format and
+    level: process name, pid and time on every line, ``VLLM_LOGGING_LEVEL`` honoured) unless the
+    application configured logging itself (a handler on ``kvferry`` or on the root logger, which
+    then keeps receiving them). Without it, vLLM configures only its own ``vllm`` logger:
+    kvferry's INFO lines vanished and its warnings printed bare. Idempotent."""
+    ours = logging.getLogger("kvferry")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+
+
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P
 
@@ -44,6 +60,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        adopt_vllm_logging()
         transfer_config = self._kv_transfer_config
         # Bad settings stop the engine at start, in both processes, with the key named.
         self.settings = parse_settings(transfer_config.kv_connector_extra_config)

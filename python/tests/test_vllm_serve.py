@@ -1,0 +1,279 @@
+"""KvferryConnector inside real ``vllm serve`` engines (vLLM 0.32.0's CPU build), behind
+``kvferry proxy``: what a user runs. Every engine of the module starts once (together) and the
+tests share them; faults that change an engine (a kill, a restart) come last in their group.
+
+Three groups, each a P and a D of one tiny model (tiny_model.py), made at test time:
+  A  Llama (4 heads / 2 KV heads, head_dim 32), block 32, UCX over shared memory; beside it a
+     plain instance of the same model (no connector) that gives the reference outputs, and a
+     P at TP 2 that D of group A pulls from (P TP2 -> D TP1).
+  B  Llama (8 heads / 4 KV heads), block 64, UCX over tcp, a 4 s lease: the faults.
+  M  DeepSeek-V2-shaped MLA (one latent KV head), block 16 (the CPU backend's), shared memory.
+The reference of groups B and M is their P serving the request alone (no kv_transfer_params:
+the connector takes no part in it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: run scripts/install-python.sh")
+pytest.importorskip("kvferry._native", reason="kvferry._native is not built (scripts/test.sh)")
+
+from tiny_model import make_model  # noqa: E402
+from vllm_serve import (  # noqa: E402
+    Cluster,
+    complete,
+    d_params,
+    engine_env,
+    engine_id_of,
+    free_port,
+    idle,
+    kv_usage,
+    p_params,
+    prompts,
+    wait_for,
+)
+
+from kvferry.vllm.launch import kvferry_transfer_config, metric  # noqa: E402
+
+LEASE_S = 4.0
+ABORT_S = 30.0
+LENGTHS = (1, 2, 31, 32, 33, 100, 200, 400)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-serve")
+    llama = str(make_model(root / "llama", "llama"))
+    llama8 = str(make_model(root / "llama8", "llama8"))
+    mla = str(make_model(root / "mla", "mla"))
+    c = Cluster(root, engine_env(root))
+    c.engine("single", llama, args=["--block-size", "32", "--num-gpu-blocks-override", "64"])
+    c.pair("a", llama, args=["--block-size", "32", "--num-gpu-blocks-override", "64"],
+           # P prefills in chunks of 64 tokens: chunked prefill on the handing side.
+           prefill_args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
+           decode_args=["--max-num-seqs", "16"])
+    c.tp2_bootstrap = free_port()
+    c.engine("a-prefill-tp2", llama, args=["--block-size", "32", "--num-gpu-blocks-override", "64",
+                                           "--tensor-parallel-size", "2"],
+             transfer_config=kvferry_transfer_config(
+                 "prefill", {"bootstrap_port": c.tp2_bootstrap}))
+    c.pair("b", llama8, extra={"kv_lease_duration": LEASE_S, "abort_request_timeout": ABORT_S},
+           args=["--block-size", "64", "--num-gpu-blocks-override", "48", "--max-num-seqs", "4"],
+           env={"UCX_TLS": "tcp"})
+    c.pair("m", mla, args=["--num-gpu-blocks-override", "128"])
+    try:
+        c.start()
+    except BaseException:
+        print(c.logs())
+        raise
+    yield c
+    c.stop()
+
+
+def test_outputs_through_p_and_d_equal_a_single_instance_token_for_token(cluster):
+    single, a = cluster.engines["single"], cluster.pairs["a"]
+    before = metric(a.decode.metrics(), "vllm:prompt_tokens_by_source_total",
+                    source="external_kv_transfer")
+    moved = 0
+    for stream in (False, True):
+        # Other prompts when streamed: the same ones would hit D's prefix cache.
+        for prompt in prompts(1 if stream else 21, LENGTHS):
+            want = complete(single.url, a.model, prompt, stream=stream)
+            got = complete(a.proxy.url, a.model, prompt, stream=stream)
+            assert want.status == 200 and got.status == 200, (want.body, got.body)
+            assert got.tokens == want.tokens, f"prompt of {len(prompt)} tokens, stream={stream}"
+            assert len(got.tokens) == 16
+            moved += len(prompt) - 1 if len(prompt) > 1 else 0
+    after = metric(a.decode.metrics(), "vllm:prompt_tokens_by_source_total",
+                   source="external_kv_transfer")
+    # D computes only the last prompt token itself (vLLM recomputes it to sample the next);
+    # every other prompt token came from P.
+    assert after - before >= moved, (before, after, moved)
+
+
+def test_sixteen_concurrent_requests_equal_the_single_instance(cluster):
+    single, a = cluster.engines["single"], cluster.pairs["a"]
+    batch = prompts(2, [17 + 23 * i for i in range(16)])
+    want = [complete(single.url, a.model, p) for p in batch]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda p: complete(a.proxy.url, a.model, p, stream=len(p) % 2 == 0),
+                            batch))
+    for w, g, p in zip(want, got, batch):
+        assert g.status == 200, g.body
+        assert g.tokens == w.tokens, f"prompt of {len(p)} tokens"
+
+
+def test_a_partial_prefix_cache_hit_on_d_loads_only_the_rest(cluster):
+    single, a = cluster.engines["single"], cluster.pairs["a"]
+    first, = prompts(3, [200])
+    tail, = prompts(4, [150])
+    second = first[:96] + tail  # the first 3 blocks of 32 are in D's prefix cache
+    assert complete(a.proxy.url, a.model, first).status == 200
+    hits = metric(a.decode.metrics(), "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+    got = complete(a.proxy.url, a.model, second)
+    want = complete(single.url, a.model, second)
+    assert got.status == 200, got.body
+    assert got.tokens == want.tokens
+    hits_after = metric(a.decode.metrics(), "vllm:prompt_tokens_by_source_total",
+                        source="local_cache_hit")
+    assert hits_after - hits >= 96, "D's prefix cache did not serve the shared blocks"
+
+
+def test_d_decodes_from_ps_bytes_not_from_its_own_prompt(cluster):
+    # The control: P prefills prompt x, D is sent prompt y (same length and last token, another
+    # start). D's output is x's, so it decoded from the KV P sent, not from y.
+    single, a = cluster.engines["single"], cluster.pairs["a"]
+    x, = prompts(5, [96])
+    for seed in range(6, 30):
+        start, = prompts(seed, [40])
+        y = start + x[40:]
+        if complete(single.url, a.model, y).tokens != complete(single.url, a.model, x).tokens:
+            break
+    else:
+        pytest.fail("no prompt found whose output differs from x's")
+    transfer = f"xfer-control-{uuid.uuid4().hex}"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        p_half = pool.submit(complete, a.prefill.url, a.model, x, 1, params=p_params(transfer))
+        d_half = complete(a.decode.url, a.model, y, params=a.d_params(transfer))
+    assert p_half.result().status == 200
+    assert d_half.status == 200, d_half.body
+    assert d_half.tokens == complete(single.url, a.model, x).tokens
+    assert d_half.tokens != complete(single.url, a.model, y).tokens
+
+
+def test_p_at_tp2_hands_its_kv_to_d_at_tp1(cluster):
+    single, a = cluster.engines["single"], cluster.pairs["a"]
+    p2 = cluster.engines["a-prefill-tp2"]
+    port = cluster.tp2_bootstrap
+    engine_id = engine_id_of(port)
+    for prompt in prompts(7, (33, 200)):
+        transfer = f"xfer-tp2-{uuid.uuid4().hex}"
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            p_half = pool.submit(complete, p2.url, a.model, prompt, 1,
+                                 params=p_params(transfer))
+            d_half = complete(a.decode.url, a.model, prompt,
+                              params=d_params(transfer, engine_id, port))
+        assert p_half.result().status == 200
+        assert d_half.status == 200, d_half.body
+        assert d_half.tokens == complete(single.url, a.model, prompt).tokens
+    wait_for("P at TP 2 idle", lambda: idle(p2), 10)
+
+
+def test_kvferrys_lines_go_through_vllms_logging(cluster):
+    # vLLM configures only its own logger; the connector joins kvferry's to it, so its lines
+    # carry vLLM's process name, pid, level and time (they vanished, INFO included, before).
+    log = cluster.pairs["a"].decode.log.read_text(errors="replace")
+    assert re.search(r"\((Worker|EngineCore)[^)]* pid=\d+\) INFO \S+ \S+ \[worker\.py:\d+\] "
+                     r"kvferry registered \d+ KV regions", log), log[-3000:]
+
+
+def test_group_a_ends_with_nothing_in_use(cluster):
+    a = cluster.pairs["a"]
+    for engine in (a.prefill, a.decode, cluster.engines["single"]):
+        wait_for(f"{engine.name} idle", lambda e=engine: idle(e), 10)
+
+
+# ---- group M: MLA ----
+
+
+def test_an_mla_model_through_p_and_d_equals_p_alone(cluster):
+    m = cluster.pairs["m"]
+    for prompt in prompts(8, (1, 15, 16, 17, 120)):
+        want = complete(m.prefill.url, m.model, prompt)
+        got = complete(m.proxy.url, m.model, prompt)
+        assert want.status == 200 and got.status == 200, (want.body, got.body)
+        assert got.tokens == want.tokens, f"prompt of {len(prompt)} tokens"
+    for engine in (m.prefill, m.decode):
+        wait_for(f"{engine.name} idle", lambda e=engine: idle(e), 10)
+
+
+# ---- group B: over tcp, with a lease; the faults ----
+
+
+def test_over_tcp_outputs_equal_p_alone(cluster):
+    b = cluster.pairs["b"]
+    for stream in (False, True):
+        for prompt in prompts(9, (1, 63, 64, 65, 300)):
+            want = complete(b.prefill.url, b.model, prompt)
+            got = complete(b.proxy.url, b.model, prompt, stream=stream)
+            assert want.status == 200 and got.status == 200, (want.body, got.body)
+            assert got.tokens == want.tokens, f"prompt of {len(prompt)} tokens"
+
+
+def test_a_late_pull_fails_at_once(cluster):
+    b = cluster.pairs["b"]
+    prompt, = prompts(10, [100])
+    transfer = f"xfer-late-{uuid.uuid4().hex}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        p_half = pool.submit(complete, b.prefill.url, b.model, prompt, 1, params=p_params(transfer))
+        assert complete(b.decode.url, b.model, prompt, params=b.d_params(transfer)).status == 200
+    assert p_half.result().status == 200
+    again = complete(b.decode.url, b.model, prompt, params=b.d_params(transfer))
+    assert again.status >= 500, again.body
+    assert again.seconds < 3.0, f"the late pull took {again.seconds:.2f} s"
+    assert "TOMBSTONED" in b.decode.log.read_text(errors="replace")
+
+
+def test_a_lease_mismatch_fails_naming_both_values(cluster):
+    # D of group A runs without a lease; P of group B with one.
+    a, b = cluster.pairs["a"], cluster.pairs["b"]
+    prompt, = prompts(11, [70])
+    transfer = f"xfer-mismatch-{uuid.uuid4().hex}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(complete, b.prefill.url, b.model, prompt, 1, params=p_params(transfer))
+        got = complete(a.decode.url, a.model, prompt, params=b.d_params(transfer))
+    assert got.status >= 500, got.body
+    log = a.decode.log.read_text(errors="replace")
+    line = next((l for l in log.splitlines() if transfer in l and "mismatch" in l), "")
+    assert "decoder has off" in line and "prefiller has 4s" in line, line
+    wait_for("P of group B frees the refused transfer", lambda: kv_usage(b.prefill) == 0, 10)
+
+
+def test_clients_leaving_d_while_queued_let_p_free_their_kv_at_once(cluster):
+    # D runs 4 requests at a time; the rest queue with their KV held on P. The clients leave:
+    # D releases every transfer and P frees it, without waiting for the lease.
+    b = cluster.pairs["b"]
+    batch = prompts(12, [300] * 8)
+    stop_at = time.monotonic() + 1.5
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(complete, b.proxy.url, b.model, p, 200, timeout_s=1.5)
+                   for p in batch]
+        wait_for("P holds the queued requests' KV", lambda: kv_usage(b.prefill) > 0.3, 10)
+        held = kv_usage(b.prefill)
+        for f in futures:
+            f.result()  # every client gave up at its 1.5 s timeout and closed its connection
+    left = time.monotonic()
+    freed = wait_for("P freed the KV of requests whose clients left",
+                     lambda: kv_usage(b.prefill) == 0, LEASE_S / 6 + 2)
+    print(f"[ measured ] P held {held:.0%} of its KV for queued requests; freed {freed:.2f} s "
+          f"after their clients left (renewal interval {LEASE_S / 6:.2f} s)")
+    assert stop_at <= left + 0.5
+    wait_for("D idle", lambda: idle(b.decode), 10)
+
+
+def test_a_killed_decoder_lets_p_free_its_queued_kv_within_one_lease(cluster):
+    b = cluster.pairs["b"]
+    batch = prompts(13, [300] * 8)
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    try:
+        for p in batch:
+            pool.submit(complete, b.proxy.url, b.model, p, 400, timeout_s=60)
+        wait_for("P holds the queued requests' KV", lambda: kv_usage(b.prefill) > 0.3, 10)
+        held = kv_usage(b.prefill)
+        b.decode.kill()  # SIGKILL, engine core and API server alike
+        killed = time.monotonic()
+        freed = wait_for("P freed a dead decoder's KV", lambda: kv_usage(b.prefill) == 0,
+                         LEASE_S + 3)
+        print(f"[ measured ] D killed while P held {held:.0%} of its KV: P freed it {freed:.2f} s "
+              f"later (lease {LEASE_S:g} s)")
+        assert freed >= LEASE_S * 0.5, "P freed before the lease could have run out"
+        assert time.monotonic() - killed < LEASE_S + 3
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    wait_for("P idle", lambda: idle(b.prefill), 10)
