@@ -516,9 +516,19 @@ void SetRank(RankConfig& c, std::string engine_id, std::uint32_t tp_size, std::u
 class PyBootstrapServer {
  public:
   PyBootstrapServer(const std::string& host, int port,
-                    const std::optional<std::string>& cluster_secret_file) {
+                    const std::optional<std::string>& cluster_secret_file,
+                    const std::optional<std::string>& engine_id,
+                    const std::optional<std::string>& incarnation) {
     control::BootstrapServerOptions o;
     o.cluster_secret = Secret(cluster_secret_file);
+    // Embedded in P: no other incarnation of the engine it serves may register while it runs
+    // (BootstrapRegistry rule 2), so one POST /register cannot take the engine's traffic over.
+    if (engine_id.has_value() != incarnation.has_value()) {
+      Raise(Status(ErrorCode::kInvalidArgument,
+                   "engine_id and incarnation go together: the engine this bootstrap's process "
+                   "serves"));
+    }
+    if (engine_id) o.own_engine = control::EngineIncarnation{*engine_id, *incarnation};
     server_ = std::make_unique<control::BootstrapServer>(o);
     Result<int> started = Err(ErrorCode::kInternal, "not started");
     {
@@ -622,9 +632,11 @@ PYBIND11_MODULE(_native, m) {
       .def("stop", &PyDecodeWorker::Stop);
 
   py::class_<PyBootstrapServer>(m, "BootstrapServer")
-      .def(py::init<const std::string&, int, const std::optional<std::string>&>(),
+      .def(py::init<const std::string&, int, const std::optional<std::string>&,
+                    const std::optional<std::string>&, const std::optional<std::string>&>(),
            py::kw_only(), py::arg("host") = "127.0.0.1", py::arg("port") = 0,
-           py::arg("cluster_secret_file") = py::none())
+           py::arg("cluster_secret_file") = py::none(), py::arg("engine_id") = py::none(),
+           py::arg("incarnation") = py::none())
       .def_property_readonly("port", &PyBootstrapServer::port)
       .def("stop", &PyBootstrapServer::Stop);
 }

@@ -300,3 +300,40 @@ def test_a_p_restarted_on_a_new_side_channel_gets_the_loads_after_the_first_unse
             assert torch.equal(d_kv[layer][:, 6], p_kv[layer][:, 5]), f"layer {layer}"
     finally:
         stop(*(w for w in (d, p2, p, bootstrap) if w is not None))
+
+
+def _register(port, engine_id, incarnation, side_channel, dp_rank=0):
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"engine_id": engine_id, "dp_rank": dp_rank, "tp_rank": 0, "pp_rank": 0, "tp_size": 1,
+            "pp_size": 1, "side_channel": side_channel, "data_plane": "",
+            "kv_lease_duration": 0, "protocol_version": 1, "incarnation": incarnation}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/register",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_a_bootstrap_that_p_embeds_refuses_another_incarnation_of_ps_engine():
+    # The engine-adapter issue's hole 1: P's bootstrap in the binding (what the connector runs in
+    # vLLM) now knows the engine it serves; one POST /register cannot take P's traffic over.
+    with pytest.raises(native.KvferryError, match="go together"):
+        native.BootstrapServer(port=0, engine_id="p")
+    bootstrap = native.BootstrapServer(port=0, engine_id="p-owned", incarnation="real")
+    try:
+        status, body = _register(bootstrap.port, "p-owned", "real", "tcp://127.0.0.1:5000")
+        assert status == 200, body
+        status, body = _register(bootstrap.port, "p-owned", "intruder", "tcp://10.6.6.6:6666")
+        assert status == 409, body
+        assert "incarnation" in body
+        status, body = _register(bootstrap.port, "someone-else", "x", "tcp://127.0.0.1:5001",
+                                 dp_rank=1)
+        assert status == 200, "other engines may still register (a shared bootstrap)"
+    finally:
+        bootstrap.stop()

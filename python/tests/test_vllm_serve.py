@@ -32,9 +32,11 @@ from vllm_serve import (  # noqa: E402
     engine_env,
     engine_id_of,
     free_port,
+    get,
     idle,
     kv_usage,
     p_params,
+    post_json,
     prompts,
     wait_for,
 )
@@ -163,6 +165,23 @@ def test_p_at_tp2_hands_its_kv_to_d_at_tp1(cluster):
         assert d_half.status == 200, d_half.body
         assert d_half.tokens == complete(single.url, a.model, prompt).tokens
     wait_for("P at TP 2 idle", lambda: idle(p2), 10)
+
+
+def test_one_post_register_cannot_take_ps_traffic_over(cluster):
+    # Hole 1 of the engine-adapter issue, as first found against a real vllm serve: P's
+    # bootstrap answered 200 new_incarnation, and /query then named the intruder.
+    single, a = cluster.engines["single"], cluster.pairs["a"]
+    intruder = {"engine_id": a.engine_id, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0,
+                "tp_size": 1, "pp_size": 1, "side_channel": "tcp://127.0.0.1:9",
+                "data_plane": "", "kv_lease_duration": 0, "protocol_version": 1,
+                "incarnation": "intruder"}
+    status, body = post_json(f"http://127.0.0.1:{a.bootstrap_port}/register", intruder)
+    assert status == 409, body
+    status, listing = get(f"http://127.0.0.1:{a.bootstrap_port}/query?engine_id={a.engine_id}")
+    assert status == 200 and "tcp://127.0.0.1:9" not in listing, listing
+    prompt, = prompts(14, [50])
+    got = complete(a.proxy.url, a.model, prompt)
+    assert got.status == 200 and got.tokens == complete(single.url, a.model, prompt).tokens
 
 
 def test_kvferrys_lines_go_through_vllms_logging(cluster):

@@ -101,6 +101,16 @@ def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 60.0) -> tup
         return 0, str(e)
 
 
+def get(url: str, timeout_s: float = 10.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError) as e:
+        return 0, str(e)
+
+
 def complete(url: str, model: str, prompt: Sequence[int], max_tokens: int = 16, *,
              stream: bool = False, params: Mapping[str, Any] | None = None,
              timeout_s: float = 120.0, **fields: Any) -> Completion:
@@ -276,6 +286,6 @@ class Cluster:
 
 __all__ = [
     "COMMON_ARGS", "Cluster", "Completion", "LaunchError", "Pair", "complete", "d_params",
-    "engine_env", "engine_id_of", "free_port", "idle", "kv_usage", "p_params", "post_json",
+    "engine_env", "engine_id_of", "free_port", "get", "idle", "kv_usage", "p_params", "post_json",
     "prompts", "wait_for",
 ]

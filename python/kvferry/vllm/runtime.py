@@ -123,9 +123,12 @@ class PrefillRuntime:
         if not address:
             if options.tp_rank == 0:
                 # Reachable from D and the proxy on other hosts, as MooncakeConnector's is.
+                # It refuses any other incarnation of this engine while it runs, so nobody can
+                # take this P's traffic over with one POST /register (docs/security.md).
                 self._bootstrap = native.BootstrapServer(
                     host="0.0.0.0", port=options.bootstrap_port,
-                    cluster_secret_file=options.cluster_secret_file)
+                    cluster_secret_file=options.cluster_secret_file,
+                    engine_id=options.engine_id, incarnation=options.incarnation)
                 port = self._bootstrap.port
             elif options.bootstrap_port == 0:
                 raise ValueError("bootstrap_port 0 (any free port) works only with TP 1: the "
