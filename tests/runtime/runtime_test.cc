@@ -334,7 +334,15 @@ TEST(RuntimeEndToEnd, APullThatNeverLeftIsAPlainFailureAndLiftsAQuarantine) {
   EXPECT_NE(r.error.message().find("no connection"), std::string::npos) << r.error.ToString();
   EXPECT_LT(core::Clock::now() - start, 5s);
 
+  // req-2's unsent pull made D look the engine up again first (the registration still names
+  // the dead side channel): wait until req-3's pull is on its way there.
+  const std::uint64_t sent = c.d->Stats().pulls_sent;
   ASSERT_TRUE(c.d->StartLoad("req-3", c.Source("xfer-3"), {8, 9}).ok());
+  for (auto until = core::Clock::now() + 5s;
+       c.d->Stats().pulls_sent == sent && core::Clock::now() < until;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_GT(c.d->Stats().pulls_sent, sent);
   c.d->EngineDown("prefill", Status(ErrorCode::kUnavailable, "left etcd"));
   r = c.Receive("req-3", core::Clock::now() + 2s);
   EXPECT_FALSE(r.ok);
