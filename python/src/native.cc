@@ -460,6 +460,10 @@ class PyDecodeWorker {
     d["renewals_accepted"] = s.renewals_accepted;
     d["releases_sent"] = s.releases_sent;
     d["quarantined_blocks"] = s.quarantined_blocks;
+    d["pulls_in_flight"] = s.pulls_in_flight;
+    d["lookups"] = s.lookups;
+    d["endpoints"] = s.endpoints;
+    d["endpoints_closed"] = s.endpoints_closed;
     return d;
   }
 

@@ -337,3 +337,44 @@ def test_a_bootstrap_that_p_embeds_refuses_another_incarnation_of_ps_engine():
         assert status == 200, "other engines may still register (a shared bootstrap)"
     finally:
         bootstrap.stop()
+
+
+def test_a_decoder_survives_two_thousand_p_addresses_with_bounded_side_channels():
+    # The engine-adapter issue's hole 2: D kept a socket for every P side-channel address it
+    # ever reached, and died (EMFILE thrown in its I/O thread) at the 1,024th; every P restart
+    # binds a new port. 2,000 engines, each at its own address where nothing listens: every
+    # load fails unsent, D lives, and it keeps at most 256 idle side channels open.
+    bootstraps = [native.BootstrapServer(port=0) for _ in range(2)]
+    real_bootstrap, p, d, p_kv, d_kv, src = make_pair(lease_s=0)
+    try:
+        engines = []
+        for b, bootstrap in enumerate(bootstraps):
+            for i in range(1000):
+                engine = f"gone-{b}-{i}"
+                # Port 9 of an address of its own: nothing listens there (an ephemeral port
+                # of 127.0.0.1 might be this test's own P).
+                address = f"tcp://127.{1 + b}.{i // 250}.{1 + i % 250}:9"
+                status, body = _register(bootstrap.port, engine, "i", address, dp_rank=i)
+                assert status == 200, body
+                engines.append((engine, bootstrap.port))
+        for n, (engine, port) in enumerate(engines):
+            d.start_load(f"req-{n}", {"transfer_id": f"x-{n}", "engine_id": engine,
+                                      "bootstrap_address": f"127.0.0.1:{port}"}, [n % NUM_BLOCKS])
+        failed = set()
+        deadline = time.monotonic() + 60
+        while len(failed) < len(engines) and time.monotonic() < deadline:
+            for request, ok, error, invalid, quarantined in d.wait_finished(0.5)["received"]:
+                assert not ok and not quarantined, (request, error)
+                failed.add(request)
+        assert len(failed) == len(engines), f"{len(failed)} of {len(engines)} loads ended"
+        d.wait_finished(0.2)  # the I/O thread closes what went idle
+        stats = d.stats()
+        assert stats["endpoints"] <= 256, stats
+        assert stats["endpoints_closed"] >= len(engines) - 256, stats
+        # And the decoder still works.
+        p.admit("xfer-ok", 1)
+        p.prefill_done("xfer-ok", [2])
+        d.start_load("req-ok", src("xfer-ok"), [3])
+        assert receive(d, "req-ok")[1]
+    finally:
+        stop(d, p, real_bootstrap, *bootstraps)

@@ -92,6 +92,10 @@ Status DecodeSession::ValidateOptions(const DecodeSessionOptions& o) {
   if (o.lookup_timeout.count() <= 0 || o.lookup_failure_ttl.count() < 0) {
     return bad("lookup_timeout must be > 0 and lookup_failure_ttl >= 0");
   }
+  if (o.max_endpoints == 0 || o.max_idle_endpoints > o.max_endpoints) {
+    return bad(fmt::format("max_endpoints {} must be >= 1 and >= max_idle_endpoints {}",
+                           o.max_endpoints, o.max_idle_endpoints));
+  }
   if (o.release_delay.count() < 0 || o.release_reply_timeout.count() <= 0) {
     return bad("release_delay must be >= 0 and release_reply_timeout > 0");
   }
@@ -350,23 +354,80 @@ std::optional<std::vector<std::uint32_t>> DecodeSession::Targets(const PeerEngin
   return std::move(*targets);
 }
 
-EndpointId DecodeSession::EndpointFor(const std::string& address) {
-  auto [it, inserted] = endpoint_of_.try_emplace(address, 0);
-  if (inserted) {
-    it->second = static_cast<EndpointId>(endpoints_.size());
-    Endpoint endpoint;
-    endpoint.address = address;
-    endpoints_.push_back(std::move(endpoint));
+std::optional<EndpointId> DecodeSession::EndpointFor(const std::string& address) {
+  if (auto known = endpoint_of_.find(address); known != endpoint_of_.end()) {
+    if (auto idle = idle_at_.find(known->second); idle != idle_at_.end()) {
+      idle_.erase(idle->second);  // in use again
+      idle_at_.erase(idle);
+    }
+    return known->second;
   }
-  return it->second;
+  // Only endpoints already idle may close here: the caller may hold ids it just got.
+  if (endpoints_.size() >= options_.max_endpoints) {
+    if (idle_.empty()) return std::nullopt;  // every one is in use: the caller fails its message
+    CloseEndpoint(idle_.back());
+  }
+  // Ids are never reused: an endpoint closed and made again for the same address is another
+  // socket, so nothing meant for the old one can reach the new one.
+  const EndpointId id = next_endpoint_++;
+  endpoint_of_.emplace(address, id);
+  Endpoint endpoint;
+  endpoint.address = address;
+  endpoints_.emplace(id, std::move(endpoint));
+  return id;
+}
+
+Status DecodeSession::TooManyEndpoints(const std::string& address) const {
+  return Status(ErrorCode::kResourceExhausted,
+                fmt::format("cannot reach prefill worker {}: this decoder has {} side channels "
+                            "open, each with messages in flight (max_endpoints)",
+                            address, endpoints_.size()));
+}
+
+DecodeSession::Endpoint* DecodeSession::FindEndpoint(EndpointId endpoint) {
+  auto it = endpoints_.find(endpoint);
+  return it == endpoints_.end() ? nullptr : &it->second;
+}
+
+void DecodeSession::NoteMaybeIdle(EndpointId endpoint) { maybe_idle_.insert(endpoint); }
+
+void DecodeSession::CloseIdleEndpoints() {
+  for (EndpointId id : std::exchange(maybe_idle_, {})) {
+    const Endpoint* ep = FindEndpoint(id);
+    if (ep == nullptr || !ep->pulls.empty() || !ep->renewals.empty() || !ep->releases.empty() ||
+        ep->fences_in_flight > 0 || idle_at_.count(id) != 0) {
+      continue;
+    }
+    idle_.push_front(id);
+    idle_at_[id] = idle_.begin();
+  }
+  while (idle_.size() > options_.max_idle_endpoints) CloseEndpoint(idle_.back());
+}
+
+void DecodeSession::CloseEndpoint(EndpointId id) {
+  idle_.erase(idle_at_.at(id));
+  idle_at_.erase(id);
+  auto ep = endpoints_.find(id);
+  endpoint_of_.erase(ep->second.address);
+  endpoints_.erase(ep);
+  // Its ledger peers have nothing pending (no pull is left), so they go with it.
+  for (auto peer = peers_.lower_bound(PeerKey{id, "", 0});
+       peer != peers_.end() && peer->first.endpoint == id;) {
+    peer_keys_.erase(peer->second);
+    quiesced_.erase(peer->second);
+    fence_backoff_.erase(peer->second);
+    peer = peers_.erase(peer);
+  }
+  ++counters_.endpoints_closed;
+  closed_out_.push_back(id);
 }
 
 core::PeerId DecodeSession::PeerFor(EndpointId endpoint, const std::string& incarnation) {
-  const PeerKey key{endpoint, incarnation, endpoints_[endpoint].epoch};
+  const PeerKey key{endpoint, incarnation, endpoints_.at(endpoint).epoch};
   auto [it, inserted] = peers_.try_emplace(key, 0);
   if (inserted) {
-    it->second = static_cast<core::PeerId>(peer_keys_.size());
-    peer_keys_.push_back(key);
+    it->second = next_peer_++;
+    peer_keys_.emplace(it->second, key);
   }
   return it->second;
 }
@@ -391,12 +452,18 @@ void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
   std::vector<EndpointId> endpoints;
   std::vector<core::PeerId> peers;
   for (std::uint32_t rank : *targets) {
-    const EndpointId endpoint = EndpointFor(view.side_channels[rank]);
-    endpoints.push_back(endpoint);
-    peers.push_back(PeerFor(endpoint, view.incarnation));
+    std::optional<EndpointId> endpoint = EndpointFor(view.side_channels[rank]);
+    if (!endpoint) {
+      for (EndpointId opened : endpoints) NoteMaybeIdle(opened);  // nothing went out on them
+      FailLoad(std::move(load), TooManyEndpoints(view.side_channels[rank]), now);
+      return;
+    }
+    endpoints.push_back(*endpoint);
   }
+  for (EndpointId endpoint : endpoints) peers.push_back(PeerFor(endpoint, view.incarnation));
   Status begun = ledger_->Begin(load.request, load.blocks, peers, Status());
   if (!begun.ok()) {
+    for (EndpointId opened : endpoints) NoteMaybeIdle(opened);  // nothing went out on them
     // E.g. the same request id still quarantined from an earlier receive.
     loading_.erase(load.request);
     ++counters_.receives_failed;
@@ -404,9 +471,9 @@ void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
     return;
   }
   for (std::size_t i = 0; i < endpoints.size(); ++i) {
-    Endpoint& ep = endpoints_[endpoints[i]];
+    Endpoint& ep = endpoints_.at(endpoints[i]);
     wire::Pull pull;
-    pull.id = ++ep.next_id;
+    pull.id = ++next_wire_id_;
     pull.d_engine_id = options_.engine_id;
     pull.d_tp_size = options_.tp_size;
     pull.d_tp_rank = options_.tp_rank;
@@ -439,17 +506,19 @@ void DecodeSession::FailLoad(Load load, Status why, TimePoint now) {
 
 void DecodeSession::ForgetPull(EndpointId endpoint, std::map<std::uint64_t, PullOp>::iterator op) {
   pull_deadlines_.erase({op->second.deadline, endpoint, op->first});
-  endpoints_[endpoint].pulls.erase(op);
+  endpoints_.at(endpoint).pulls.erase(op);
+  NoteMaybeIdle(endpoint);
 }
 
 void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse& response,
                                    TimePoint now) {
   (void)now;
-  if (endpoint >= endpoints_.size()) {
+  Endpoint* found = FindEndpoint(endpoint);
+  if (found == nullptr) {
     ++counters_.replies_unmatched;
     return;
   }
-  Endpoint& ep = endpoints_[endpoint];
+  Endpoint& ep = *found;
   std::uint64_t id = response.id;
   // "unknown message type N" answers a message P could not dispatch — never a Pull, which every
   // P reads: such an ERROR must not settle a pull P may be writing for.
@@ -500,8 +569,10 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
 void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
                                  TimePoint now) {
   (void)now;
-  if (endpoint >= endpoints_.size()) return;
-  Endpoint& ep = endpoints_[endpoint];
+  Endpoint* found = FindEndpoint(endpoint);
+  if (found == nullptr) return;
+  Endpoint& ep = *found;
+  NoteMaybeIdle(endpoint);
   // Nothing took the message: no process listens at that address any more (a P restarted on
   // a new side-channel port, or gone), so whichever engine D knows there is looked up again
   // before its next load or renewal (found by attacking real processes: without it a P
@@ -534,18 +605,19 @@ void DecodeSession::ExpirePulls(TimePoint now) {
   while (!pull_deadlines_.empty() && std::get<0>(*pull_deadlines_.begin()) <= now) {
     const auto [deadline, endpoint, id] = *pull_deadlines_.begin();
     pull_deadlines_.erase(pull_deadlines_.begin());
-    Endpoint& ep = endpoints_[endpoint];
+    Endpoint& ep = endpoints_.at(endpoint);
     auto op = ep.pulls.find(id);
     if (op == ep.pulls.end()) continue;
     // Given up on already (its engine went down): it stays known, so P's late answer still
     // releases its quarantine; and the fence is tried again now (the engine may have died
     // since a first fence failed, and a fence of a dead peer succeeds).
     if (op->second.timed_out) {
-      AskFence(endpoint, &peer_keys_[op->second.peer].incarnation);
+      AskFence(endpoint, &peer_keys_.at(op->second.peer).incarnation);
       continue;
     }
     if (!ledger_->IsPending(op->second.request, op->second.peer)) {
       ep.pulls.erase(op);  // settled meanwhile (e.g. by a fence)
+      NoteMaybeIdle(endpoint);
       continue;
     }
     ++counters_.pull_timeouts;
@@ -553,7 +625,7 @@ void DecodeSession::ExpirePulls(TimePoint now) {
                  Status(ErrorCode::kTimeout, fmt::format("no answer from prefill worker {} within {}",
                                                          ep.address, Secs(options_.pull_timeout))));
     MarkViewsStale(ep.address);  // the engine may have restarted elsewhere: ask again
-    AskFence(endpoint, &peer_keys_[op->second.peer].incarnation);
+    AskFence(endpoint, &peer_keys_.at(op->second.peer).incarnation);
   }
   DrainLedger(now);
 }
@@ -579,15 +651,16 @@ void DecodeSession::GiveUpOnPull(PullOp& op, const Status& why) {
 
 void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation) {
   // Pulls sent from now on are a new epoch of the peer: no fence asked here covers them.
-  const std::uint32_t through = endpoints_[endpoint].epoch++;
+  Endpoint& ep = endpoints_.at(endpoint);
+  const std::uint32_t through = ep.epoch++;
   // Every epoch of this endpoint with pulls still known (given up on, or in flight) and not yet
   // proved stopped — also older ones whose fence failed — one fence each, so an epoch whose
   // writes are still landing holds up no other. An epoch whose pulls were all answered has
   // nothing quarantined: it needs no fence (and without one per timeout forever, fences stay
   // linear in the pulls given up on).
   std::set<core::PeerId> epochs;
-  for (const auto& [id, op] : endpoints_[endpoint].pulls) {
-    if (incarnation == nullptr || peer_keys_[op.peer].incarnation == *incarnation) {
+  for (const auto& [id, op] : ep.pulls) {
+    if (incarnation == nullptr || peer_keys_.at(op.peer).incarnation == *incarnation) {
       epochs.insert(op.peer);
     }
   }
@@ -595,21 +668,26 @@ void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation
 }
 
 bool DecodeSession::PullsWaitFor(core::PeerId peer) const {
-  const Endpoint& ep = endpoints_[peer_keys_[peer].endpoint];
-  return std::any_of(ep.pulls.begin(), ep.pulls.end(),
+  auto key = peer_keys_.find(peer);
+  if (key == peer_keys_.end()) return false;
+  auto ep = endpoints_.find(key->second.endpoint);
+  if (ep == endpoints_.end()) return false;
+  return std::any_of(ep->second.pulls.begin(), ep->second.pulls.end(),
                      [&](const auto& op) { return op.second.peer == peer; });
 }
 
 void DecodeSession::IssueFence(core::PeerId peer, std::uint32_t through) {
   if (quiesced_.count(peer) != 0 || fencing_.count(peer) != 0) return;
-  const EndpointId endpoint = peer_keys_[peer].endpoint;
+  const EndpointId endpoint = peer_keys_.at(peer).endpoint;
+  Endpoint& ep = endpoints_.at(endpoint);
+  ++ep.fences_in_flight;
   const std::uint64_t id = next_fence_++;
   ++counters_.fences_requested;
   fencing_.insert(peer);
   fences_.emplace(id, Fence{endpoint, peer});
   std::vector<std::uint64_t> keys;
   if (options_.write_key_base != 0) keys.push_back(WriteKeyOf(peer));
-  fences_out_.push_back({id, endpoint, endpoints_[endpoint].address, through, std::move(keys)});
+  fences_out_.push_back({id, endpoint, ep.address, through, std::move(keys)});
 }
 
 void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, TimePoint now) {
@@ -618,7 +696,9 @@ void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, Ti
   const Fence fence = it->second;
   fences_.erase(it);
   fencing_.erase(fence.peer);
-  Endpoint& ep = endpoints_[fence.endpoint];
+  Endpoint& ep = endpoints_.at(fence.endpoint);  // kept while a fence of it is in flight
+  --ep.fences_in_flight;
+  NoteMaybeIdle(fence.endpoint);
   if (!result.ok()) {
     // Not proved: the quarantined blocks wait for the peer's late replies or a later fence.
     ++counters_.fences_failed;
@@ -700,8 +780,8 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
   // the fence asked here, or a late answer, proves it stopped.
   for (const std::string& address : view->side_channels) {
     auto ep = endpoint_of_.find(address);
-    if (ep == endpoint_of_.end() || endpoints_[ep->second].pulls.empty()) continue;
-    for (auto& [id, op] : endpoints_[ep->second].pulls) {
+    if (ep == endpoint_of_.end() || endpoints_.at(ep->second).pulls.empty()) continue;
+    for (auto& [id, op] : endpoints_.at(ep->second).pulls) {
       if (!op.timed_out && ledger_->IsPending(op.request, op.peer)) {
         ++counters_.pulls_abandoned;
         GiveUpOnPull(op, state.failure);
@@ -747,8 +827,8 @@ void DecodeSession::OnProcessGone(const core::EngineId& engine, const std::strin
   }
   for (EndpointId endpoint : endpoints) {
     bool any = false;
-    for (auto& [id, op] : endpoints_[endpoint].pulls) {
-      if (peer_keys_[op.peer].incarnation != incarnation) continue;
+    for (auto& [id, op] : endpoints_.at(endpoint).pulls) {
+      if (peer_keys_.at(op.peer).incarnation != incarnation) continue;
       any = true;
       if (!op.timed_out && ledger_->IsPending(op.request, op.peer)) {
         ++counters_.pulls_abandoned;
@@ -771,10 +851,15 @@ void DecodeSession::SendRenewals(const core::EngineId& engine, const PeerEngine&
     return;
   }
   for (std::uint32_t rank : *targets) {
-    const EndpointId endpoint = EndpointFor(view.side_channels[rank]);
-    Endpoint& ep = endpoints_[endpoint];
+    const std::optional<EndpointId> found = EndpointFor(view.side_channels[rank]);
+    if (!found) {
+      ++counters_.renewal_failures;
+      continue;
+    }
+    const EndpointId endpoint = *found;
+    Endpoint& ep = endpoints_.at(endpoint);
     wire::Renewal renewal;
-    renewal.id = ++ep.next_id;
+    renewal.id = ++next_wire_id_;
     renewal.d_engine_id = options_.engine_id;
     renewal.d_lease_ms = Millis(options_.lease);
     renewal.fingerprints.assign(ids.begin(), ids.end());
@@ -818,11 +903,12 @@ void DecodeSession::RenewalPass(TimePoint now) {
 std::optional<core::EngineId> DecodeSession::TakeReplyOp(
     EndpointId endpoint, std::map<std::uint64_t, ReplyOp> Endpoint::*ops,
     std::set<Deadline>& deadlines, std::uint64_t id) {
-  if (endpoint >= endpoints_.size()) {
+  Endpoint* ep = FindEndpoint(endpoint);
+  if (ep == nullptr) {
     ++counters_.replies_unmatched;
     return std::nullopt;
   }
-  std::map<std::uint64_t, ReplyOp>& pending = endpoints_[endpoint].*ops;
+  std::map<std::uint64_t, ReplyOp>& pending = ep->*ops;
   auto op = pending.find(id);
   if (op == pending.end()) {
     ++counters_.replies_unmatched;  // unknown, or answered after its deadline
@@ -831,6 +917,7 @@ std::optional<core::EngineId> DecodeSession::TakeReplyOp(
   core::EngineId engine = std::move(op->second.engine);
   deadlines.erase({op->second.deadline, endpoint, id});
   pending.erase(op);
+  NoteMaybeIdle(endpoint);
   return engine;
 }
 
@@ -909,10 +996,15 @@ void DecodeSession::SendReleases(const core::EngineId& engine, const PeerEngine&
   for (std::size_t at = 0; at < ids.size(); at += wire::kMaxFingerprintsPerRelease) {
     const std::size_t n = std::min(ids.size() - at, wire::kMaxFingerprintsPerRelease);
     for (std::uint32_t rank : *targets) {
-      const EndpointId endpoint = EndpointFor(view.side_channels[rank]);
-      Endpoint& ep = endpoints_[endpoint];
+      const std::optional<EndpointId> found = EndpointFor(view.side_channels[rank]);
+      if (!found) {
+        counters_.releases_dropped += n;
+        continue;
+      }
+      const EndpointId endpoint = *found;
+      Endpoint& ep = endpoints_.at(endpoint);
       wire::Release release;
-      release.id = ++ep.next_id;
+      release.id = ++next_wire_id_;
       release.d_engine_id = options_.engine_id;
       release.d_tp_size = options_.tp_size;
       release.d_tp_rank = options_.tp_rank;
@@ -943,9 +1035,10 @@ void DecodeSession::OnReleaseReply(EndpointId endpoint, const wire::ReleaseReply
 
 bool DecodeSession::ReleaseRefused(EndpointId endpoint, std::uint64_t id,
                                    const wire::PullResponse& error) {
-  Endpoint& ep = endpoints_[endpoint];
+  Endpoint& ep = endpoints_.at(endpoint);
   auto op = ep.releases.find(id);
   if (op == ep.releases.end()) return false;
+  NoteMaybeIdle(endpoint);
   const core::EngineId engine = op->second.engine;
   release_deadlines_.erase({op->second.deadline, endpoint, id});
   ep.releases.erase(op);
@@ -974,7 +1067,7 @@ void DecodeSession::OnAbortNotice(EndpointId endpoint, const wire::AbortNotice& 
                                   TimePoint now) {
   ++counters_.notices_received;
   const std::string* address =
-      endpoint < endpoints_.size() ? &endpoints_[endpoint].address : nullptr;
+      FindEndpoint(endpoint) != nullptr ? &endpoints_.at(endpoint).address : nullptr;
   for (const wire::AbortedTransfer& aborted : notice.aborted) {
     std::vector<core::RequestId> requests;
     for (auto [b, e] = by_transfer_.equal_range(aborted.transfer_id); b != e; ++b) {
@@ -1049,19 +1142,21 @@ void DecodeSession::OnTimeout(TimePoint now) {
   while (!renewal_deadlines_.empty() && std::get<0>(*renewal_deadlines_.begin()) <= now) {
     const auto [deadline, endpoint, id] = *renewal_deadlines_.begin();
     renewal_deadlines_.erase(renewal_deadlines_.begin());
-    if (endpoints_[endpoint].renewals.erase(id) != 0) ++counters_.renewal_failures;
+    if (endpoints_.at(endpoint).renewals.erase(id) != 0) ++counters_.renewal_failures;
+    NoteMaybeIdle(endpoint);
   }
   while (!release_deadlines_.empty() && std::get<0>(*release_deadlines_.begin()) <= now) {
     const auto [deadline, endpoint, id] = *release_deadlines_.begin();
     release_deadlines_.erase(release_deadlines_.begin());
-    if (endpoints_[endpoint].releases.erase(id) != 0) ++counters_.release_failures;
+    if (endpoints_.at(endpoint).releases.erase(id) != 0) ++counters_.release_failures;
+    NoteMaybeIdle(endpoint);
   }
   if (release_due_ <= now) FlushReleases(now);
   while (!fence_retries_.empty() && fence_retries_.begin()->first <= now) {
     const core::PeerId peer = fence_retries_.begin()->second;
     fence_retries_.erase(fence_retries_.begin());
     if (PullsWaitFor(peer)) {
-      IssueFence(peer, peer_keys_[peer].epoch);
+      IssueFence(peer, peer_keys_.at(peer).epoch);
     } else {
       fence_backoff_.erase(peer);  // answered meanwhile (late replies): nothing to prove
     }
@@ -1135,11 +1230,17 @@ std::vector<Transmit> DecodeSession::TakeMessages() { return std::exchange(messa
 
 std::vector<FenceRequest> DecodeSession::TakeFences() { return std::exchange(fences_out_, {}); }
 
+std::vector<EndpointId> DecodeSession::TakeClosedEndpoints() {
+  CloseIdleEndpoints();
+  return std::exchange(closed_out_, {});
+}
+
 std::vector<DecodeEvent> DecodeSession::TakeEvents() { return std::exchange(events_out_, {}); }
 
 DecodeStats DecodeSession::stats() const {
   DecodeStats s = counters_;
-  for (const Endpoint& ep : endpoints_) s.pulls_in_flight += ep.pulls.size();
+  for (const auto& [id, ep] : endpoints_) s.pulls_in_flight += ep.pulls.size();
+  s.endpoints = endpoints_.size();
   s.quarantined_blocks = ledger_->quarantined_blocks();
   s.tracked = renewals_.tracked();
   s.receiving = loading_.size();

@@ -50,6 +50,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -74,7 +75,8 @@ namespace kvferry::protocol {
 
 using namespace std::chrono_literals;
 
-// One P worker's side channel as the session names it; stable for the session's life.
+// One P worker's side channel as the session names it (one socket in the runtime). Never reused:
+// an endpoint closed (TakeClosedEndpoints) and needed again for the same address gets a new id.
 using EndpointId = std::uint32_t;
 
 // One remote-prefill request as the router describes it (vLLM's kv_transfer_params).
@@ -129,6 +131,16 @@ struct DecodeSessionOptions {
   // its writers revokes exactly the pulls a fence covers. The base must be below 2^63 and
   // should be random (sessions sharing one data-plane engine must not share keys).
   std::uint64_t write_key_base = 0;
+  // Endpoints with nothing in flight (no pull, renewal, release or fence) are kept open for
+  // reuse up to this many, least recently used first out; beyond it they are closed. So the
+  // side channels (sockets) D holds stay within this plus those in use, whatever the churn of
+  // P addresses (found by review: every P restart binds a new port, and D kept every socket
+  // it ever opened until it died of EMFILE at its 1,024th address).
+  std::size_t max_idle_endpoints = 256;
+  // Endpoints open at once, in use or idle. A message that needs another endpoint while every
+  // one has something in flight fails at once (a load: unsent, kResourceExhausted); the runtime
+  // sizes its socket table to this.
+  std::size_t max_endpoints = 4096;
 };
 
 // A bootstrap lookup to make; answer with OnLookup (or OnLookupFailed), passing its id.
@@ -210,6 +222,8 @@ struct DecodeStats {
   std::uint64_t lookups_stale = 0;  // answers asked before the engine was declared down
   std::uint64_t engines_known = 0;      // P engines D keeps state for (a gauge)
   std::uint64_t engines_forgotten = 0;  // never reached, no longer named: state dropped
+  std::uint64_t endpoints = 0;          // side channels open (a gauge)
+  std::uint64_t endpoints_closed = 0;   // closed idle (TakeClosedEndpoints)
   std::uint64_t fences_requested = 0;
   std::uint64_t fences_failed = 0;
   std::uint64_t release_messages = 0;   // Release messages sent
@@ -306,11 +320,16 @@ class DecodeSession {
   std::vector<Transmit> TakeMessages();
   std::vector<FenceRequest> TakeFences();
   std::vector<DecodeEvent> TakeEvents();
+  // Endpoints the session is done with: close their sockets (nothing is in flight on them,
+  // and no later message names them). Call after the other Take*() calls.
+  std::vector<EndpointId> TakeClosedEndpoints();
 
   DecodeStats stats() const;
   const DecodeSessionOptions& options() const { return options_; }
-  const std::string& AddressOf(EndpointId endpoint) const {
-    return endpoints_.at(endpoint).address;
+  // The address of an open endpoint; empty once it is closed.
+  std::string AddressOf(EndpointId endpoint) const {
+    auto it = endpoints_.find(endpoint);
+    return it == endpoints_.end() ? std::string() : it->second.address;
   }
 
  private:
@@ -329,7 +348,7 @@ class DecodeSession {
   using Deadline = std::tuple<core::TimePoint, EndpointId, std::uint64_t>;
   struct Endpoint {
     std::string address;
-    std::uint64_t next_id = 0;
+    std::uint32_t fences_in_flight = 0;
     std::map<std::uint64_t, PullOp> pulls;      // by wire id
     std::map<std::uint64_t, ReplyOp> renewals;  // by wire id
     std::map<std::uint64_t, ReplyOp> releases;  // by wire id
@@ -391,7 +410,17 @@ class DecodeSession {
   // and that no tracked request names any more, at most once per kEngineSweep: clients name
   // engines, and one naming a new engine per request must not grow D's memory.
   void SweepEngines(core::TimePoint now);
-  EndpointId EndpointFor(const std::string& address);
+  // The endpoint of `address`, opened if needed (closing the least recently idle one when
+  // max_endpoints are open); nullopt when every open one has something in flight.
+  std::optional<EndpointId> EndpointFor(const std::string& address);
+  Status TooManyEndpoints(const std::string& address) const;
+  Endpoint* FindEndpoint(EndpointId endpoint);
+  void CloseEndpoint(EndpointId endpoint);  // an idle one
+  // Something in flight on `endpoint` ended: it may be idle now (CloseIdleEndpoints decides).
+  void NoteMaybeIdle(EndpointId endpoint);
+  // Idle endpoints join the LRU of idle ones; those beyond max_idle_endpoints are closed, with
+  // the ledger peers they carried (nothing of theirs is pending).
+  void CloseIdleEndpoints();
   core::PeerId PeerFor(EndpointId endpoint, const std::string& incarnation);
   void SendLoad(Load load, const PeerEngine& view, core::TimePoint now);
   void FailLoad(Load load, Status why, core::TimePoint now);
@@ -444,10 +473,19 @@ class DecodeSession {
 
   std::unordered_map<core::EngineId, EngineState> engines_;
   core::TimePoint next_sweep_ = core::TimePoint::min();
-  std::vector<Endpoint> endpoints_;  // by EndpointId
+  std::unordered_map<EndpointId, Endpoint> endpoints_;  // open ones
+  EndpointId next_endpoint_ = 0;
   std::unordered_map<std::string, EndpointId> endpoint_of_;
+  std::list<EndpointId> idle_;  // most recently idle first
+  std::unordered_map<EndpointId, std::list<EndpointId>::iterator> idle_at_;
+  std::set<EndpointId> maybe_idle_;
+  std::vector<EndpointId> closed_out_;
+  // Wire ids of pulls, renewals and releases: unique across the session (so across the
+  // endpoints ever made for one address), which per endpoint is what the protocol needs.
+  std::uint64_t next_wire_id_ = 0;
   std::map<PeerKey, core::PeerId> peers_;
-  std::vector<PeerKey> peer_keys_;             // by PeerId
+  std::unordered_map<core::PeerId, PeerKey> peer_keys_;
+  core::PeerId next_peer_ = 0;
   std::unordered_set<core::PeerId> quiesced_;  // epochs a fence proved stopped
   // Pulls not yet timed out, renewals and releases not yet answered.
   std::set<Deadline> pull_deadlines_;

@@ -98,6 +98,9 @@ class DecodeWorker::Impl {
       const std::uint64_t bits = (std::uint64_t{random()} << 32) ^ random();
       session.write_key_base = (bits >> 1) | 1;
     }
+    // ZeroMQ's own cap (1,023 sockets by default) must not be the one D meets first: the
+    // session keeps at most max_endpoints open (one socket each), and fails what needs more.
+    context_.set(zmq::ctxopt::max_sockets, static_cast<int>(session.max_endpoints + 16));
     session_.emplace(std::move(session));
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) return Status(ErrorCode::kInternal, fmt::format("eventfd: errno {}", errno));
@@ -286,10 +289,23 @@ class DecodeWorker::Impl {
 
   // ---- the I/O thread ----
 
-  zmq::socket_t& SocketFor(protocol::EndpointId endpoint, const std::string& address,
+  // The socket of `endpoint`, made and connected on first use; nullptr (and *error) when it
+  // cannot be made (the process is out of descriptors): the message then fails unsent.
+  zmq::socket_t* SocketFor(protocol::EndpointId endpoint, const std::string& address,
                            Status* error) {
     auto it = sockets_.find(endpoint);
-    if (it != sockets_.end()) return it->second;
+    if (it != sockets_.end()) return &it->second;
+    try {
+      return &sockets_.emplace(endpoint, NewSocket(address, error)).first->second;
+    } catch (const zmq::error_t& e) {
+      // Found by review: an uncaught EMFILE here, in the I/O thread, terminated D.
+      *error = Status(ErrorCode::kResourceExhausted,
+                      fmt::format("cannot open a side channel to {}: {}", address, e.what()));
+      return nullptr;
+    }
+  }
+
+  zmq::socket_t NewSocket(const std::string& address, Status* error) {
     zmq::socket_t socket(context_, zmq::socket_type::dealer);
     // A stable identity, so that P's answers still reach this socket after it reconnects (P's
     // ROUTER hands the identity over to the new connection) instead of being dropped as sent
@@ -315,7 +331,7 @@ class DecodeWorker::Impl {
       *error = Status(ErrorCode::kUnavailable,
                       fmt::format("cannot connect to {}: {}", address, e.what()));
     }
-    return sockets_.emplace(endpoint, std::move(socket)).first->second;
+    return socket;
   }
 
   // A message ZeroMQ has not taken yet (no connection up): it has not left this process.
@@ -341,8 +357,9 @@ class DecodeWorker::Impl {
   void Send(const protocol::Transmit& t, TimePoint now, Failed* failed) {
     const std::uint64_t id = std::visit([](const auto& m) { return m.id; }, t.message);
     Status error;
-    zmq::socket_t& socket = SocketFor(t.endpoint, t.address, &error);
-    if (error.ok()) {
+    zmq::socket_t* found = SocketFor(t.endpoint, t.address, &error);
+    if (found != nullptr && error.ok()) {
+      zmq::socket_t& socket = *found;
       std::vector<std::uint8_t> payload =
           std::visit([](const auto& m) { return wire::Encode(m); }, t.message);
       std::deque<Pending>& waiting = pending_[t.endpoint];
@@ -389,6 +406,14 @@ class DecodeWorker::Impl {
       if (!waiting.empty()) next = std::min(next, waiting.front().deadline);
     }
     return next;
+  }
+
+  // Closes the sockets of endpoints the session is done with (nothing is in flight on them).
+  void Close(const std::vector<protocol::EndpointId>& endpoints) {
+    for (protocol::EndpointId endpoint : endpoints) {
+      pending_.erase(endpoint);
+      sockets_.erase(endpoint);  // linger 0: closes at once
+    }
   }
 
   // 16 random bytes, the first non-zero (ZeroMQ reserves identities that start with 0).
@@ -450,6 +475,7 @@ class DecodeWorker::Impl {
       }
       std::vector<protocol::Transmit> out;
       std::vector<protocol::FenceRequest> fences;
+      std::vector<protocol::EndpointId> closed;
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (stopping_) return;
@@ -462,8 +488,10 @@ class DecodeWorker::Impl {
         if (session_->NextDeadline() <= now) session_->OnTimeout(now);
         out = session_->TakeMessages();
         fences = session_->TakeFences();
+        closed = session_->TakeClosedEndpoints();
         Collect(&warnings);
       }
+      Close(closed);
       // Messages first: a fence covers only pulls sent before it was asked for.
       Failed failed;
       const TimePoint sent_at = Clock::now();
@@ -489,8 +517,10 @@ class DecodeWorker::Impl {
               now);
         }
         if (!fence_queue_.empty()) fence_cv_.notify_one();
+        closed = session_->TakeClosedEndpoints();
         Collect(&warnings);
       }
+      Close(closed);
       Warn(warnings);
       warnings.clear();
     }

@@ -586,6 +586,74 @@ TEST_F(DecodeSessionTest, AnUnsentPullMakesTheNextLoadAndRenewalLookTheEngineUpA
   EXPECT_EQ(s().TakeLookups().size(), 1u);
 }
 
+// Hole 2 of the engine-adapter issue: D kept every side channel it ever opened and died of
+// EMFILE at its 1,024th P address (each P restart binds a new port). Endpoints with nothing in
+// flight now close beyond max_idle_endpoints, least recently idle first, whatever the churn.
+TEST_F(DecodeSessionTest, EndpointsStayBoundedWhateverTheChurnOfPAddresses) {
+  DecodeSessionOptions o = Options();
+  o.max_idle_endpoints = 16;
+  Make(o);
+  std::set<EndpointId> closed;
+  for (int i = 0; i < 2000; ++i) {
+    const std::string engine = "p" + std::to_string(i);
+    const core::TimePoint now = kT0 + std::chrono::milliseconds(i);
+    s().OnLookup(Engine(engine), now);
+    ASSERT_TRUE(s().StartLoad("r" + std::to_string(i), Source("x" + std::to_string(i), engine),
+                              {1}, now)
+                    .ok());
+    std::vector<wire::Pull> pulls = Pulls();
+    ASSERT_EQ(pulls.size(), 1u);
+    // Every other P answers; the rest are gone (their pulls fail unsent).
+    if (i % 2 == 0) {
+      s().OnPullResponse(last_endpoints_.back(), Finish(pulls[0].id, {pulls[0].requests[0].d_req_id}),
+                         now);
+    } else {
+      s().OnSendFailed(last_endpoints_.back(), pulls[0].id,
+                       Status(ErrorCode::kUnavailable, "no connection"), now);
+    }
+    for (EndpointId id : s().TakeClosedEndpoints()) EXPECT_TRUE(closed.insert(id).second);
+    ASSERT_LE(s().stats().endpoints, 16u + 1);
+  }
+  EXPECT_EQ(closed.size(), 2000u - 16u);
+  EXPECT_EQ(s().stats().endpoints_closed, 2000u - 16u);
+  // A late answer on a closed endpoint changes nothing; a closed address opens anew.
+  const std::uint64_t unmatched = s().stats().replies_unmatched;
+  s().OnPullResponse(*closed.begin(), Finish(1, {"r0"}), kT0 + 10s);
+  EXPECT_EQ(s().stats().replies_unmatched, unmatched + 1);
+  EXPECT_TRUE(s().AddressOf(*closed.begin()).empty());
+  ASSERT_TRUE(s().StartLoad("again", Source("x-again", "p0"), {2}, kT0 + 10s).ok());
+  ASSERT_EQ(Pulls().size(), 1u);
+  EXPECT_EQ(closed.count(last_endpoints_.back()), 0u) << "ids are never reused";
+  EXPECT_EQ(s().AddressOf(last_endpoints_.back()), "p0/0");
+}
+
+// When every open endpoint has something in flight, a load that needs one more fails at once
+// (unsent) instead of opening sockets without bound; it succeeds again once one is idle.
+TEST_F(DecodeSessionTest, ALoadNeedingAnEndpointBeyondTheCapFailsAtOnceUntilOneIsIdle) {
+  DecodeSessionOptions o = Options();
+  o.max_endpoints = 2;
+  o.max_idle_endpoints = 1;
+  Make(o);
+  for (const char* p : {"a", "b", "c"}) s().OnLookup(Engine(p), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1", "a"), {1}, kT0).ok());
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2", "b"), {2}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 2u);
+  ASSERT_TRUE(s().StartLoad("r3", Source("x3", "c"), {3}, kT0).ok());
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r3");
+  EXPECT_EQ(done[0].error.code(), ErrorCode::kResourceExhausted) << done[0].error.ToString();
+  EXPECT_FALSE(done[0].quarantined);
+  s().OnPullResponse(last_endpoints_[0], Finish(pulls[0].id, {"r1"}), kT0 + 1s);
+  ASSERT_EQ(Done().size(), 1u);
+  (void)s().TakeClosedEndpoints();
+  ASSERT_TRUE(s().StartLoad("r4", Source("x4", "c"), {4}, kT0 + 1s).ok());
+  EXPECT_EQ(Pulls().size(), 1u);
+  EXPECT_EQ(s().TakeClosedEndpoints().size(), 1u) << "the idle one made room";
+  EXPECT_LE(s().stats().endpoints, 2u);
+}
+
 TEST_F(DecodeSessionTest, SecondLoadOfALoadingRequestIsRefused) {
   Make();
   ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
