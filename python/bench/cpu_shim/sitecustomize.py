@@ -34,26 +34,50 @@ def _patch(torch) -> None:
     accelerator._kvferry_bench_shim = True
 
 
+class _PatchingLoader:
+    """Wraps torch's own loader: runs it, then _patch; everything else is the wrapped loader's."""
+
+    def __init__(self, loader, finder):
+        self._loader = loader
+        self._finder = finder
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        # torch sees its own loader, as without the shim.
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _patch(module)
+        if self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
 class _PatchTorchOnImport:
-    """A meta-path finder that runs _patch right after ``torch`` finishes importing."""
+    """A meta-path finder that gives ``torch``'s spec a loader which runs _patch right after torch
+    finished importing. It stays until torch is really imported: a bare
+    ``importlib.util.find_spec("torch")`` (libraries probe for torch that way) loads nothing."""
+
+    def __init__(self):
+        self._busy = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != "torch" or self._busy:
             return None
-        sys.meta_path.remove(self)
         import importlib.util
 
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch(module)
-
-        loader.exec_module = exec_and_patch
+        self._busy = True
+        try:
+            spec = importlib.util.find_spec("torch")
+        finally:
+            self._busy = False
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader, self)
         return spec
 
 
