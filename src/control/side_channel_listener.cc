@@ -453,8 +453,12 @@ bool PrefillListener::Impl::ReadMessage() {
     if (++frames == 2) payload = std::move(next);
   }
   if (frames != 2) {
-    session_.RejectMessage(peer, ErrorCode::kProtocol,
-                           fmt::format("expected 2 frames [identity, payload], got {}", frames));
+    // With more than two frames the second is still a payload whose id may be readable.
+    session_.RejectMessage(
+        peer, ErrorCode::kProtocol,
+        fmt::format("expected 2 frames [identity, payload], got {}", frames),
+        frames > 2 ? wire::PeekId(static_cast<const std::uint8_t*>(payload.data()), payload.size())
+                   : 0);
   } else {
     session_.OnMessage(peer, {static_cast<const std::uint8_t*>(payload.data()), payload.size()},
                        Clock::now());

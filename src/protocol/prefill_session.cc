@@ -48,10 +48,15 @@ PrefillSession::PrefillSession(PrefillSessionOptions options, const HoldFactory&
 void PrefillSession::OnMessage(const PeerAddress& peer, std::span<const std::uint8_t> payload,
                                TimePoint now) {
   ++counters_.messages_received;
+  // Every ERROR below carries the message's id whenever it can be read (protocol §1): an
+  // ERROR with id 0 fails every message D has outstanding on the socket (found by review: four
+  // shapes of malformed message were answered with id 0 although their id was readable).
   if (payload.size() > wire::kMaxFrameBytes) {
+    // The id sits in the first bytes (after "t" and "v"): read it from the frame's head.
     RejectMessage(peer, ErrorCode::kOutOfRange,
                   fmt::format("frame of {} bytes exceeds the limit of {} bytes", payload.size(),
-                              wire::kMaxFrameBytes));
+                              wire::kMaxFrameBytes),
+                  wire::PeekId(payload.first(wire::kMaxFrameBytes)));
     return;
   }
   Result<wire::MessageType> type = wire::PeekType(payload);
@@ -69,6 +74,7 @@ void PrefillSession::OnMessage(const PeerAddress& peer, std::span<const std::uin
         reply.p_lease_ms = p_lease_ms_;
         reply.status = wire::RenewalStatus::kError;
         reply.message = Truncated(renewal.error().ToString());
+        reply.id = wire::PeekId(payload);
         Emit(peer, std::move(reply));
         return;
       }
@@ -79,7 +85,7 @@ void PrefillSession::OnMessage(const PeerAddress& peer, std::span<const std::uin
       Result<wire::Pull> pull = wire::DecodePull(payload);
       if (!pull) {
         ++counters_.pull_errors;
-        RejectMessage(peer, pull.error().code(), pull.error().message());  // id unreadable
+        RejectMessage(peer, pull.error().code(), pull.error().message(), wire::PeekId(payload));
         return;
       }
       OnPull(peer, std::move(*pull), now);
@@ -108,7 +114,8 @@ void PrefillSession::OnMessage(const PeerAddress& peer, std::span<const std::uin
   }
   RejectMessage(
       peer, ErrorCode::kProtocol,
-      fmt::format("unexpected {} message on a prefill side channel", wire::ToString(*type)));
+      fmt::format("unexpected {} message on a prefill side channel", wire::ToString(*type)),
+      wire::PeekId(payload));
 }
 
 void PrefillSession::RejectMessage(const PeerAddress& peer, ErrorCode code, std::string reason,

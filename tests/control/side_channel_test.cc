@@ -412,18 +412,28 @@ TEST_F(SideChannelTest, MalformedMessagesGetAnErrorReplyAndChangeNothing) {
   auto channel = Channel();
   const ListenerStats before = listener_->Stats();
 
-  const std::vector<std::uint8_t> pull_bytes = wire::Encode(MakePull({{"d-1", "xfer-1"}}, 30000));
-  const std::vector<std::uint8_t> renewal_bytes = wire::Encode(MakeRenewal({"xfer-1"}));
+  wire::Pull pull = MakePull({{"d-1", "xfer-1"}}, 30000);
+  pull.id = 41;
+  const std::vector<std::uint8_t> pull_bytes = wire::Encode(pull);
+  wire::Renewal renewal = MakeRenewal({"xfer-1"});
+  renewal.id = 42;
+  const std::vector<std::uint8_t> renewal_bytes = wire::Encode(renewal);
+  wire::RenewalReply stray;
+  stray.id = 43;
+  std::vector<std::uint8_t> oversized = pull_bytes;
+  oversized.resize(wire::kMaxFrameBytes + 1, 0);
   struct Case {
     std::string name;
     std::vector<std::uint8_t> bytes;
     bool renewal_error;  // answered with RenewalReply kError instead of PullResponse ERROR
+    std::uint64_t id = 0;  // the id the answer carries: the message's, where it is readable
   };
   std::vector<Case> cases = {
-      {"truncated pull", {pull_bytes.begin(), pull_bytes.begin() + pull_bytes.size() / 2}, false},
+      {"truncated pull", {pull_bytes.begin(), pull_bytes.begin() + pull_bytes.size() / 2}, false,
+       41},
       {"truncated renewal",
        {renewal_bytes.begin(), renewal_bytes.begin() + renewal_bytes.size() - 3},
-       true},
+       true, 42},
       {"pull with a wrong type", Raw().Head(3, 1).Str("e").Uint(5), false},
       {"renewal with a wrong type",
        Raw().Head(5, 2).Str("e").Str("d").Str("l").Uint(0).Str("fp").Str("x"), true},
@@ -432,7 +442,8 @@ TEST_F(SideChannelTest, MalformedMessagesGetAnErrorReplyAndChangeNothing) {
       {"garbage", {0xde, 0xad, 0xbe, 0xef, 0x00, 0x01}, false},
       {"empty", {}, false},
       {"oversized frame", std::vector<std::uint8_t>(wire::kMaxFrameBytes + 1, 0x81), false},
-      {"reply sent to P", wire::Encode(wire::RenewalReply{}), false},
+      {"oversized pull", oversized, false, 41},
+      {"reply sent to P", wire::Encode(stray), false, 43},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -444,12 +455,14 @@ TEST_F(SideChannelTest, MalformedMessagesGetAnErrorReplyAndChangeNothing) {
       EXPECT_EQ(decoded->status, wire::RenewalStatus::kError);
       EXPECT_FALSE(decoded->message.empty());
       EXPECT_EQ(decoded->p_lease_ms, 30000u);
+      EXPECT_EQ(decoded->id, c.id);
     } else {
       auto decoded = wire::DecodePullResponse(*reply);
       ASSERT_TRUE(decoded.has_value());
       EXPECT_EQ(decoded->status, wire::PullStatus::kError);
       EXPECT_NE(decoded->code, ErrorCode::kOk);
       EXPECT_FALSE(decoded->message.empty());
+      EXPECT_EQ(decoded->id, c.id);
     }
   }
   // A message of more than one frame (docs/protocol.md §1) is refused, not served.
@@ -459,8 +472,8 @@ TEST_F(SideChannelTest, MalformedMessagesGetAnErrorReplyAndChangeNothing) {
     dealer.set(zmq::sockopt::linger, 0);
     dealer.set(zmq::sockopt::rcvtimeo, 2000);
     dealer.connect(listener_->endpoint());
-    dealer.send(zmq::str_buffer("extra"), zmq::send_flags::sndmore);
-    dealer.send(zmq::buffer(pull_bytes));
+    dealer.send(zmq::buffer(pull_bytes), zmq::send_flags::sndmore);
+    dealer.send(zmq::str_buffer("extra"));
     zmq::message_t reply;
     ASSERT_TRUE(dealer.recv(reply));
     EXPECT_FALSE(reply.more());
@@ -468,6 +481,7 @@ TEST_F(SideChannelTest, MalformedMessagesGetAnErrorReplyAndChangeNothing) {
     ASSERT_TRUE(decoded.has_value());
     EXPECT_EQ(decoded->status, wire::PullStatus::kError);
     EXPECT_EQ(decoded->code, ErrorCode::kProtocol);
+    EXPECT_EQ(decoded->id, 41u) << "the payload frame's id";
   }
   // Whole-message refusals of well-formed pulls.
   wire::Pull duplicate = MakePull({{"d-1", "xfer-1"}, {"d-1", "xfer-2"}}, 30000);

@@ -355,6 +355,44 @@ TEST_F(PrefillSessionTest, GarbageGetsAnErrorAndChangesNothing) {
   EXPECT_EQ(s().hold().PhaseOf("x1"), core::HoldPhase::kReady);
 }
 
+// Hole 7 of the engine-adapter issue: an ERROR answering a message whose id is readable carries
+// that id (protocol §1); with id 0, D fails every message it has outstanding on the socket.
+// Four shapes: a truncated Renewal, a truncated Pull, a message type P does not take, and a
+// frame over the size limit.
+TEST_F(PrefillSessionTest, MalformedMessagesWhoseIdIsReadableAreAnsweredWithIt) {
+  Make();
+  auto truncated = [](std::vector<std::uint8_t> bytes) {
+    bytes.resize(bytes.size() - 1);
+    return bytes;
+  };
+  wire::Renewal renewal;
+  renewal.id = 71;
+  renewal.d_engine_id = "d";
+  renewal.fingerprints = {1, 2, 3};
+  s().OnMessage("d0", truncated(wire::Encode(renewal)), kT0);
+  std::vector<Outgoing> out = s().TakeOutgoing();
+  ASSERT_EQ(out.size(), 1u);
+  const auto* reply = std::get_if<wire::RenewalReply>(&out[0].message);
+  ASSERT_NE(reply, nullptr);
+  EXPECT_EQ(reply->status, wire::RenewalStatus::kError);
+  EXPECT_EQ(reply->id, 71u);
+
+  s().OnMessage("d0", truncated(wire::Encode(MakePull(72, {{"r1", "x1"}}))), kT0);
+  wire::RenewalReply stray;
+  stray.id = 73;
+  s().OnMessage("d0", wire::Encode(stray), kT0);
+  std::vector<std::uint8_t> huge = wire::Encode(MakePull(74, {{"r1", "x1"}}));
+  huge.resize(wire::kMaxFrameBytes + 1, 0);
+  s().OnMessage("d0", huge, kT0);
+  std::vector<wire::PullResponse> errors = Responses();
+  ASSERT_EQ(errors.size(), 3u);
+  for (std::size_t i = 0; i < errors.size(); ++i) {
+    EXPECT_EQ(errors[i].status, wire::PullStatus::kError);
+    EXPECT_EQ(errors[i].id, 72u + i) << errors[i].message;
+  }
+  EXPECT_FALSE(s().hold().Contains("x1")) << "nothing of a refused pull is kept";
+}
+
 // Found in review: what pulls retain is bounded in blocks too, and answered requests drop
 // theirs, so a peer cannot hold P's memory with many parked pulls naming many blocks.
 TEST_F(PrefillSessionTest, BlocksRetainedByPullsInProgressAreCapped) {
