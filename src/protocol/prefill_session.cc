@@ -43,6 +43,13 @@ PrefillSession::PrefillSession(PrefillSessionOptions options, const HoldFactory&
           std::chrono::duration_cast<std::chrono::milliseconds>(options_.hold.lease).count())),
       table_(make_hold ? make_hold(options_.hold) : std::make_unique<CoreHold>(options_.hold)) {}
 
+// OnTimeout: how late a pass may find itself before it takes the lateness for a stall of this
+// process, and how long it then waits for what D sent meanwhile. The threshold is far above a
+// loaded listener's lateness (its polls wait at most 1 s, and the pass runs as soon as it wakes)
+// and the grace far above the time ZeroMQ takes to deliver what waited in the kernel.
+constexpr core::Duration kStallThreshold = std::chrono::seconds(1);
+constexpr core::Duration kStallGrace = std::chrono::milliseconds(500);
+
 // ---- input from D ----
 
 void PrefillSession::OnMessage(const PeerAddress& peer, std::span<const std::uint8_t> payload,
@@ -588,12 +595,25 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
 // ---- time ----
 
 void PrefillSession::OnTimeout(TimePoint now) {
+  if (stall_grace_until_ == TimePoint::min()) {
+    const TimePoint due = table_->NextDeadline();
+    if (due != core::kNever && now - due > kStallThreshold) {
+      stall_grace_until_ = now + kStallGrace;
+      ++counters_.stalls;
+      return;
+    }
+  } else if (now < stall_grace_until_) {
+    return;
+  }
+  stall_grace_until_ = TimePoint::min();
   table_->Expire(now);
   DrainHoldEvents(now);
   Flush();
 }
 
-TimePoint PrefillSession::NextDeadline() const { return table_->NextDeadline(); }
+TimePoint PrefillSession::NextDeadline() const {
+  return stall_grace_until_ != TimePoint::min() ? stall_grace_until_ : table_->NextDeadline();
+}
 
 void PrefillSession::Shutdown(TimePoint now) {
   if (shut_down_) return;

@@ -142,6 +142,7 @@ inline constexpr std::size_t kMaxNoticePeersPerTransfer = 64;
 struct PrefillStats {
   std::uint64_t messages_received = 0;
   std::uint64_t messages_malformed = 0;  // answered with ERROR / RenewalReply kError
+  std::uint64_t stalls = 0;              // expiry passes put off after a stall (OnTimeout)
   std::uint64_t renewals_accepted = 0;   // messages, not fingerprints (see hold for those)
   std::uint64_t renewals_rejected = 0;   // messages answered kRejected (no lease on P)
   std::uint64_t pulls_received = 0;      // Pull messages admitted (not ERROR)
@@ -219,7 +220,12 @@ class PrefillSession {
   void OnWriteDone(std::uint64_t ticket, const WriteOutcome& outcome, core::TimePoint now);
 
   // ---- Time ----
-  // Runs the expiry pass. Call at NextDeadline() (earlier is harmless).
+  // Runs the expiry pass. Call at NextDeadline() (earlier is harmless). A call more than
+  // kStallThreshold (1 s) after the pass was due means this process did not run meanwhile (a
+  // freeze, a stop, an overloaded host): the renewals a live D sent then still wait in the
+  // socket, so the pass is put off by kStallGrace (500 ms) for the caller to read them first
+  // (found by review: after a freeze longer than the lease, P expired the transfers a live D
+  // was renewing before it read the renewals queued during the freeze).
   void OnTimeout(core::TimePoint now);
   core::TimePoint NextDeadline() const;
 
@@ -298,6 +304,8 @@ class PrefillSession {
   const std::uint64_t p_lease_ms_;
   std::unique_ptr<Hold> table_;
   bool shut_down_ = false;
+  // While set: an expiry pass found late by a stall waits until then (OnTimeout).
+  core::TimePoint stall_grace_until_ = core::TimePoint::min();
 
   std::unordered_map<std::uint64_t, PendingPull> pulls_;
   std::uint64_t next_pull_key_ = 1;

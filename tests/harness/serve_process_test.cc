@@ -1214,3 +1214,38 @@ TEST_F(ServeTest, ADecoderThatRefusesARequestTooLongForItReleasesItsTransfer) {
 }
 
 }  // namespace
+
+namespace {
+
+// Hole 8 of the engine-adapter issue, on real processes: P is frozen (SIGSTOP) for twice the
+// lease while a live D queues a request and renews its transfer; thawed, P reads the renewals
+// sent during the freeze before its expiry pass, so it expires nothing D renews, and the
+// request is served when D has room.
+TEST_F(ServeTest, APFrozenLongerThanTheLeaseKeepsTheKvALiveDRenews) {
+  const std::string lease = R"(,"kv_lease_duration":2)";
+  ServeProcess& p = StartPrefill({}, lease);
+  // D runs one request at a time, slowly: the second one queues (and is renewed) meanwhile.
+  ServeProcess& d = Start(
+      "decode", {"--role", "decode", "--kv-transfer-config",
+                 R"({"kv_role":"kv_consumer","kv_connector_extra_config":{"abort_request_timeout":30)" +
+                     lease + "}}",
+                 "--num-blocks", "512", "--max-running", "1", "--decode-us-per-step", "20000"});
+  ASSERT_FALSE(HasFailure());
+  auto first = std::async(std::launch::async, [&] { RunPair(p, d, "xfer-busy", 32, 200, false); });
+  ASSERT_EQ(WaitMetric(d.port(), "kvferry_requests_running", 1), 1);
+  auto queued = std::async(std::launch::async, [&] { RunPair(p, d, "xfer-queued", 64, 4, false); });
+  ASSERT_EQ(WaitMetric(p.port(), "kvferry_hold_entries{state=\"ready\"}", 1), 1)
+      << "P holds the queued request's KV";
+  ASSERT_EQ(kill(p.pid(), SIGSTOP), 0);
+  std::this_thread::sleep_for(std::chrono::seconds(4));
+  ASSERT_EQ(kill(p.pid(), SIGCONT), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const std::string pm = Get(p.port(), "/metrics");
+  EXPECT_LE(Metric(pm, "kvferry_hold_expiries_total{reason=\"expired\"}"), 0)
+      << "P expired a transfer a live D was renewing";
+  first.get();
+  queued.get();  // RunPair checks D's answer: served from P's KV
+  EXPECT_EQ(WaitMetric(p.port(), "kvferry_hold_entries", 0), 0);
+}
+
+}  // namespace

@@ -328,6 +328,43 @@ TEST_F(PrefillSessionTest, RenewalIsAnsweredAtOnceAndExtendsOnlyKnownTransfers) 
   EXPECT_EQ(s().hold().DeadlineOf("x1"), kT0 + 40s);
 }
 
+// Hole 8 of the engine-adapter issue: P frozen longer than the lease (SIGSTOP, a stalled host)
+// wakes with D's renewals still in its socket. The first pass, far past its due time, waits for
+// them instead of expiring what a live D renewed; an entry nobody renewed still goes after the
+// grace.
+TEST_F(PrefillSessionTest, APassLateByAStallWaitsForTheRenewalsSentMeanwhile) {
+  PrefillSessionOptions options;
+  options.hold.lease = 30s;
+  Make(options);
+  Ready("x-renewed");
+  Ready("x-orphan", 8);
+  EXPECT_EQ(s().NextDeadline(), kT0 + 30s);
+  // Frozen from kT0 + 1 s to kT0 + 45 s: the pass due at kT0 + 30 s runs 15 s late.
+  const core::TimePoint thawed = kT0 + 45s;
+  s().OnTimeout(thawed);
+  EXPECT_TRUE(s().hold().Contains("x-renewed"));
+  EXPECT_TRUE(s().hold().Contains("x-orphan"));
+  EXPECT_EQ(s().stats().stalls, 1u);
+  EXPECT_EQ(s().NextDeadline(), thawed + 500ms);
+  s().OnTimeout(thawed + 100ms);  // too early: still waiting
+  EXPECT_TRUE(s().hold().Contains("x-orphan"));
+  wire::Renewal renewal;
+  renewal.id = 5;
+  renewal.d_engine_id = "d-engine";
+  renewal.d_lease_ms = 30000;
+  renewal.fingerprints = wire::FingerprintsOf(std::vector<core::TransferId>{"x-renewed"});
+  s().OnMessage("d0", wire::Encode(renewal), thawed + 2ms);  // queued during the freeze
+  (void)s().TakeOutgoing();
+  s().OnTimeout(thawed + 500ms);
+  EXPECT_TRUE(s().hold().Contains("x-renewed")) << "a live D renewed it";
+  EXPECT_FALSE(s().hold().Contains("x-orphan")) << "nobody renewed it";
+  EXPECT_EQ(s().stats().stalls, 1u);
+  // An ordinary pass, late by less than the threshold, runs at once.
+  s().OnTimeout(s().NextDeadline() + 200ms);
+  EXPECT_FALSE(s().hold().Contains("x-renewed"));
+  EXPECT_EQ(s().stats().stalls, 1u);
+}
+
 TEST_F(PrefillSessionTest, ShutdownAnswersParkedRequestsAndRefusesNewPulls) {
   Make();
   s().OnPull("d0", MakePull(1, {{"r1", "x1"}}), kT0);
