@@ -243,6 +243,7 @@ void DecodeSession::RequestLookup(const core::EngineId& engine, EngineState& sta
   state.lookup_in_flight = true;
   state.lookup_deadline = now + options_.lookup_timeout;
   state.lookup_id = ++last_lookup_id_;
+  state.lookup_address = state.bootstrap_address;
   ++counters_.lookups;
   lookups_out_.push_back({engine, state.bootstrap_address, state.lookup_id});
 }
@@ -272,19 +273,28 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now, std::uint6
   state.lookup_deadline = core::kNever;
   state.failed_until = TimePoint::min();
   state.failure = Status();
+  std::optional<std::string> replaced;  // an old process the answer says is gone
   if (state.view && state.view->incarnation != engine.incarnation) {
-    // A new process (or another registration of the same id). It only adds peers: the old
-    // process's pulls end by their own replies or by a fence, never by this lookup.
     renewals_.ResetEngine(engine.engine_id);
     state.releases_unsupported = false;  // the new process may be a newer build
+    // The service that named the old process now names another: the engine restarted (P's
+    // embedded bootstrap refuses any other incarnation while its process lives), so the old
+    // process's pulls will get no answer: they fail now, as with a registry's word
+    // (OnProcessGone), and their blocks stay quarantined until a fence or a late answer. A
+    // service D did not learn the old process from says nothing of it: a client may name any
+    // bootstrap, and that answer only adds peers.
+    const bool same_source = state.view_address == state.lookup_address;
+    if (same_source) replaced = state.view->incarnation;
     events_out_.push_back(Warning{
         Warning::Kind::kIncarnation,
-        fmt::format(
-            "prefill engine {} now reports incarnation {} (was {}); pulls to the old one end by "
-            "their replies or a fence",
-            engine.engine_id, engine.incarnation, state.view->incarnation)});
+        fmt::format("prefill engine {} now reports incarnation {} (was {}){}", engine.engine_id,
+                    engine.incarnation, state.view->incarnation,
+                    same_source ? ": the old process's pulls fail now"
+                                : " at another bootstrap; pulls to the old one end by their "
+                                  "replies or a fence")});
   }
   state.view = engine;
+  state.view_address = state.lookup_address;
   state.view_stale = false;
   state.declared_down.reset();
   std::vector<Load> loads = std::move(state.waiting_loads);
@@ -296,6 +306,15 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now, std::uint6
   if (!state.waiting_releases.empty()) {
     std::vector<core::Fingerprint> releases = std::exchange(state.waiting_releases, {});
     SendReleases(engine.engine_id, engine, releases, now);
+  }
+  if (replaced) {
+    ++counters_.processes_replaced;
+    GiveUpOnProcess(*replaced,
+                    Status(ErrorCode::kUnavailable,
+                           fmt::format("prefill engine {} restarted: its bootstrap now names "
+                                       "process {} instead of {}",
+                                       engine.engine_id, engine.incarnation, *replaced)));
+    DrainLedger(now);
   }
 }
 
@@ -819,6 +838,11 @@ void DecodeSession::OnProcessGone(const core::EngineId& engine, const std::strin
   if (state.declared_down && state.declared_down->incarnation == incarnation) {
     state.declared_down.reset();
   }
+  GiveUpOnProcess(incarnation, failure);
+  DrainLedger(now);
+}
+
+void DecodeSession::GiveUpOnProcess(const std::string& incarnation, const Status& failure) {
   // Its pulls in flight get no answer: their requests fail now and their blocks stay
   // quarantined until the fence asked here (of that process's epochs only) or a late answer.
   std::set<EndpointId> endpoints;
@@ -837,7 +861,6 @@ void DecodeSession::OnProcessGone(const core::EngineId& engine, const std::strin
     }
     if (any) AskFence(endpoint, &incarnation);
   }
-  DrainLedger(now);
 }
 
 // ---- renewals ----

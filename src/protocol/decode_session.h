@@ -26,8 +26,11 @@
 //    session asks for a fence of that peer, whose success (OnFenceDone OK) also releases it.
 //    Pulls sent after a fence was asked for belong to a new epoch of the peer, so the fence
 //    never releases entries it does not cover.
-//  - A new incarnation of an engine (a lookup naming another process) never settles anything by
-//    itself: the old process's pulls end by their own replies or by a fence.
+//  - A new incarnation of an engine never settles anything by itself: the old process's pulls
+//    end by their own replies or by a fence. A lookup that finds it at the very bootstrap the
+//    old process was learned from means the engine restarted: the old process's pulls fail at
+//    once (their blocks stay quarantined), as with a registry's OnProcessGone; an answer from
+//    another bootstrap (any client may name one) only adds peers.
 //  - A message that could not be sent (OnSendFailed: nothing listens at the address, or its
 //    queue is full) or a pull that timed out makes every engine whose view names that side
 //    channel stale: its next loads, releases and renewal pass wait for a fresh lookup (renewals
@@ -209,6 +212,7 @@ struct DecodeStats {
   std::uint64_t pulls_sent = 0;
   std::uint64_t pull_timeouts = 0;      // pulls whose deadline passed with entries pending
   std::uint64_t pulls_abandoned = 0;    // pulls given up on because their engine went down
+  std::uint64_t processes_replaced = 0;  // lookups that found a restart (OnLookup)
   std::uint64_t late_replies = 0;       // replies to a pull after its deadline
   std::uint64_t replies_unmatched = 0;  // replies naming no pull or renewal of that endpoint
   std::uint64_t receives_ok = 0;
@@ -365,6 +369,8 @@ class DecodeSession {
     bool lookup_in_flight = false;
     core::TimePoint lookup_deadline = core::kNever;
     std::uint64_t lookup_id = 0;     // the latest lookup asked
+    std::string lookup_address;      // where the latest lookup asked
+    std::string view_address;        // where `view` was learned
     std::uint64_t lookup_floor = 0;  // answers to lookups with a lower id are stale
     core::TimePoint failed_until =
         core::TimePoint::min();  // a failed lookup is believed until then
@@ -449,6 +455,9 @@ class DecodeSession {
   void RenewalPass(core::TimePoint now);
   void ExpirePulls(core::TimePoint now);
   void GiveUpOnPull(PullOp& op, const Status& why);
+  // Gives up on every pull of the process `incarnation` (as at their deadlines) and fences the
+  // epochs they belong to. The caller drains the ledger.
+  void GiveUpOnProcess(const std::string& incarnation, const Status& failure);
   // Every engine whose view names the side channel `address` is looked up again before its
   // next load or renewal pass: something said the process there may be gone.
   void MarkViewsStale(const std::string& address);

@@ -1249,3 +1249,40 @@ TEST_F(ServeTest, APFrozenLongerThanTheLeaseKeepsTheKvALiveDRenews) {
 }
 
 }  // namespace
+
+namespace {
+
+// Without etcd, a P killed and restarted on its ports while D's load waits on the old process:
+// D's renewals to the dead side channel fail unsent, D looks the engine up again at the
+// bootstrap it learned it from, finds the new process there, and fails the old process's load
+// at once (its pull would get no answer until the pull deadline, 65 s here) — then the new
+// process serves.
+TEST_F(ServeTest, WithoutEtcdALoadWaitingOnARestartedPFailsOnceDSeesTheRestart) {
+  const int http = kvferry::testing::FreePort();
+  const int bootstrap = kvferry::testing::FreePort();
+  const std::vector<std::string> prefill = {
+      "--role", "prefill", "--port", std::to_string(http), "--kv-transfer-config",
+      R"({"engine_id":"prefill-restarts","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":2,"bootstrap_port":)" +
+          std::to_string(bootstrap) + "}}",
+      "--num-blocks", "512", "--decode-us-per-step", "500", "--prefill-us-per-batch", "200"};
+  ServeProcess* p = &Start("prefill", prefill);
+  ServeProcess& d = StartDecode({}, R"(,"kv_lease_duration":2)");
+  ASSERT_FALSE(HasFailure());
+  auto pending = OrphanLoad(d, *p, 60);
+  ASSERT_FALSE(HasFailure());
+  const auto killed = Clock::now();
+  p->Kill();
+  p = &Start("prefill-again", prefill);
+  ASSERT_FALSE(HasFailure());
+  const HttpResult r = pending.get();
+  const double after = SecondsSince(killed);
+  std::printf("[ measured ] without etcd: the load waiting on the old process failed %.2f s "
+              "after the kill (lease 2 s, pull deadline 65 s)\n",
+              after);
+  EXPECT_GE(r.status, 500) << r.body;
+  EXPECT_NE(r.body.find("restarted"), std::string::npos) << r.body;
+  EXPECT_LT(after, 10.0);
+  RunPair(*p, d, "xfer-after-restart", 64, 4, false);
+}
+
+}  // namespace

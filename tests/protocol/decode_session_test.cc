@@ -362,13 +362,45 @@ TEST_F(DecodeSessionTest, AProcessGoneFailsAndFencesOnlyItsOwnPullsWhileTheNewPr
   std::vector<wire::Pull> old_pull = Pulls();
   ASSERT_EQ(old_pull.size(), 1u);
   const EndpointId endpoint = last_endpoints_.back();
-  s().OnLookup(Engine("p", 1, "second"), kT0 + 1s);  // the restarted process, same address
+  // D learns the new process before the registry says the old one is gone (the new one
+  // registered; the old one's keys are replaced at the registry's next poll). A restart found
+  // at the source D learned the engine from fails the old process's pull here already.
+  s().OnLookup(Engine("p", 1, "second"), kT0 + 1s, 0);
+  ASSERT_EQ(Done().size(), 1u);
+  std::vector<FenceRequest> fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  EXPECT_EQ(fences[0].write_keys, std::vector<std::uint64_t>{old_pull[0].write_key});
   ASSERT_TRUE(s().StartLoad("new", Source("x2"), {2}, kT0 + 1s).ok());
   std::vector<wire::Pull> new_pull = Pulls();
   ASSERT_EQ(new_pull.size(), 1u);
   ASSERT_EQ(last_endpoints_.back(), endpoint);
   (void)s().TakeEvents();
 
+  // The registry's word changes nothing more: the old process's pull was given up on once,
+  // and only its epoch's key is revoked; the new process's pull is untouched.
+  s().OnProcessGone("p", "first", Status(ErrorCode::kUnavailable, "restarted"), kT0 + 2s);
+  EXPECT_TRUE(Done().empty());
+  EXPECT_EQ(s().stats().receiving, 1u);
+  EXPECT_GT(s().stats().quarantined_blocks, 0u) << "the old process may have been writing";
+  EXPECT_EQ(s().stats().fences_requested, 1u);
+  ASSERT_EQ(s().stats().pulls_abandoned, 1u);
+  s().OnPullResponse(endpoint, Finish(new_pull[0].id, {"new"}), kT0 + 4s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "new");
+  EXPECT_TRUE(done[0].ok);
+}
+
+// The registry reports a process gone before any lookup found its successor: its pulls fail
+// now, quarantined, and are fenced by their own keys only.
+TEST_F(DecodeSessionTest, AProcessGoneFromTheRegistryFailsItsPullsAndFencesOnlyTheirKeys) {
+  DecodeSessionOptions o = Options();
+  o.write_key_base = 0x2000;
+  Make(o);
+  s().OnLookup(Engine("p", 1, "first"), kT0);
+  ASSERT_TRUE(s().StartLoad("old", Source("x1"), {1}, kT0).ok());
+  std::vector<wire::Pull> old_pull = Pulls();
+  ASSERT_EQ(old_pull.size(), 1u);
   s().OnProcessGone("p", "first", Status(ErrorCode::kUnavailable, "restarted"), kT0 + 2s);
   std::vector<ReceiveDone> done = Done();
   ASSERT_EQ(done.size(), 1u);
@@ -379,16 +411,9 @@ TEST_F(DecodeSessionTest, AProcessGoneFailsAndFencesOnlyItsOwnPullsWhileTheNewPr
       << done[0].error.ToString();
   std::vector<FenceRequest> fences = s().TakeFences();
   ASSERT_EQ(fences.size(), 1u);
-  EXPECT_EQ(fences[0].write_keys, std::vector<std::uint64_t>{old_pull[0].write_key})
-      << "the new process's key must not be revoked";
+  EXPECT_EQ(fences[0].write_keys, std::vector<std::uint64_t>{old_pull[0].write_key});
   s().OnFenceDone(fences[0].id, Status::Ok(), kT0 + 3s);
   EXPECT_EQ(s().stats().quarantined_blocks, 0u);
-
-  s().OnPullResponse(endpoint, Finish(new_pull[0].id, {"new"}), kT0 + 4s);
-  done = Done();
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_EQ(done[0].request, "new");
-  EXPECT_TRUE(done[0].ok);
 }
 
 // The gone process is the one D knows: loads are not failed for want of a view; they look the
@@ -508,21 +533,71 @@ TEST_F(DecodeSessionTest, EngineDownFencesEpochsWhoseEarlierFenceFailed) {
 
 // Hole 4: a lookup naming another incarnation settles nothing: the old process's pull ends by
 // its own reply.
-TEST_F(DecodeSessionTest, NewIncarnationSettlesNothingByItself) {
+// A lookup answer from another bootstrap than the one D learned the engine from says nothing
+// of the old process (any client may name any bootstrap): it settles nothing by itself.
+TEST_F(DecodeSessionTest, ANewIncarnationAtAnotherBootstrapSettlesNothingByItself) {
   Make();
-  s().OnLookup(Engine("p", 1, "first"), kT0);
-  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  ASSERT_TRUE(s().StartLoad("r0", Source("x0"), {1}, kT0).ok());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  s().OnLookup(Engine("p", 1, "first"), kT0, lookups[0].id);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {2}, kT0).ok());
   std::vector<wire::Pull> pulls = Pulls();
-  ASSERT_EQ(pulls.size(), 1u);
-  const EndpointId old_endpoint = last_endpoints_[0];
-  s().OnLookup(Engine("p", 1, "forged"), kT0 + 1s);
-  EXPECT_TRUE(Done().empty());
+  ASSERT_EQ(pulls.size(), 2u);
+  const EndpointId old_endpoint = last_endpoints_[1];
+  // r0's pull never left: the view is stale, and r2 (naming another bootstrap) looks it up.
+  s().OnSendFailed(last_endpoints_[0], pulls[0].id, Status(ErrorCode::kUnavailable, "gone"),
+                   kT0 + 3s);
+  ASSERT_EQ(Done().size(), 1u);
+  ASSERT_TRUE(s().StartLoad("r2", {"x2", "p", "elsewhere:1"}, {3}, kT0 + 3s).ok());
+  lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  EXPECT_EQ(lookups[0].bootstrap_address, "elsewhere:1");
+  s().OnLookup(Engine("p", 1, "forged"), kT0 + 3s, lookups[0].id);
+  EXPECT_TRUE(Done().empty()) << "r1 still waits for its own answer";
   EXPECT_TRUE(s().TakeFences().empty());
-  EXPECT_EQ(s().stats().receiving, 1u);
-  s().OnPullResponse(old_endpoint, Finish(pulls[0].id, {"r1"}), kT0 + 2s);
+  s().OnPullResponse(old_endpoint, Finish(pulls[1].id, {"r1"}), kT0 + 4s);
   std::vector<ReceiveDone> done = Done();
   ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r1");
   EXPECT_TRUE(done[0].ok);
+}
+
+// P restarted without etcd: the bootstrap D learned it from now names another process. The old
+// process's pulls will get no answer: they fail at once (quarantined: it may have been
+// writing) and are fenced by their own keys, while new loads go to the new process.
+TEST_F(DecodeSessionTest, ARestartSeenAtTheSameBootstrapFailsTheOldProcesssPullsAtOnce) {
+  DecodeSessionOptions o = Options();
+  o.write_key_base = 0x3000;
+  Make(o);
+  ASSERT_TRUE(s().StartLoad("r0", Source("x0"), {1}, kT0).ok());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  s().OnLookup(Engine("p", 1, "first"), kT0, lookups[0].id);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {2}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 2u);
+  s().OnSendFailed(last_endpoints_[0], pulls[0].id, Status(ErrorCode::kUnavailable, "gone"),
+                   kT0 + 3s);
+  ASSERT_EQ(Done().size(), 1u);
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {3}, kT0 + 3s).ok());
+  lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  s().OnLookup({"p", "second", 1, {"p/new"}, wire::kProtocolFeatures}, kT0 + 3s, lookups[0].id);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r1");
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_TRUE(done[0].quarantined);
+  EXPECT_NE(done[0].error.message().find("restarted"), std::string::npos)
+      << done[0].error.ToString();
+  std::vector<FenceRequest> fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  EXPECT_EQ(fences[0].write_keys, std::vector<std::uint64_t>{pulls[1].write_key});
+  std::vector<wire::Pull> fresh = Pulls();
+  ASSERT_EQ(fresh.size(), 1u);
+  EXPECT_EQ(fresh[0].requests[0].d_req_id, "r2");
+  EXPECT_EQ(s().AddressOf(last_endpoints_.back()), "p/new");
+  EXPECT_EQ(s().stats().processes_replaced, 1u);
 }
 
 TEST_F(DecodeSessionTest, UnsentPullIsAPlainFailure) {
