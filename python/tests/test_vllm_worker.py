@@ -83,6 +83,9 @@ class FakePrefill:
     def engine_finished(self, transfer_id):
         self.calls.append(("engine_finished", transfer_id))
 
+    def refuse(self, transfer_id, why):
+        self.calls.append(("refuse", transfer_id))
+
     def take_events(self):
         out, self.events = self.events, []
         return out
@@ -258,6 +261,24 @@ def test_p_worker_passes_dropped_transfers_to_the_scheduler_half(model_dir, monk
     assert "xfer-1" in caplog.text and "dropped 1 transfer" in caplog.text
     engine_step(p, connector)  # the prefill finishes; the runtime frees a dropped one at once
     engine_step(p, connector, lambda: native.events.append(("free", "xfer-1")))
+    assert_scheduler_empty(p)
+
+
+def test_p_worker_tombstones_a_transfer_dropped_before_it_was_admitted(model_dir, monkeypatch):
+    # Hole 5 of the engine-adapter issue: a request P drops while it still queues (never
+    # admitted: no blocks yet) left no tombstone, so D's pull for it parked for
+    # abort_request_timeout holding D's blocks. It is refused now; an admitted one is ended.
+    p = make_scheduler(make_vllm_config(model_dir, "kv_producer"))
+    connector = worker_connector(model_dir, "kv_producer", monkeypatch)
+    native = connector.connector_worker.prefill
+    p.add_request(make_request("p1", 300, p_params("xfer-1"), max_tokens=1))
+    engine_step(p, connector)  # p1 is admitted; its prefill runs over two steps
+    p.add_request(make_request("p2", 40, p_params("xfer-2"), max_tokens=1))
+    p.finish_requests({"p1", "p2"}, RequestStatus.FINISHED_ABORTED)  # p2 never scheduled
+    engine_step(p, connector)
+    assert ("engine_finished", "xfer-1") in native.calls
+    assert ("refuse", "xfer-2") in native.calls
+    assert ("engine_finished", "xfer-2") not in native.calls
     assert_scheduler_empty(p)
 
 

@@ -95,6 +95,11 @@ class PrefillWorker(Protocol):
         for good): nothing will be held; a pull waiting for it fails at once with that reason,
         and a later one finds a tombstone."""
 
+    def refuse(self, transfer_id: str, why: str) -> None:
+        """The engine dropped the request before admitting it (aborted or finished while it
+        queued): nobody here will prefill it. A pull waiting for it fails now with ``why`` and
+        a later one finds a tombstone; an admitted transfer (another request's) is left alone."""
+
     def take_events(self) -> list[tuple[EventKind, str]]:
         """Events since the last call, in order, each once:
 

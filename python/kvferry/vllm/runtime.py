@@ -190,6 +190,16 @@ class PrefillRuntime:
         except self._native.KvferryError as e:
             logger.debug("kvferry: engine_finished(%s): %s", transfer_id, e)
 
+    def refuse(self, transfer_id: str, why: str) -> None:
+        """P's engine dropped the request before admitting it: nobody here will prefill it. A
+        pull already waiting for it fails now, and later ones at once (tombstoned), instead of
+        parking for abort_request_timeout with D's blocks."""
+        self._refused.discard(transfer_id)
+        try:
+            self._worker.refuse(transfer_id, why)
+        except self._native.KvferryError as e:
+            logger.debug("kvferry: refuse(%s): %s", transfer_id, e)
+
     def take_events(self) -> list[tuple[str, str]]:
         events, self._events = self._events, []
         events += [(kind, transfer_id) for kind, transfer_id, _ in self._worker.take_events()]

@@ -257,8 +257,15 @@ class KvferryConnectorWorker:
                 self._held[spec.transfer_id] = request_id
                 self.prefill.prefill_done(spec.transfer_id, spec.block_ids)
             for request_id, transfer_id in meta.drop.items():
-                self._admitted.pop(transfer_id, None)
-                self.prefill.engine_finished(transfer_id)
+                if self._admitted.pop(transfer_id, None) is not None:
+                    self.prefill.engine_finished(transfer_id)
+                else:
+                    # Dropped before it was admitted (aborted or finished while it queued):
+                    # without a tombstone, D's pull for it would park for
+                    # abort_request_timeout holding D's blocks.
+                    self.prefill.refuse(
+                        transfer_id, f"the prefill instance dropped request {request_id} before "
+                        "it was scheduled (aborted or finished while it queued)")
 
     def _collect(self) -> None:
         if self.decode is not None:
