@@ -71,3 +71,68 @@ def test_token_major_blocks_are_registered_but_never_head_sliced():
     assert not head_slices(token_major, kv_heads=8)
     assert head_slices(token_major, kv_heads=1), "replicated KV is never cut"
     assert head_slices([region(0x10000, 256, 256)], kv_heads=8)
+
+
+class _FakeDecodeWorker:
+    """kvferry._native.DecodeWorker's calls and results, scripted."""
+
+    def __init__(self, **kwargs):
+        self.calls: list[tuple] = []
+        self.pending = {"received": [], "released": [], "aborted": []}
+
+    def start_load(self, request_id, source, blocks):
+        self.calls.append(("start_load", request_id))
+
+    def request_finished(self, request_id):
+        self.calls.append(("request_finished", request_id))
+
+    def take_finished(self):
+        out, self.pending = self.pending, {"received": [], "released": [], "aborted": []}
+        return out
+
+
+class _FakeNative:
+    class KvferryError(Exception):
+        pass
+
+    DecodeWorker = _FakeDecodeWorker
+
+
+def _decode_runtime():
+    from kvferry.vllm.native import RemoteSource, WorkerOptions
+    from kvferry.vllm.runtime import DecodeRuntime
+
+    options = WorkerOptions(engine_id="d", tp_rank=0, tp_size=1, kv_lease_duration=5,
+                            abort_request_timeout=30, bootstrap_port=0,
+                            bootstrap_server_address=None, kv_release=True)
+    runtime = DecodeRuntime(_FakeNative, [region(0x10000, 256, 256)], options)
+    return runtime, runtime._worker, RemoteSource("p", "http://p:8998", "x")
+
+
+def test_a_failed_load_is_reported_at_once_and_its_held_blocks_once_released():
+    # The engine-adapter issue's hole 3: a load whose writer is unknown (a deadline passed, its
+    # P went away mid-pull) was reported only once its blocks left quarantine — never, for a
+    # P that never answers. It is reported failed at once now, held; then released.
+    runtime, native, source = _decode_runtime()
+    runtime.start_load("r1", source, [[1, 2]])
+    native.pending["received"] = [("r1", False, "TIMEOUT: no answer", [1, 2], True)]
+    got = runtime.take_finished()
+    assert got.failed == [("r1", "TIMEOUT: no answer", True)] and got.released == []
+    native.pending["released"] = [("r1", [1, 2])]
+    assert runtime.take_finished().released == ["r1"]
+
+
+def test_a_load_whose_transfer_p_dropped_fails_at_once_with_ps_reason_and_unpulled():
+    runtime, native, source = _decode_runtime()
+    native.pending["aborted"] = [("r1", "CANCELLED: prefill engine p dropped transfer x: aborted")]
+    assert runtime.take_finished().failed == []  # still queued in vLLM: nothing to report
+    runtime.start_load("r1", source, [[1]])
+    assert ("start_load", "r1") not in native.calls, "P serves no pull for it"
+    got = runtime.take_finished()
+    assert got.failed == [("r1", "CANCELLED: prefill engine p dropped transfer x: aborted", False)]
+    # A request that ends while it queues forgets the notice.
+    native.pending["aborted"] = [("r2", "dropped")]
+    runtime.take_finished()
+    runtime.request_finished("r2")
+    runtime.start_load("r2", source, [[3]])
+    assert ("start_load", "r2") in native.calls

@@ -49,7 +49,7 @@ class FakeDecode:
     def __init__(self, regions, options):
         self.regions, self.options = regions, options
         self.calls: list[tuple] = []
-        self.pending = DecodeFinished([], [], [])
+        self.pending = DecodeFinished([], [], [])  # received, failed, released
 
     def on_new_request(self, request_id, source):
         self.calls.append(("on_new_request", request_id, source))
@@ -154,12 +154,12 @@ def test_d_worker_loads_and_reports_each_request_once(model_dir, monkeypatch):
 
     def received():
         # The runtime reports the request received, and again, and one it never loaded.
-        native.pending = DecodeFinished(["d1", "d1", "stranger"], ["d1"], [])
+        native.pending = DecodeFinished(["d1", "d1", "stranger"], [], ["d1"])
 
     _, results = engine_step(d, connector, received)
     assert results.finished_recving == {"d1"} and not results.failed_recving
     out, results = engine_step(d, connector, lambda: setattr(
-        native, "pending", DecodeFinished(["d1"], [], [("d1", "late duplicate")])))
+        native, "pending", DecodeFinished(["d1"], [("d1", "late duplicate", False)], [])))
     assert not results.finished_recving  # reported once only: vLLM asserts on a repeat
     assert out.scheduled_new_reqs[0].num_computed_tokens == 39
     while d.requests:
@@ -178,13 +178,47 @@ def test_d_worker_reports_a_failed_load_per_policy(model_dir, monkeypatch, polic
     engine_step(d, connector)
 
     def failed():
-        native.pending = DecodeFinished([], [], [("d1", "TOMBSTONED: P freed xfer-1")])
+        native.pending = DecodeFinished([], [("d1", "TOMBSTONED: P freed xfer-1", False)], [])
 
     _, results = engine_step(d, connector, failed)
     assert results.finished_recving == {"d1"} and results.failed_recving == {"d1"}
     if policy == "fail":
         assert "d1" not in d.requests
     else:
+        out, _ = engine_step(d, connector)
+        assert out.scheduled_new_reqs[0].num_computed_tokens == 0  # recomputed here
+        while d.requests:
+            engine_step(d, connector)
+    assert_scheduler_empty(d)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_d_worker_ends_a_request_whose_failed_load_holds_its_blocks_at_once(
+    model_dir, monkeypatch, policy
+):
+    # Hole 3 of the engine-adapter issue: a failed load whose writer is unknown (a P that died
+    # mid-pull, a deadline) left the request waiting for remote KV until its blocks left
+    # quarantine: forever, for a P that never answers. Now the request fails (or is marked
+    # for recomputation) at once, and vLLM keeps its blocks until no P rank can write them.
+    d = make_scheduler(make_vllm_config(model_dir, "kv_consumer", kv_load_failure_policy=policy))
+    connector = worker_connector(model_dir, "kv_consumer", monkeypatch)
+    native = connector.connector_worker.decode
+    d.add_request(make_request("d1", 40, d_params("xfer-1"), max_tokens=2))
+    engine_step(d, connector)
+    (blocks,) = d.kv_cache_manager.get_block_ids("d1")
+    free = d.kv_cache_manager.block_pool.get_num_free_blocks()
+    _, results = engine_step(d, connector, lambda: setattr(
+        native, "pending", DecodeFinished([], [("d1", "TIMEOUT: no answer", True)], [])))
+    assert not results.finished_recving, "not before no P rank can write the blocks"
+    if policy == "fail":
+        assert d.requests["d1"].is_finished(), "the request ended at once"
+    for _ in range(3):
+        engine_step(d, connector)
+    assert d.kv_cache_manager.block_pool.get_num_free_blocks() == free, "the blocks stay held"
+    _, results = engine_step(d, connector, lambda: setattr(
+        native, "pending", DecodeFinished([], [], ["d1"])))
+    assert results.finished_recving == {"d1"}
+    if policy == "recompute":
         out, _ = engine_step(d, connector)
         assert out.scheduled_new_reqs[0].num_computed_tokens == 0  # recomputed here
         while d.requests:
@@ -204,7 +238,8 @@ def test_d_worker_releases_an_aborted_receive_and_vllm_frees_after_it_settles(
     engine_step(d, connector)
     assert native.calls[-1] == ("request_finished", "d1")
     assert "d1" in d.requests  # a P rank may still write: vLLM keeps the blocks
-    engine_step(d, connector, lambda: setattr(native, "pending", DecodeFinished([], ["d1"], [])))
+    # Its pull ends (here: it completed after all): vLLM frees the blocks now.
+    engine_step(d, connector, lambda: setattr(native, "pending", DecodeFinished(["d1"], [], [])))
     assert_scheduler_empty(d)
 
 
@@ -216,7 +251,7 @@ def test_old_two_set_path_names_failed_blocks(model_dir, monkeypatch):
     out = d.schedule()
     connector.bind_connector_metadata(out.kv_connector_metadata)
     connector.start_load_kv(None)
-    native.pending = DecodeFinished([], [], [("d1", "peer failed")])
+    native.pending = DecodeFinished([], [("d1", "peer failed", False)], [])
     sending, recving = connector.get_finished(set())
     assert sending is None and recving == {"d1"}
     (blocks,) = d.kv_cache_manager.get_block_ids("d1")

@@ -117,13 +117,14 @@ class PrefillWorker(Protocol):
 
 
 class DecodeFinished(NamedTuple):
-    """What ``DecodeWorker.take_finished`` returns: request ids, each at most once overall."""
+    """What ``DecodeWorker.take_finished`` returns: each request at most once in each list."""
 
     received: list[str]  # every paired P rank wrote its slice: the blocks hold P's KV
-    released: list[str]  # request_finished was handled and no P rank can write to them anymore
-    aborted: list[tuple[str, str]]  # (request_id, reason): the load failed, and no P rank can
-    # write to its blocks anymore (failures whose writers are unknown are quarantined until
-    # they settle, so they appear here only then)
+    # (request_id, reason, held): the load failed — report it now, so the request ends. held:
+    # a P rank may still write into its blocks (its writer state is unknown: a deadline, a P
+    # gone mid-pull), so they must stay allocated until the request appears in `released`.
+    failed: list[tuple[str, str, bool]]
+    released: list[str]  # failed loads, once held: no P rank can write their blocks any more
 
 
 class DecodeWorker(Protocol):
@@ -135,7 +136,9 @@ class DecodeWorker(Protocol):
         self, request_id: str, source: RemoteSource, block_ids: Sequence[Sequence[int]]
     ) -> None:
         """Blocks are allocated: pull the KV into ``block_ids`` (per group, never all empty).
-        The request is settled later in take_finished as received or aborted."""
+        The request is settled later in take_finished, as received or failed (and, if its
+        blocks were held, released). A load whose transfer P dropped while the request queued
+        fails at once with P's reason, without a pull."""
 
     def request_finished(self, request_id: str) -> None:
         """The request no longer needs its transfer (finished, aborted, refused): stop renewing

@@ -231,43 +231,46 @@ class DecodeRuntime:
             data_plane=options.data_plane, cluster_secret_file=options.cluster_secret_file,
             send_releases=options.kv_release, head_slices=head_slices(regions, options.kv_heads),
             fence_writes=options.fence_writes)
-        # Failed loads whose blocks a P peer may still write: reported once they are released.
-        self._quarantined: dict[str, str] = {}
-        self._failed: list[tuple[str, str]] = []  # loads refused before anything was sent
+        # Loads that failed before anything was sent (nothing can write their blocks).
+        self._failed: list[tuple[str, str, bool]] = []
+        # Queued requests whose transfer P dropped (AbortNotice): their load fails at once
+        # with P's reason. Entries go at start_load or request_finished.
+        self._dropped: dict[str, str] = {}
 
     def on_new_request(self, request_id: str, source: RemoteSource) -> None:
         self._worker.on_new_request(request_id, _source(source))
 
     def start_load(self, request_id: str, source: RemoteSource,
                    block_ids: Sequence[Sequence[int]]) -> None:
+        dropped = self._dropped.pop(request_id, None)
+        if dropped is not None:
+            self._failed.append((request_id, dropped, False))  # P will serve no pull for it
+            return
         try:
             self._worker.start_load(request_id, _source(source), _single_group(block_ids))
         except (self._native.KvferryError, LayoutError) as e:
-            self._failed.append((request_id, str(e)))  # nothing was sent: nothing can write
+            self._failed.append((request_id, str(e), False))  # nothing sent: nothing can write
 
     def request_finished(self, request_id: str) -> None:
+        self._dropped.pop(request_id, None)
         self._worker.request_finished(request_id)
 
     def take_finished(self) -> DecodeFinished:
         got = self._worker.take_finished()
         received: list[str] = []
-        aborted, self._failed = self._failed, []
+        failed, self._failed = self._failed, []
         for request_id, ok, error, _invalid, quarantined in got["received"]:
             if ok:
                 received.append(request_id)
-            elif quarantined:
-                self._quarantined[request_id] = error
             else:
-                aborted.append((request_id, error))
-        for request_id, _blocks in got["released"]:
-            error = self._quarantined.pop(request_id, None)
-            if error is not None:
-                aborted.append((request_id, error))
-        # Transfers P dropped while their request still queued here: the worker half has no
-        # load for them, so they need no report; their load, if it comes, fails at once.
+                failed.append((request_id, error, bool(quarantined)))
+        released = [request_id for request_id, _blocks in got["released"]]
+        # Transfers P dropped while their request still queued here: the request fails when
+        # vLLM schedules it (a connector cannot end a waiting request), at once and unpulled.
         for request_id, why in got["aborted"]:
             logger.info("kvferry: P dropped the transfer of queued request %s: %s", request_id, why)
-        return DecodeFinished(received=received, released=[], aborted=aborted)
+            self._dropped[request_id] = why
+        return DecodeFinished(received=received, failed=failed, released=released)
 
     def stats(self) -> dict[str, int]:
         return self._worker.stats()

@@ -196,6 +196,9 @@ class KvferryConnectorWorker:
 
         # D: requests whose load was started and not yet reported to vLLM, with their blocks.
         self._loading: dict[str, list[list[int]]] = {}
+        # D: failed loads already reported (the request ended) whose blocks a P rank may still
+        # write: vLLM keeps them until they are reported finished, once no rank can.
+        self._held: dict[str, list[list[int]]] = {}
         # P: transfer id -> request id, for requests whose blocks P's runtime holds.
         self._held: dict[str, str] = {}
         # P: transfer ids admitted but not yet held (to tell a drop from a stray event).
@@ -204,6 +207,7 @@ class KvferryConnectorWorker:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: dict[str, list[list[int]]] = {}
+        self._failed_released: set[str] = set()  # held failures whose blocks are free now
         self._invalid_block_ids: set[int] = set()
         self._dropped: list[str] = []
 
@@ -270,15 +274,30 @@ class KvferryConnectorWorker:
     def _collect(self) -> None:
         if self.decode is not None:
             finished = self.decode.take_finished()
-            for request_id in (*finished.received, *finished.released):
+            for request_id in finished.received:
                 if self._loading.pop(request_id, None) is not None:
                     self._finished_recving.add(request_id)
-            for request_id, reason in finished.aborted:
+            for request_id, reason, held in finished.failed:
                 block_ids = self._loading.pop(request_id, None)
-                if block_ids is not None:
+                if block_ids is None:
+                    continue
+                logger.warning("KV load of request %s failed: %s", request_id, reason)
+                if not held:
                     self._finished_recving.add(request_id)
                     self._failed_recving[request_id] = block_ids
-                    logger.warning("KV load of request %s failed: %s", request_id, reason)
+                    continue
+                # The request ends now (engine-adapter issue, hole 3: it waited for remote KV
+                # for as long as a silent P kept its blocks quarantined — forever for a dead
+                # one). Its blocks, named invalid, fail it (or mark it for recomputation) at
+                # once on every rank's scheduler; vLLM keeps them allocated while the load is
+                # not finished, which it is only once no P rank can write them (released).
+                self._held[request_id] = block_ids
+                for group in block_ids:
+                    self._invalid_block_ids.update(group)
+            for request_id in finished.released:
+                if self._held.pop(request_id, None) is not None:
+                    self._finished_recving.add(request_id)
+                    self._failed_released.add(request_id)
         if self.prefill is not None:
             for kind, transfer_id in self.prefill.take_events():
                 if kind == "free":
@@ -300,9 +319,10 @@ class KvferryConnectorWorker:
         results = KVConnectorTransferResults(
             finished_sending=self._finished_sending,
             finished_recving=self._finished_recving,
-            failed_recving=set(self._failed_recving),
+            failed_recving=set(self._failed_recving) | self._failed_released,
         )
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), {}
+        self._failed_released = set()
         return results
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
@@ -321,6 +341,7 @@ class KvferryConnectorWorker:
                 )
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), {}
+        self._failed_released = set()  # their blocks were named invalid when they failed
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
