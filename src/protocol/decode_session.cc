@@ -541,6 +541,7 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
   std::uint64_t id = response.id;
   // "unknown message type N" answers a message P could not dispatch — never a Pull, which every
   // P reads: such an ERROR must not settle a pull P may be writing for.
+  ep.unsent_since = core::kNever;  // it answered: reachable
   const bool type_refused = response.status == wire::PullStatus::kError &&
                             response.code == ErrorCode::kProtocol &&
                             response.message.rfind("unknown message type", 0) == 0;
@@ -610,8 +611,24 @@ void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, con
   }
   if (auto op = ep.renewals.find(wire_id); op != ep.renewals.end()) {
     ++counters_.renewal_failures;
+    const TimePoint sent = op->second.deadline - renewal_reply_timeout_;
     renewal_deadlines_.erase({op->second.deadline, endpoint, wire_id});
     ep.renewals.erase(op);
+    // No renewal has reached this P worker since `unsent_since` (each one since failed unsent:
+    // provably not delivered). Once that spans a lease, P — if it lives — has dropped every
+    // transfer D tracks there (SPEC §2: an unrenewed transfer goes after one lease, prefilled
+    // or not), and if it is gone its pulls get no answer: either way they fail now, their
+    // blocks quarantined until a fence or a late answer (found with a P killed while a real
+    // vLLM D waited on it: its load waited for the pull deadline).
+    ep.unsent_since = std::min(ep.unsent_since, sent);
+    if (options_.lease.count() > 0 && now - ep.unsent_since >= options_.lease) {
+      GiveUpOnEndpoint(endpoint,
+                       Status(ErrorCode::kUnavailable,
+                              fmt::format("no renewal reached prefill worker {} for {}: it has "
+                                          "dropped the transfer or is gone",
+                                          ep.address, Secs(now - ep.unsent_since))));
+      DrainLedger(now);
+    }
   }
   if (auto op = ep.releases.find(wire_id); op != ep.releases.end()) {
     ++counters_.release_failures;
@@ -842,6 +859,19 @@ void DecodeSession::OnProcessGone(const core::EngineId& engine, const std::strin
   DrainLedger(now);
 }
 
+void DecodeSession::GiveUpOnEndpoint(EndpointId endpoint, const Status& failure) {
+  Endpoint& ep = endpoints_.at(endpoint);
+  bool any = false;
+  for (auto& [id, op] : ep.pulls) {
+    any = true;
+    if (!op.timed_out && ledger_->IsPending(op.request, op.peer)) {
+      ++counters_.pulls_abandoned;
+      GiveUpOnPull(op, failure);
+    }
+  }
+  if (any) AskFence(endpoint);
+}
+
 void DecodeSession::GiveUpOnProcess(const std::string& incarnation, const Status& failure) {
   // Its pulls in flight get no answer: their requests fail now and their blocks stay
   // quarantined until the fence asked here (of that process's epochs only) or a late answer.
@@ -931,6 +961,7 @@ std::optional<core::EngineId> DecodeSession::TakeReplyOp(
     ++counters_.replies_unmatched;
     return std::nullopt;
   }
+  ep->unsent_since = core::kNever;  // it answered: reachable
   std::map<std::uint64_t, ReplyOp>& pending = ep->*ops;
   auto op = pending.find(id);
   if (op == pending.end()) {
@@ -1089,6 +1120,7 @@ bool DecodeSession::ReleaseRefused(EndpointId endpoint, std::uint64_t id,
 void DecodeSession::OnAbortNotice(EndpointId endpoint, const wire::AbortNotice& notice,
                                   TimePoint now) {
   ++counters_.notices_received;
+  if (Endpoint* ep = FindEndpoint(endpoint)) ep->unsent_since = core::kNever;
   const std::string* address =
       FindEndpoint(endpoint) != nullptr ? &endpoints_.at(endpoint).address : nullptr;
   for (const wire::AbortedTransfer& aborted : notice.aborted) {

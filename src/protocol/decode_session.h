@@ -31,6 +31,9 @@
 //    old process was learned from means the engine restarted: the old process's pulls fail at
 //    once (their blocks stay quarantined), as with a registry's OnProcessGone; an answer from
 //    another bootstrap (any client may name one) only adds peers.
+//  - With a lease, once no renewal has reached a P worker for a whole lease (every one since
+//    failed unsent: provably not delivered), its pulls fail (quarantined, fenced): P has
+//    dropped those transfers if it lives, and answers nothing if it is gone.
 //  - A message that could not be sent (OnSendFailed: nothing listens at the address, or its
 //    queue is full) or a pull that timed out makes every engine whose view names that side
 //    channel stale: its next loads, releases and renewal pass wait for a fresh lookup (renewals
@@ -353,6 +356,9 @@ class DecodeSession {
   struct Endpoint {
     std::string address;
     std::uint32_t fences_in_flight = 0;
+    // When the oldest renewal sent since the worker last answered anything was sent, if every
+    // renewal since has failed unsent; kNever otherwise (OnSendFailed).
+    core::TimePoint unsent_since = core::kNever;
     std::map<std::uint64_t, PullOp> pulls;      // by wire id
     std::map<std::uint64_t, ReplyOp> renewals;  // by wire id
     std::map<std::uint64_t, ReplyOp> releases;  // by wire id
@@ -455,6 +461,9 @@ class DecodeSession {
   void RenewalPass(core::TimePoint now);
   void ExpirePulls(core::TimePoint now);
   void GiveUpOnPull(PullOp& op, const Status& why);
+  // Gives up on every pull in flight on `endpoint` (as at their deadlines) and fences it. The
+  // caller drains the ledger.
+  void GiveUpOnEndpoint(EndpointId endpoint, const Status& failure);
   // Gives up on every pull of the process `incarnation` (as at their deadlines) and fences the
   // epochs they belong to. The caller drains the ledger.
   void GiveUpOnProcess(const std::string& incarnation, const Status& failure);

@@ -729,6 +729,52 @@ TEST_F(DecodeSessionTest, ALoadNeedingAnEndpointBeyondTheCapFailsAtOnceUntilOneI
   EXPECT_LE(s().stats().endpoints, 2u);
 }
 
+// A P worker no renewal has reached for a whole lease (each failed unsent: provably not
+// delivered) has dropped the transfers D tracks there if it lives, and answers nothing if it
+// is gone: its pulls fail then, quarantined and fenced, instead of at their deadline. Any
+// message from the worker in between starts the count again.
+TEST_F(DecodeSessionTest, PullsToAWorkerNoRenewalReachedForALeaseFailAndAreFenced) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  ASSERT_EQ(Pulls().size(), 1u);
+  const EndpointId endpoint = last_endpoints_.back();
+  // Renewal passes every lease/6 = 5 s; each renewal fails unsent 3 s later.
+  auto pass = [&](core::TimePoint at, bool unsent) {
+    s().OnTimeout(at);
+    for (Transmit& t : s().TakeMessages()) {
+      auto* renewal = std::get_if<wire::Renewal>(&t.message);
+      if (renewal == nullptr) continue;
+      if (unsent) {
+        s().OnSendFailed(t.endpoint, renewal->id, Status(ErrorCode::kUnavailable, "no connection"),
+                         at + 3s);
+      } else {
+        wire::RenewalReply reply;
+        reply.id = renewal->id;
+        reply.status = wire::RenewalStatus::kAccepted;
+        s().OnRenewalReply(t.endpoint, reply, at + 10ms);
+      }
+    }
+  };
+  pass(kT0 + 5s, true);
+  pass(kT0 + 10s, true);
+  pass(kT0 + 15s, false);  // P answered: the count starts again
+  for (int i = 4; i <= 9; ++i) pass(kT0 + std::chrono::seconds(5 * i), true);
+  EXPECT_TRUE(Done().empty()) << "unsent since 20 s: not a lease yet at 48 s";
+  pass(kT0 + 50s, true);  // its failure at 53 s: a lease (30 s) since the renewal sent at 20 s
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_TRUE(done[0].quarantined) << "a P that lives may still be writing";
+  EXPECT_NE(done[0].error.message().find("no renewal reached"), std::string::npos)
+      << done[0].error.ToString();
+  std::vector<FenceRequest> fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  EXPECT_EQ(fences[0].endpoint, endpoint);
+  EXPECT_EQ(s().stats().pulls_abandoned, 1u);
+}
+
 TEST_F(DecodeSessionTest, SecondLoadOfALoadingRequestIsRefused) {
   Make();
   ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
