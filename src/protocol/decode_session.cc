@@ -17,6 +17,10 @@ constexpr std::size_t kMaxBootstrapAddressBytes = 2048;
 // A refused request may name an engine D never paired with, to release its transfer there; it
 // adds engine state (and a lookup) only while D knows fewer engines than this.
 constexpr std::size_t kMaxEnginesForRefusals = 1024;
+// Renewals whose reply deadline passed, remembered per endpoint until the runtime says whether
+// they ever left (it reports an unsent one after its connection wait, 3 s, long after a reply
+// deadline of lease/12): about 20 s of passes at the shortest lease's rate.
+constexpr std::size_t kMaxUnansweredRenewals = 64;
 // How often SweepEngines runs at most.
 constexpr core::Duration kEngineSweep = std::chrono::seconds(10);
 // A fence that found writes still landing under its keys (a writer stalled mid-batch) is asked
@@ -586,6 +590,12 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
   DrainLedger(now);
 }
 
+void DecodeSession::OnSent(EndpointId endpoint, std::uint64_t wire_id, TimePoint now) {
+  (void)wire_id;
+  (void)now;
+  if (Endpoint* ep = FindEndpoint(endpoint)) ep->unsent_since = core::kNever;
+}
+
 void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
                                  TimePoint now) {
   (void)now;
@@ -609,11 +619,21 @@ void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, con
     DrainLedger(now);
     return;
   }
+  std::optional<TimePoint> renewal_sent;
   if (auto op = ep.renewals.find(wire_id); op != ep.renewals.end()) {
     ++counters_.renewal_failures;
-    const TimePoint sent = op->second.deadline - renewal_reply_timeout_;
+    renewal_sent = op->second.deadline - renewal_reply_timeout_;
     renewal_deadlines_.erase({op->second.deadline, endpoint, wire_id});
     ep.renewals.erase(op);
+  } else if (auto late = ep.unanswered_renewals.find(wire_id);
+             late != ep.unanswered_renewals.end()) {
+    // Its reply deadline (lease/12) passed while it waited for a connection (3 s): counted
+    // failed then; that it never left is the news.
+    renewal_sent = late->second;
+    ep.unanswered_renewals.erase(late);
+  }
+  if (renewal_sent) {
+    const TimePoint sent = *renewal_sent;
     // No renewal has reached this P worker since `unsent_since` (each one since failed unsent:
     // provably not delivered). Once that spans a lease, P — if it lives — has dropped every
     // transfer D tracks there (SPEC §2: an unrenewed transfer goes after one lease, prefilled
@@ -1197,7 +1217,15 @@ void DecodeSession::OnTimeout(TimePoint now) {
   while (!renewal_deadlines_.empty() && std::get<0>(*renewal_deadlines_.begin()) <= now) {
     const auto [deadline, endpoint, id] = *renewal_deadlines_.begin();
     renewal_deadlines_.erase(renewal_deadlines_.begin());
-    if (endpoints_.at(endpoint).renewals.erase(id) != 0) ++counters_.renewal_failures;
+    Endpoint& ep = endpoints_.at(endpoint);
+    if (ep.renewals.erase(id) != 0) {
+      ++counters_.renewal_failures;
+      // Kept (bounded) so that a later report that it never left still counts (OnSendFailed).
+      ep.unanswered_renewals.emplace(id, deadline - renewal_reply_timeout_);
+      while (ep.unanswered_renewals.size() > kMaxUnansweredRenewals) {
+        ep.unanswered_renewals.erase(ep.unanswered_renewals.begin());
+      }
+    }
     NoteMaybeIdle(endpoint);
   }
   while (!release_deadlines_.empty() && std::get<0>(*release_deadlines_.begin()) <= now) {

@@ -298,6 +298,11 @@ class DecodeSession {
   // Undecodable or unknown messages are counted and change nothing (their requests' deadlines
   // decide).
   void OnMessage(EndpointId endpoint, std::span<const std::uint8_t> payload, core::TimePoint now);
+  // The transport took the message (a connection to P was up): it may reach P. Optional —
+  // a driver that cannot tell may skip it — but a driver that reports unsent messages
+  // (OnSendFailed) should report these too: without them, renewals that failed unsent around
+  // one that left would look like a lease without any renewal reaching P.
+  void OnSent(EndpointId endpoint, std::uint64_t wire_id, core::TimePoint now);
   // A message could not be sent (it never left): its requests settle as failed, not
   // quarantined — P cannot be writing for a pull it never got.
   void OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
@@ -356,9 +361,12 @@ class DecodeSession {
   struct Endpoint {
     std::string address;
     std::uint32_t fences_in_flight = 0;
-    // When the oldest renewal sent since the worker last answered anything was sent, if every
-    // renewal since has failed unsent; kNever otherwise (OnSendFailed).
+    // When the oldest renewal sent since a message last left for the worker (OnSent) or it
+    // last answered anything was sent, if every renewal since has failed unsent; kNever
+    // otherwise (OnSendFailed).
     core::TimePoint unsent_since = core::kNever;
+    // Renewals whose reply deadline passed: wire id -> when sent (bounded; OnSendFailed).
+    std::map<std::uint64_t, core::TimePoint> unanswered_renewals;
     std::map<std::uint64_t, PullOp> pulls;      // by wire id
     std::map<std::uint64_t, ReplyOp> renewals;  // by wire id
     std::map<std::uint64_t, ReplyOp> releases;  // by wire id

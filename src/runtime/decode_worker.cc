@@ -341,6 +341,8 @@ class DecodeWorker::Impl {
     TimePoint deadline;
   };
   using Failed = std::vector<std::tuple<protocol::EndpointId, std::uint64_t, Status>>;
+  // Messages ZeroMQ took (a connection was up): (endpoint, wire id), for the session's OnSent.
+  using Sent = std::vector<std::pair<protocol::EndpointId, std::uint64_t>>;
 
   // Hands `payload` to ZeroMQ, behind whatever waits for `endpoint` already (order kept).
   // Returns false when ZeroMQ did not take it (no connection up, or its queue is full).
@@ -354,7 +356,7 @@ class DecodeWorker::Impl {
     }
   }
 
-  void Send(const protocol::Transmit& t, TimePoint now, Failed* failed) {
+  void Send(const protocol::Transmit& t, TimePoint now, Failed* failed, Sent* sent) {
     const std::uint64_t id = std::visit([](const auto& m) { return m.id; }, t.message);
     Status error;
     zmq::socket_t* found = SocketFor(t.endpoint, t.address, &error);
@@ -363,28 +365,32 @@ class DecodeWorker::Impl {
       std::vector<std::uint8_t> payload =
           std::visit([](const auto& m) { return wire::Encode(m); }, t.message);
       std::deque<Pending>& waiting = pending_[t.endpoint];
-      if (!waiting.empty() || !TrySend(socket, payload, t.address, &error)) {
-        if (error.ok() && waiting.size() < static_cast<std::size_t>(kSendHighWaterMark)) {
+      if (waiting.empty() && TrySend(socket, payload, t.address, &error)) {
+        sent->emplace_back(t.endpoint, id);
+        return;
+      }
+      if (error.ok()) {
+        // No connection up (or messages already wait for one): it waits, in order.
+        if (waiting.size() < static_cast<std::size_t>(kSendHighWaterMark)) {
           waiting.push_back({id, std::move(payload), now + kConnectWait});
           return;
         }
-        if (error.ok()) {
-          error = Status(ErrorCode::kUnavailable,
-                         fmt::format("the queue to {} is full (it stopped reading)", t.address));
-        }
+        error = Status(ErrorCode::kUnavailable,
+                       fmt::format("the queue to {} is full (it stopped reading)", t.address));
       }
     }
     if (!error.ok()) failed->emplace_back(t.endpoint, id, std::move(error));
   }
 
   // Sends what waits for endpoints that have a connection now, and fails what waited too long.
-  void FlushPending(TimePoint now, Failed* failed) {
+  void FlushPending(TimePoint now, Failed* failed, Sent* sent) {
     for (auto it = pending_.begin(); it != pending_.end();) {
       std::deque<Pending>& waiting = it->second;
       zmq::socket_t& socket = sockets_.at(it->first);
       const std::string address = socket.get(zmq::sockopt::last_endpoint);
       Status error;
       while (!waiting.empty() && TrySend(socket, waiting.front().payload, address, &error)) {
+        sent->emplace_back(it->first, waiting.front().wire_id);
         waiting.pop_front();
       }
       while (!waiting.empty() && (!error.ok() || waiting.front().deadline <= now)) {
@@ -494,12 +500,14 @@ class DecodeWorker::Impl {
       Close(closed);
       // Messages first: a fence covers only pulls sent before it was asked for.
       Failed failed;
+      Sent sent;
       const TimePoint sent_at = Clock::now();
-      FlushPending(sent_at, &failed);
-      for (const protocol::Transmit& t : out) Send(t, sent_at, &failed);
-      if (!failed.empty() || !fences.empty()) {
+      FlushPending(sent_at, &failed, &sent);
+      for (const protocol::Transmit& t : out) Send(t, sent_at, &failed, &sent);
+      if (!failed.empty() || !fences.empty() || !sent.empty()) {
         std::lock_guard<std::mutex> lock(mu_);
         const TimePoint now = Clock::now();
+        for (auto& [endpoint, id] : sent) session_->OnSent(endpoint, id, now);
         for (auto& [endpoint, id, why] : failed) session_->OnSendFailed(endpoint, id, why, now);
         for (protocol::FenceRequest& fence : fences) {
           if (engine_->fences_writes() && !fence.write_keys.empty()) {

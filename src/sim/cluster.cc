@@ -1240,6 +1240,9 @@ class Sim {
       });
       return;
     }
+    // It leaves (a connection is up), as the runtime tells the session.
+    d_sessions_[r]->OnSent(t.endpoint, std::visit([](const auto& m) { return m.id; }, t.message),
+                           now());
     if (auto* pull = std::get_if<wire::Pull>(&t.message)) {
       const int idx = RequestIndex(pull->requests.at(0).d_req_id);
       pulls_[{r, p, pull->id}] = {idx, r, p, dreqs_[idx].gens};

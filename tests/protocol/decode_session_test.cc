@@ -740,10 +740,13 @@ TEST_F(DecodeSessionTest, PullsToAWorkerNoRenewalReachedForALeaseFailAndAreFence
   ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
   ASSERT_EQ(Pulls().size(), 1u);
   const EndpointId endpoint = last_endpoints_.back();
-  // Renewal passes every lease/6 = 5 s; each renewal fails unsent 3 s later.
+  // Renewal passes every lease/6 = 5 s; each renewal fails unsent 3 s later, as the runtime
+  // reports it: after its reply deadline (lease/12 = 2.5 s) has already counted it failed.
   auto pass = [&](core::TimePoint at, bool unsent) {
     s().OnTimeout(at);
-    for (Transmit& t : s().TakeMessages()) {
+    std::vector<Transmit> sent = s().TakeMessages();
+    s().OnTimeout(at + 2600ms);
+    for (Transmit& t : sent) {
       auto* renewal = std::get_if<wire::Renewal>(&t.message);
       if (renewal == nullptr) continue;
       if (unsent) {
@@ -753,7 +756,7 @@ TEST_F(DecodeSessionTest, PullsToAWorkerNoRenewalReachedForALeaseFailAndAreFence
         wire::RenewalReply reply;
         reply.id = renewal->id;
         reply.status = wire::RenewalStatus::kAccepted;
-        s().OnRenewalReply(t.endpoint, reply, at + 10ms);
+        s().OnRenewalReply(t.endpoint, reply, at + 2700ms);  // late, but an answer
       }
     }
   };
@@ -773,6 +776,41 @@ TEST_F(DecodeSessionTest, PullsToAWorkerNoRenewalReachedForALeaseFailAndAreFence
   ASSERT_EQ(fences.size(), 1u);
   EXPECT_EQ(fences[0].endpoint, endpoint);
   EXPECT_EQ(s().stats().pulls_abandoned, 1u);
+}
+
+// A renewal the transport took (OnSent) may have reached P: renewals failing unsent around it
+// do not add up to a lease without one.
+TEST_F(DecodeSessionTest, ARenewalThatLeftRestartsTheCountOfUnsentOnes) {
+  Make(Options(30s));
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  ASSERT_EQ(Pulls().size(), 1u);
+  for (int i = 1; i <= 12; ++i) {
+    const core::TimePoint at = kT0 + std::chrono::seconds(5 * i);
+    s().OnTimeout(at);
+    for (Transmit& t : s().TakeMessages()) {
+      const auto* renewal = std::get_if<wire::Renewal>(&t.message);
+      if (renewal == nullptr) continue;
+      if (i == 6) {
+        s().OnSent(t.endpoint, renewal->id, at);  // this one left
+      } else {
+        s().OnSendFailed(t.endpoint, renewal->id, Status(ErrorCode::kUnavailable, "no connection"),
+                         at + 3s);
+      }
+    }
+    if (i < 12) EXPECT_TRUE(Done().empty()) << "pass " << i;
+  }
+  // Unsent since the pass at 35 s; the one sent at 60 s failed at 63 s: 28 s, not a lease.
+  EXPECT_TRUE(Done().empty());
+  s().OnTimeout(kT0 + 65s);
+  for (Transmit& t : s().TakeMessages()) {
+    if (const auto* renewal = std::get_if<wire::Renewal>(&t.message)) {
+      s().OnSendFailed(t.endpoint, renewal->id, Status(ErrorCode::kUnavailable, "no connection"),
+                       kT0 + 68s);
+    }
+  }
+  EXPECT_EQ(Done().size(), 1u) << "33 s without a renewal leaving";
 }
 
 TEST_F(DecodeSessionTest, SecondLoadOfALoadingRequestIsRefused) {
