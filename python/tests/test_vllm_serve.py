@@ -65,7 +65,10 @@ def cluster(tmp_path_factory):
                                            "--tensor-parallel-size", "2"],
              transfer_config=kvferry_transfer_config(
                  "prefill", {"bootstrap_port": c.tp2_bootstrap}))
-    c.pair("b", llama8, extra={"kv_lease_duration": LEASE_S, "abort_request_timeout": ABORT_S},
+    # fence_writes: D fences a P gone mid-pull, so its blocks come back (over tcp it costs
+    # nothing: docs/performance.md).
+    c.pair("b", llama8, extra={"kv_lease_duration": LEASE_S, "abort_request_timeout": ABORT_S,
+                               "fence_writes": True},
            args=["--block-size", "64", "--num-gpu-blocks-override", "48", "--max-num-seqs", "4"],
            env={"UCX_TLS": "tcp"})
     c.pair("m", mla, args=["--num-gpu-blocks-override", "128"])
@@ -254,6 +257,40 @@ def test_a_lease_mismatch_fails_naming_both_values(cluster):
     wait_for("P of group B frees the refused transfer", lambda: kv_usage(b.prefill) == 0, 10)
 
 
+def test_a_client_leaving_p_while_its_request_queues_fails_ds_half_at_once(cluster):
+    # P runs 4 requests at a time; 4 long local ones keep it busy, so P's half of the pair
+    # queues there. D's half (sent first, as the proxy sends both at once) pulls and waits for
+    # the prefill. The client leaves P: P drops its half before admitting it and refuses the
+    # transfer (hole 5 of the engine-adapter issue: it left no tombstone, and D waited
+    # abort_request_timeout, 30 s here), so D fails its half at once with P's reason.
+    b = cluster.pairs["b"]
+    hogs = prompts(15, [40] * 4)
+    prompt, = prompts(16, [100])
+    transfer = f"xfer-left-p-{uuid.uuid4().hex}"
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        busy = [pool.submit(complete, b.prefill.url, b.model, h, 450, timeout_s=60) for h in hogs]
+        wait_for("P runs 4 requests",
+                 lambda: metric(b.prefill.metrics(), "vllm:num_requests_running") == 4, 20)
+        d_half = pool.submit(complete, b.decode.url, b.model, prompt,
+                             params=b.d_params(transfer), timeout_s=60)
+        p_half = complete(b.prefill.url, b.model, prompt, 1, params=p_params(transfer),
+                          timeout_s=1.0)
+        left = time.monotonic()
+        assert p_half.status == 0, "P's half must still queue when its client leaves"
+        got = d_half.result()
+        after = time.monotonic() - left
+        for f in busy:
+            assert f.result().status == 200
+    print(f"[ measured ] D's half failed {after:.2f} s after the client left P "
+          f"(abort_request_timeout {ABORT_S:g} s)")
+    assert got.status >= 500, got.body
+    assert after < 5.0, "D waited for a prefill P had dropped"
+    log = b.decode.log.read_text(errors="replace")
+    assert any("dropped request" in line for line in log.splitlines()), \
+        "D's failure does not carry P's reason"
+    wait_for("P and D idle", lambda: idle(b.prefill) and idle(b.decode), 10)
+
+
 def test_clients_leaving_d_while_queued_let_p_free_their_kv_at_once(cluster):
     # D runs 4 requests at a time; the rest queue with their KV held on P. The clients leave:
     # D releases every transfer and P frees it, without waiting for the lease.
@@ -274,6 +311,37 @@ def test_clients_leaving_d_while_queued_let_p_free_their_kv_at_once(cluster):
           f"after their clients left (renewal interval {LEASE_S / 6:.2f} s)")
     assert stop_at <= left + 0.5
     wait_for("D idle", lambda: idle(b.decode), 10)
+
+
+def test_a_restarted_p_fails_the_old_processs_loads_and_serves_new_ones(cluster):
+    # P is killed while D's load waits on it (a transfer P never prefills: its pull parks there)
+    # and started again on its ports. D's renewals to the dead process fail unsent; after a
+    # lease of that, D fails the load (quarantined) and fences the dead worker, so its blocks
+    # come back; once the new process is up, requests are served by it.
+    b = cluster.pairs["b"]
+    prompt, = prompts(17, [100])
+    orphan = f"xfer-orphan-{uuid.uuid4().hex}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        d_half = pool.submit(complete, b.decode.url, b.model, prompt,
+                             params=b.d_params(orphan), timeout_s=120)
+        time.sleep(1.5)  # D allocated, pulled; P parked the pull
+        b.prefill.kill()
+        killed = time.monotonic()
+        got = d_half.result()
+        failed_after = time.monotonic() - killed
+    print(f"[ measured ] the load waiting on a killed P failed {failed_after:.2f} s after the kill "
+          f"(lease {LEASE_S:g} s; its pull deadline: {ABORT_S:g} s + the write bound)")
+    assert got.status >= 500, got.body
+    assert failed_after < LEASE_S + 6
+    wait_for("D's blocks back (the dead P fenced)", lambda: idle(b.decode), 10)
+    cluster.restart(b.prefill, kill=False)
+    for stream in (False, True):
+        for p in prompts(18, (30, 200)):
+            want = complete(b.prefill.url, b.model, p)
+            got = complete(b.proxy.url, b.model, p, stream=stream)
+            assert got.status == 200, got.body
+            assert got.tokens == want.tokens
+    wait_for("P and D idle", lambda: idle(b.prefill) and idle(b.decode), 10)
 
 
 def test_a_killed_decoder_lets_p_free_its_queued_kv_within_one_lease(cluster):

@@ -233,9 +233,11 @@ class Cluster:
              args: Sequence[str] = (), prefill_args: Sequence[str] = (),
              decode_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Pair:
         bootstrap = free_port()
+        # A fixed engine id: a P restarted on its ports keeps it, as the proxy expects.
         p = self.engine(f"{name}-prefill", model,
                         transfer_config=kvferry_transfer_config(
-                            "prefill", {**(extra or {}), "bootstrap_port": bootstrap}),
+                            "prefill", {**(extra or {}), "bootstrap_port": bootstrap},
+                            engine_id=f"{name}-prefill"),
                         args=[*args, *prefill_args], env=env)
         d = self.engine(f"{name}-decode", model,
                         transfer_config=kvferry_transfer_config("decode", extra),

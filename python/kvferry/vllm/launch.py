@@ -283,8 +283,9 @@ class Deployment:
         d_extra = {**(extra_config or {}), **(decode_extra_config or {})}
         base_env = dict(os.environ if env is None else env)
         base_env.setdefault("VLLM_HOST_IP", host)  # where P advertises its side channel
+        # P's engine id is fixed, so a P restarted on its ports is the engine the proxy knows.
         self.prefill = VllmEngine("prefill", model, prefill_port, self.log_dir / "prefill.log",
-                                  kvferry_transfer_config("prefill", p_extra),
+                                  kvferry_transfer_config("prefill", p_extra, "kvferry-prefill"),
                                   [*vllm_args, *prefill_args], base_env, host)
         self.decode = VllmEngine("decode", model, decode_port, self.log_dir / "decode.log",
                                  kvferry_transfer_config("decode", d_extra),
