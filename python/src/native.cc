@@ -467,9 +467,21 @@ class PyDecodeWorker {
     return d;
   }
 
-  // Stops the threads, then deregisters the planes (a quarantined pull's P may write until
-  // then). Idempotent.
-  void Stop() { StopQuietly(std::move(worker_)); }
+  // Releases what it tracks to P, stops the threads, then deregisters the planes (a
+  // quarantined pull's P may write until then); returns only once all of that is done, also
+  // while another thread waits in wait_finished (found by review: stop() returned while a
+  // waiter kept the worker running, so a caller freeing its tensors got writes into freed
+  // memory). Idempotent, and safe from several threads.
+  void Stop() {
+    std::shared_ptr<runtime::DecodeWorker> worker = worker_;
+    if (!worker) return;
+    {
+      py::gil_scoped_release release;
+      worker->Stop();
+    }
+    worker_.reset();
+    StopQuietly(std::move(worker));
+  }
   ~PyDecodeWorker() { StopQuietly(std::move(worker_)); }
 
  private:

@@ -241,6 +241,46 @@ def test_concurrent_stops_are_safe_and_a_stopped_worker_says_so():
         assert error.value.code == "CANCELLED"
 
 
+def test_stop_releases_what_the_decoder_tracks_and_returns_only_once_it_stopped():
+    # Issue 20 item 4. P holds two prefilled transfers that D tracks and never loaded; a wait
+    # holds D on another thread. stop() releases both to P (P frees them now, not at its lease)
+    # and returns only once nothing of D runs: the waiter has returned and a later call says
+    # the worker is stopped.
+    bootstrap, p, d, p_kv, d_kv, src = make_pair(lease_s=30.0)
+    try:
+        for xfer in ("xfer-1", "xfer-2"):
+            p.admit(xfer, 1)
+            p.prefill_done(xfer, [1, 2])
+            d.on_new_request("req-" + xfer, src(xfer))
+        waiter_done = threading.Event()
+
+        def waiter():
+            d.wait_finished(30.0)
+            waiter_done.set()
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.2)  # the waiter holds the worker
+        started = time.monotonic()
+        d.stop()
+        stopped_in = time.monotonic() - started
+        assert waiter_done.is_set(), "stop() returned while a wait still held the decoder"
+        thread.join(5)
+        with pytest.raises(native.KvferryError) as error:
+            d.take_finished()
+        assert error.value.code == "CANCELLED"
+        assert stopped_in < 5.0
+        deadline = time.monotonic() + 5
+        freed = []
+        while time.monotonic() < deadline and len(freed) < 2:
+            freed += [e for e in p.take_events() if e[0] == "free"]
+            time.sleep(0.01)
+        assert sorted((e[1], e[2]) for e in freed) == [("xfer-1", "released_by_decoder"),
+                                                        ("xfer-2", "released_by_decoder")], freed
+    finally:
+        stop(d, p, bootstrap)
+
+
 def test_a_prefill_done_with_another_requests_handle_is_refused():
     bootstrap, p, d, p_kv, d_kv, src = make_pair()
     try:

@@ -142,6 +142,14 @@ void DecodeSession::RequestFinished(const core::RequestId& request, TimePoint no
   Untrack(request, /*release=*/true, now);
 }
 
+void DecodeSession::ReleaseAll(TimePoint now) {
+  std::vector<core::RequestId> requests;
+  requests.reserve(tracked_.size());
+  for (const auto& [request, t] : tracked_) requests.push_back(request);
+  for (const core::RequestId& request : requests) Untrack(request, /*release=*/true, now);
+  FlushReleases(now);
+}
+
 void DecodeSession::ReleaseTransfer(const RemoteSource& source, TimePoint now) {
   if (!SourceFits(source.transfer_id, source) || by_transfer_.count(source.transfer_id) != 0) {
     return;

@@ -282,6 +282,10 @@ class DecodeSession {
   // down).
   void ReleaseTransfer(const RemoteSource& source, core::TimePoint now);
 
+  // The engine stops: every request still tracked is finished — releases of all of them are
+  // queued and go out with the next TakeMessages (not batched: there is no later pass).
+  void ReleaseAll(core::TimePoint now);
+
   // ---- Results of what the session asked for ----
   // `lookup_id` is the LookupRequest's id; 0 stands for the engine's latest lookup. An answer
   // to a lookup asked before the engine was declared down (OnEngineDown) is stale: it may

@@ -49,6 +49,10 @@ constexpr std::chrono::milliseconds kConnectWait{3000};
 // rendezvous receive in progress; a dead P's fail within UCX's keepalive, 1 s here). Past it the
 // fence fails; the session asks again after 1 s, 2 s, ... up to 60 s while the epoch's pulls wait.
 constexpr std::chrono::milliseconds kFenceDrain{5000};
+// Stop(): how long it waits for the I/O thread to hand the releases of everything it tracked to
+// ZeroMQ, and how long ZeroMQ then gets to deliver them (linger) as the sockets close.
+constexpr std::chrono::milliseconds kStopFlush{500};
+constexpr std::chrono::milliseconds kStopLinger{500};
 
 protocol::DecodeSessionOptions SessionOptions(const DecodeWorkerOptions& o,
                                               std::vector<std::uint8_t> descriptor) {
@@ -114,8 +118,22 @@ class DecodeWorker::Impl {
 
   void Stop() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return;
+      // One stopper; the others wait for it, so none returns while the worker still runs.
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_started_) {
+        cv_.wait(lock, [&] { return stopped_; });
+        return;
+      }
+      stop_started_ = true;
+      if (session_ && io_.joinable()) {
+        // Everything still tracked is given up: P frees it now rather than at its lease.
+        session_->ReleaseAll(Clock::now());
+        const std::uint64_t target = ++flush_requests_;
+        lock.unlock();
+        Wake();
+        lock.lock();
+        cv_.wait_for(lock, kStopFlush, [&] { return flushed_ >= target; });
+      }
       stopping_ = true;
     }
     cv_.notify_all();
@@ -131,6 +149,11 @@ class DecodeWorker::Impl {
     // Every thread is joined. A P peer whose pull was quarantined may in principle still
     // write, which is why the planes go only at the very end.
     (void)memory_.Deregister(Clock::now() + kDeregisterTimeout);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped_ = true;
+    }
+    cv_.notify_all();
   }
 
   std::byte* kv(std::size_t plane) const { return memory_.plane(plane); }
@@ -447,6 +470,19 @@ class DecodeWorker::Impl {
 
   void IoMain() {
     std::vector<std::string> warnings;
+    std::uint64_t flush_asked = 0;
+    // Leaving: what ZeroMQ took (the releases of a Stop) gets kStopLinger to go out.
+    struct Linger {
+      std::map<protocol::EndpointId, zmq::socket_t>& sockets;
+      ~Linger() {
+        for (auto& [endpoint, socket] : sockets) {
+          try {
+            socket.set(zmq::sockopt::linger, static_cast<int>(kStopLinger.count()));
+          } catch (const zmq::error_t&) {
+          }
+        }
+      }
+    } linger{sockets_};
     while (true) {
       std::vector<zmq::pollitem_t> items;
       std::vector<protocol::EndpointId> endpoints;
@@ -495,6 +531,7 @@ class DecodeWorker::Impl {
         out = session_->TakeMessages();
         fences = session_->TakeFences();
         closed = session_->TakeClosedEndpoints();
+        flush_asked = flush_requests_;
         Collect(&warnings);
       }
       Close(closed);
@@ -504,6 +541,13 @@ class DecodeWorker::Impl {
       const TimePoint sent_at = Clock::now();
       FlushPending(sent_at, &failed, &sent);
       for (const protocol::Transmit& t : out) Send(t, sent_at, &failed, &sent);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (flushed_ != flush_asked) {
+          flushed_ = flush_asked;
+          cv_.notify_all();
+        }
+      }
       if (!failed.empty() || !fences.empty() || !sent.empty()) {
         std::lock_guard<std::mutex> lock(mu_);
         const TimePoint now = Clock::now();
@@ -581,6 +625,10 @@ class DecodeWorker::Impl {
   std::condition_variable cv_;         // finished_ has something, or stopping
   std::condition_variable lookup_cv_;  // lookup_queue_ has something, or stopping
   bool stopping_ = false;
+  bool stop_started_ = false;  // Stop() called (it may still wait for the flush)
+  bool stopped_ = false;       // Stop() is done: threads joined, memory deregistered
+  std::uint64_t flush_requests_ = 0;  // Stop()'s ask: send what the session has now
+  std::uint64_t flushed_ = 0;         // the I/O thread sent what was asked up to this
   DecodeFinished finished_;
   std::deque<protocol::LookupRequest> lookup_queue_;
   std::condition_variable fence_cv_;  // fence_queue_ has something, or stopping
@@ -645,5 +693,6 @@ DecodeFinished DecodeWorker::WaitFinished(TimePoint deadline) {
   return impl_->WaitFinished(deadline);
 }
 DecodeWorkerStats DecodeWorker::Stats() const { return impl_->Stats(); }
+void DecodeWorker::Stop() { impl_->Stop(); }
 
 }  // namespace kvferry::runtime

@@ -129,8 +129,7 @@ class DecodeWorker {
   [[nodiscard]] static Result<std::unique_ptr<DecodeWorker>> Start(
       DecodeWorkerOptions options, std::shared_ptr<transport::Engine> engine,
       WarningSink warn = {});
-  // Stops the threads (a lookup in flight ends within bootstrap_timeout), then deregisters
-  // the region.
+  // Stop()s.
   ~DecodeWorker();
   DecodeWorker(const DecodeWorker&) = delete;
   DecodeWorker& operator=(const DecodeWorker&) = delete;
@@ -162,6 +161,13 @@ class DecodeWorker {
   DecodeFinished WaitFinished(core::TimePoint deadline);
 
   DecodeWorkerStats Stats() const;
+
+  // Releases every transfer it still tracks to P (best effort: handed to the side channels,
+  // which get up to kStopLinger to deliver them), stops the threads (a lookup in flight ends
+  // within bootstrap_timeout), then deregisters the region. When it returns nothing of the
+  // worker runs and its memory is no longer registered; a WaitFinished on another thread
+  // returns (empty). Idempotent and safe from several threads; calls after it change nothing.
+  void Stop();
 
  private:
   class Impl;

@@ -998,6 +998,29 @@ TEST_F(DecodeSessionTest, SeveralRequestsFinishedWithinTheDelayGoInOneRelease) {
   EXPECT_EQ(s().stats().releases_sent, 3u);
 }
 
+TEST_F(DecodeSessionTest, ReleaseAllSendsEveryTrackedTransfersReleaseAtOnceAndOnlyOnce) {
+  Make();  // release_delay 2 ms: a stopping engine has no later pass to send a batch
+  s().OnLookup(Engine("p"), kT0);
+  for (int i = 0; i < 3; ++i) {
+    s().OnNewRequest("r" + std::to_string(i), Source("x" + std::to_string(i)), kT0);
+  }
+  s().RequestFinished("r0", kT0);  // already finished: released by the same message
+  s().ReleaseAll(kT0 + 1us);
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  std::vector<core::Fingerprint> released = ReleaseOf(out[0]).fingerprints;
+  std::sort(released.begin(), released.end());
+  std::vector<core::Fingerprint> expected = {core::FingerprintOf("x0"), core::FingerprintOf("x1"),
+                                             core::FingerprintOf("x2")};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(released, expected);
+  EXPECT_EQ(s().stats().releases_sent, 3u);
+  s().ReleaseAll(kT0 + 1ms);
+  s().RequestFinished("r1", kT0 + 1ms);
+  s().OnTimeout(kT0 + 10ms);
+  EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty()) << "nothing is tracked any more";
+}
+
 TEST_F(DecodeSessionTest, ReleaseBeforeAnyLookupWaitsForTheLookup) {
   Make();
   s().OnNewRequest("r1", Source("x1"), kT0);
