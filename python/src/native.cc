@@ -27,6 +27,7 @@
 
 #include "control/bootstrap_server.h"
 #include "control/cluster_auth.h"
+#include "control/load_failure_service.h"
 #include "kvferry/status.h"
 #include "kvferry/transport/inprocess.h"
 #include "kvferry/transport/ucx.h"
@@ -527,6 +528,36 @@ void SetRank(RankConfig& c, std::string engine_id, std::uint32_t tp_size, std::u
   c.cluster_secret_file = std::move(cluster_secret_file);
 }
 
+// ---- D's load-failure service (control/load_failure_service.h): why a KV load failed, for a
+// router to tell the client ----
+
+class PyLoadFailureService {
+ public:
+  PyLoadFailureService(const std::string& host, int port) {
+    Result<int> started = Err(ErrorCode::kInternal, "not started");
+    {
+      py::gil_scoped_release release;
+      started = service_.Start(host, port);
+    }
+    port_ = Take(std::move(started));
+  }
+  int port() const { return port_; }
+  void Record(const std::string& transfer_id, const std::string& reason) {
+    service_.Record(transfer_id, reason);
+  }
+  std::optional<std::string> Find(const std::string& transfer_id) const {
+    return service_.Find(transfer_id);
+  }
+  void Stop() {
+    py::gil_scoped_release release;
+    service_.Stop();
+  }
+
+ private:
+  control::LoadFailureService service_;
+  int port_ = 0;
+};
+
 // ---- the bootstrap service (P's scheduler process runs one, as vLLM's Mooncake P does) ----
 
 class PyBootstrapServer {
@@ -646,6 +677,14 @@ PYBIND11_MODULE(_native, m) {
       .def("wait_finished", &PyDecodeWorker::WaitFinished, py::arg("timeout_s"))
       .def("stats", &PyDecodeWorker::Stats)
       .def("stop", &PyDecodeWorker::Stop);
+
+  py::class_<PyLoadFailureService>(m, "LoadFailureService")
+      .def(py::init<const std::string&, int>(), py::kw_only(), py::arg("host") = "127.0.0.1",
+           py::arg("port") = 0)
+      .def_property_readonly("port", &PyLoadFailureService::port)
+      .def("record", &PyLoadFailureService::Record, py::arg("transfer_id"), py::arg("reason"))
+      .def("find", &PyLoadFailureService::Find, py::arg("transfer_id"))
+      .def("stop", &PyLoadFailureService::Stop);
 
   py::class_<PyBootstrapServer>(m, "BootstrapServer")
       .def(py::init<const std::string&, int, const std::optional<std::string>&,

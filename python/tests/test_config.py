@@ -106,3 +106,12 @@ def test_kv_release_must_be_a_boolean():
 def test_fence_writes_must_be_a_boolean():
     with pytest.raises(config.ConfigError, match="fence_writes"):
         config.parse_settings({"fence_writes": 1}, env={})
+
+
+def test_load_failure_port_is_off_unless_given_and_must_be_a_port():
+    assert config.parse_settings({}, env={}).load_failure_port is None
+    assert config.parse_settings({"load_failure_port": 0}, env={}).load_failure_port == 0
+    assert config.parse_settings({"load_failure_port": 8999}, env={}).load_failure_port == 8999
+    for bad in (-1, 65536, "8999", True, 1.5):
+        with pytest.raises(config.ConfigError, match="load_failure_port"):
+            config.parse_settings({"load_failure_port": bad}, env={})

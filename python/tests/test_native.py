@@ -418,3 +418,22 @@ def test_a_decoder_survives_two_thousand_p_addresses_with_bounded_side_channels(
         assert receive(d, "req-ok")[1]
     finally:
         stop(d, p, real_bootstrap, *bootstraps)
+
+
+def test_the_load_failure_service_answers_a_recorded_reason_over_http():
+    import json
+    import urllib.error
+    import urllib.request
+
+    service = native.LoadFailureService(port=0)
+    try:
+        service.record("xfer-1", "TOMBSTONED: released on P")
+        assert service.find("xfer-1") == "TOMBSTONED: released on P"
+        url = f"http://127.0.0.1:{service.port}/load_failure?transfer_id=xfer-1"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            assert json.loads(response.read())["reason"] == "TOMBSTONED: released on P"
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(url.replace("xfer-1", "xfer-2"), timeout=5)
+        assert missing.value.code == 404
+    finally:
+        service.stop()

@@ -146,6 +146,20 @@ def complete(url: str, model: str, prompt: Sequence[int], max_tokens: int = 16, 
     return out
 
 
+def start_completion(url: str, model: str, prompt: Sequence[int],
+                     max_tokens: int = 16) -> socket.socket:
+    """Sends a streamed greedy /v1/completions and returns its connection unread: a client
+    that closes it leaves, whenever the test decides."""
+    host, _, port = url.split("://", 1)[-1].rstrip("/").partition(":")
+    body = json.dumps({"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: " +
+                 str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
 def prompts(seed: int, lengths: Iterable[int], vocab: int = 1024) -> list[list[int]]:
     """Token-id prompts (ids 4.. past the tokenizer's specials), one per length."""
     rng = random.Random(seed)
@@ -206,6 +220,7 @@ class Pair:
     decode: VllmEngine
     proxy: Proxy
     bootstrap_port: int
+    load_failure_port: int = 0  # D's load-failure service
     engine_id: str = ""  # P's, learned once it is up
 
     def d_params(self, transfer_id: str) -> dict[str, Any]:
@@ -220,6 +235,7 @@ class Cluster:
         self.env = dict(env)
         self.engines: dict[str, VllmEngine] = {}
         self.pairs: dict[str, Pair] = {}
+        self.proxies: dict[str, Proxy] = {}  # more proxies, over engines of the pairs
         self.kvferry = find_kvferry(None)
 
     def engine(self, name: str, model: str, *, transfer_config: Mapping[str, Any] | None = None,
@@ -239,13 +255,32 @@ class Cluster:
                             "prefill", {**(extra or {}), "bootstrap_port": bootstrap},
                             engine_id=f"{name}-prefill"),
                         args=[*args, *prefill_args], env=env)
+        failures = free_port()
         d = self.engine(f"{name}-decode", model,
-                        transfer_config=kvferry_transfer_config("decode", extra),
+                        transfer_config=kvferry_transfer_config(
+                            "decode", {**(extra or {}), "load_failure_port": failures}),
                         args=[*args, *decode_args], env=env)
-        proxy = Proxy(self.kvferry, free_port(), p, bootstrap, d, self.dir / f"{name}-proxy.log")
-        pair = Pair(name, model, p, d, proxy, bootstrap)
+        proxy = Proxy(self.kvferry, free_port(), p, bootstrap, d, self.dir / f"{name}-proxy.log",
+                      load_failure_port=failures)
+        pair = Pair(name, model, p, d, proxy, bootstrap, load_failure_port=failures)
         self.pairs[name] = pair
         return pair
+
+    def decode(self, name: str, model: str, *, extra: Mapping[str, Any] | None = None,
+               args: Sequence[str] = ()) -> tuple[VllmEngine, int]:
+        """A D engine of its own (and the port of its load-failure service)."""
+        failures = free_port()
+        engine = self.engine(name, model, transfer_config=kvferry_transfer_config(
+            "decode", {**(extra or {}), "load_failure_port": failures}), args=args)
+        return engine, failures
+
+    def proxy(self, name: str, prefill_of: Pair, decode: VllmEngine,
+              load_failure_port: int | None = None) -> Proxy:
+        """A proxy in front of a pair's P and another D, started after the engines."""
+        proxy = Proxy(self.kvferry, free_port(), prefill_of.prefill, prefill_of.bootstrap_port,
+                      decode, self.dir / f"{name}.log", load_failure_port=load_failure_port)
+        self.proxies[name] = proxy
+        return proxy
 
     def start(self) -> None:
         """Starts every engine at once, waits for each, then starts the proxies."""
@@ -257,8 +292,12 @@ class Cluster:
             for pair in self.pairs.values():
                 pair.engine_id = engine_id_of(pair.bootstrap_port)
                 pair.proxy.start()
+            for proxy in self.proxies.values():
+                proxy.start()
             for pair in self.pairs.values():
                 pair.proxy.wait_ready(60.0)
+            for proxy in self.proxies.values():
+                proxy.wait_ready(60.0)
         except BaseException:
             self.stop()
             raise
@@ -273,7 +312,8 @@ class Cluster:
         engine.wait_ready(START_TIMEOUT_S)
 
     def children(self) -> list[Child]:
-        return [p.proxy for p in self.pairs.values()] + list(self.engines.values())
+        return ([p.proxy for p in self.pairs.values()] + list(self.proxies.values())
+                + list(self.engines.values()))
 
     def stop(self) -> None:
         threads = [threading.Thread(target=c.stop) for c in self.children()]

@@ -678,6 +678,16 @@ struct Proxy::Impl {
         control::HttpResponse answer;
         answer.status = pipe->status;
         for (auto& c : pipe->chunks) answer.body += c;
+        if (pipe->finished && pipe->error.empty() && pipe->status >= 500) {
+          lock.unlock();
+          if (auto why = LoadFailure(d_url, transfer_id)) {
+            answer.body = ErrorBody("decode " + d_url + ": the KV transfer failed: " + *why,
+                                    "kv_transfer_error");
+            answer.content_type = "application/json";
+            pipe->content_type.clear();
+          }
+          lock.lock();
+        }
         if (!pipe->finished || !pipe->error.empty()) {
           if (pipe->status == 200) decode_failed.fetch_add(1);
           answer.status = 502;
@@ -692,17 +702,59 @@ struct Proxy::Impl {
         return;
       }
     }
-    Stream(*pipe, p.url, ex);
+    Stream(*pipe, p.url, d_url, transfer_id, ex);
     pipe->Abandon();  // D's copy is done or no longer wanted
+  }
+
+  // Why D's KV load of `transfer_id` failed, from D's load-failure service when it runs one;
+  // nullopt when it has none, does not know the transfer, or does not answer within 1 s.
+  std::optional<std::string> LoadFailure(const std::string& d_url, const std::string& transfer_id) {
+    auto port = o.load_failure_ports.find(d_url);
+    const auto hp = ParseUrl(d_url);
+    if (port == o.load_failure_ports.end() || !hp) return std::nullopt;
+    httplib::Client cli(hp->host, port->second);
+    cli.set_connection_timeout(std::chrono::seconds(1));
+    cli.set_read_timeout(std::chrono::seconds(1));
+    auto res = cli.Get("/load_failure?transfer_id=" + httplib::detail::encode_query_param(transfer_id));
+    if (!res || res->status != 200 || res->body.size() > 64 * 1024) return std::nullopt;
+    json answer = json::parse(res->body, nullptr, /*allow_exceptions=*/false);
+    if (!answer.is_object() || !answer.contains("reason") || !answer["reason"].is_string()) {
+      return std::nullopt;
+    }
+    return answer["reason"].get<std::string>();
   }
 
   // Relays D's stream to the client chunk by chunk, until D ends it, P's half fails, the client
   // leaves or the proxy stops.
-  void Stream(Pipe& pipe, const std::string& p_url, control::HttpExchange& ex) {
+  void Stream(Pipe& pipe, const std::string& p_url, const std::string& d_url,
+              const std::string& transfer_id, control::HttpExchange& ex) {
     control::HttpResponse head;
     head.content_type = "text/event-stream";
     head.headers.emplace_back("Cache-Control", "no-cache");
     ex.BeginStream(std::move(head));
+    // With D's load-failure service known, D's stream is relayed event by event (an event may
+    // arrive in pieces), so an error event can be told and given the failed load's reason.
+    const bool by_event = o.load_failure_ports.count(d_url) != 0;
+    std::string partial;
+    auto relay = [&](std::string c) {
+      if (!by_event) return ex.Write(c);
+      partial += c;
+      for (std::size_t end; (end = partial.find("\n\n")) != std::string::npos;) {
+        std::string event = partial.substr(0, end + 2);
+        partial.erase(0, end + 2);
+        // vLLM ends a stream whose KV load failed with "Internal server error".
+        if (event.rfind("data: {\"error\"", 0) == 0) {
+          if (auto why = LoadFailure(d_url, transfer_id)) {
+            event = "data: " +
+                    ErrorBody("decode " + d_url + ": the KV transfer failed: " + *why,
+                              "kv_transfer_error") +
+                    "\n\n";
+          }
+        }
+        if (!ex.Write(event)) return false;
+      }
+      return true;
+    };
     std::unique_lock<std::mutex> lock(pipe.mu);
     for (;;) {
       pipe.cv.wait_for(lock, std::chrono::milliseconds(500), [&] {
@@ -724,10 +776,15 @@ struct Proxy::Impl {
         std::string c = std::move(pipe.chunks.front());
         pipe.chunks.pop_front();
         lock.unlock();
-        if (!ex.Write(c)) return;  // the client left
+        if (!relay(std::move(c))) return;  // the client left
         lock.lock();
       }
       if (pipe.finished) {
+        if (!partial.empty()) {  // an unterminated last event: passed on as it came
+          lock.unlock();
+          if (!ex.Write(std::exchange(partial, {}))) return;
+          lock.lock();
+        }
         if (!pipe.error.empty()) {
           decode_failed.fetch_add(1);
           const std::string error = pipe.error;

@@ -23,13 +23,15 @@
 // already begun) and D's copy is dropped (its connection closed); if D refuses or fails its
 // copy, P's copy is cancelled, so P aborts a prefill still running instead of finishing it for
 // nobody (once P has answered, its KV is D's to release, or the lease's), and the client gets
-// D's error.
+// D's error — with the reason its KV load failed when D runs a load-failure service
+// (ProxyOptions::load_failure_ports).
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -82,6 +84,11 @@ struct ProxyOptions {
   int port = 0;  // 0: any free port (see Proxy::port())
   std::vector<PrefillTarget> prefills;
   std::vector<std::string> decodes;
+  // D URL -> the port of its load-failure service on the URL's host (LoadFailureService; D's
+  // `load_failure_port`). When D answers a request with an error (a 5xx, or an error event in
+  // its stream), the proxy asks that service why the request's KV load failed and gives the
+  // client that reason: vLLM's own answer is a bare "Internal server error".
+  std::map<std::string, int> load_failure_ports;
   double prefill_timeout_s = 900;  // deadline of P's background request
   double decode_timeout_s = 900;   // per-read deadline of D's request
   int threads = 512;               // concurrent client connections served

@@ -34,7 +34,7 @@ struct ProxyCli {
   std::string host = "127.0.0.1";
   int port = 8000;
   harness::ProxyPrefillFlags prefill;
-  std::vector<std::string> decode;
+  std::vector<std::vector<std::string>> decode;  // each --decode: URL [LOAD_FAILURE_PORT]
   double prefill_timeout_s = 900, decode_timeout_s = 900;
   int threads = 512;
   double ready_attempt_timeout_s = 2, ready_retry_interval_s = 1, ready_log_interval_s = 10;
@@ -62,7 +62,24 @@ int RunProxy(const ProxyCli& c) {
   o.host = c.host;
   o.port = c.port;
   o.prefills = std::move(*prefills);
-  o.decodes = c.decode;
+  for (const std::vector<std::string>& d : c.decode) {
+    o.decodes.push_back(d.at(0));
+    if (d.size() < 2) continue;
+    int port = 0;
+    try {
+      std::size_t used = 0;
+      port = std::stoi(d[1], &used);
+      if (used != d[1].size()) port = 0;
+    } catch (const std::exception&) {
+      port = 0;
+    }
+    if (port < 1 || port > 65535) {
+      std::fprintf(stderr, "proxy: --decode %s %s: the load-failure port must be 1..65535\n",
+                   d[0].c_str(), d[1].c_str());
+      return 2;
+    }
+    o.load_failure_ports[d[0]] = port;
+  }
   o.prefill_timeout_s = c.prefill_timeout_s;
   o.decode_timeout_s = c.decode_timeout_s;
   o.threads = c.threads;
@@ -124,7 +141,11 @@ void AddProxyCommand(CLI::App& app, int& exit_code) {
                   "P's bootstrap address, e.g. 127.0.0.1:8998 (one per --prefill, or none)");
   cmd->add_option("--prefill-engine-id", c->prefill.engine_id,
                   "P's engine_id (one per --prefill, or none: learned from P's bootstrap)");
-  cmd->add_option("--decode", c->decode, "D's URL, e.g. http://127.0.0.1:8020 (repeatable)")
+  cmd->add_option("--decode", c->decode,
+                  "D's URL and, optionally, the port of its load-failure service on the URL's "
+                  "host (D's load_failure_port), whose reasons the proxy gives clients when a "
+                  "KV load fails (repeatable): --decode http://10.0.0.2:8020 [8999]")
+      ->expected(1, 2)
       ->required();
   cmd->add_option("--prefill-timeout", c->prefill_timeout_s, "deadline of P's request (s)")
       ->capture_default_str();

@@ -20,6 +20,7 @@
 #include "client_load.h"
 #include "client_probe.h"
 #include "client_proxy.h"
+#include "control/load_failure_service.h"
 #include "control/bootstrap_client.h"
 #include "control/bootstrap_server.h"
 #include "control/cluster_auth.h"
@@ -77,6 +78,9 @@ class FakeServer {
   std::function<double(const json&, int)> delay_s = [](const json&, int) { return 0.0; };
   // Streams: the 200 and its headers go out at once, the events only after this long.
   double stream_delay_s = 0;
+  // Streams end with an error event after the first token (as vLLM ends one whose KV load
+  // failed).
+  bool stream_error = false;
 
   // What /health answers (the proxy polls a P's before learning its engine ids).
   std::atomic<int> health_status{200};
@@ -124,6 +128,15 @@ class FakeServer {
               std::this_thread::sleep_for(std::chrono::duration<double>(stream_delay_s));
             }
             for (int i = 0; i < tokens; ++i) {
+              if (stream_error && i == 1) {
+                const std::string err =
+                    "data: " +
+                    json{{"error", {{"message", "Internal server error"}, {"code", 500}}}}.dump() +
+                    "\n\n";
+                sink.write(err.data(), 7);
+                sink.write(err.data() + 7, err.size() - 7);
+                break;
+              }
               const std::string ev =
                   "data: " + json{{"choices", {{{"text", "t" + std::to_string(i)}}}}}.dump() +
                   "\n\n";
@@ -424,6 +437,50 @@ TEST(Proxy, DecodeRefusalCancelsThePrefillCopy) {
   // P's copy ends long before P would have answered (3 s): the proxy closed it.
   EXPECT_TRUE(WaitFor([&] { return proxy.stats().prefill_cancelled == 1; }, 1.5));
   EXPECT_EQ(proxy.stats().prefill_failed, 0u) << "a cancelled copy is not P's failure";
+}
+
+// vLLM answers a request whose KV load failed with a bare "Internal server error"; with D's
+// load-failure service known (--decode URL PORT), the proxy asks it why and tells the client —
+// as the body of a failed answer and as the error event of a stream D had begun.
+TEST(Proxy, AFailedLoadReachesTheClientWithItsReasonFromDsLoadFailureService) {
+  control::LoadFailureService failures;
+  auto failure_port = failures.Start("127.0.0.1", 0);
+  ASSERT_TRUE(failure_port.has_value());
+  FakeServer p, d;
+  d.fail_status = [&](const json& body) {
+    if (body.value("stream", false)) return 0;
+    failures.Record(body["kv_transfer_params"]["transfer_id"].get<std::string>(),
+                    "TOMBSTONED: transfer was already released on P (late pull)");
+    return 500;
+  };
+  d.stream_error = true;
+  ProxyOptions o = PairOptions(p, d);
+  o.load_failure_ports[d.url()] = *failure_port;
+  Proxy proxy(o);
+  ASSERT_TRUE(proxy.Start(nullptr));
+  const std::string url = UrlOf(proxy);
+  auto r = PostCompletion({url, CompletionBody({1}, 2, false, true), false, 10, nullptr});
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.http_status, 500);
+  EXPECT_NE(r.error.find("TOMBSTONED"), std::string::npos) << r.error;
+  // Streamed: D records the reason when its stream fails (as the connector does).
+  d.delay_s = [&](const json& body, int) {
+    if (body.value("stream", false)) {
+      failures.Record(body["kv_transfer_params"]["transfer_id"].get<std::string>(),
+                      "LEASE_MISMATCH: decoder has 4s, prefiller has off");
+    }
+    return 0.0;
+  };
+  r = PostCompletion({url, CompletionBody({1}, 3, true, true), true, 10, nullptr});
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("decoder has 4s, prefiller has off"), std::string::npos) << r.error;
+  // Without the service (or for a transfer it does not know), D's own answer passes.
+  ProxyOptions plain = PairOptions(p, d);
+  Proxy bare(plain);
+  ASSERT_TRUE(bare.Start(nullptr));
+  r = PostCompletion({UrlOf(bare), CompletionBody({1}, 2, false, true), false, 10, nullptr});
+  EXPECT_EQ(r.http_status, 500);
+  EXPECT_EQ(r.error.find("TOMBSTONED"), std::string::npos) << r.error;
 }
 
 TEST(Proxy, BurstOfConnectionsDoesNotStall) {

@@ -22,6 +22,11 @@ Keys of ``kv_connector_extra_config``:
     D's data plane fences its writers (no one-sided puts into D; every pull carries a write key
     D can revoke), so D releases the blocks of a P that died or went silent mid-pull without
     waiting for its answer; default false (the put path stays available).
+``load_failure_port``
+    D: the port of its load-failure service (0: any free one; absent: none), where a router
+    asks why a request's KV load failed (``GET /load_failure?transfer_id=ID``): vLLM answers
+    such a request with a bare "Internal server error". ``kvferry proxy --decode URL PORT``
+    passes the reason to the client.
 ``cluster_secret_file``
     A file (mode 0600, 32..4096 bytes) holding the cluster secret: signed bootstrap traffic and a
     CURVE side channel (docs/security.md), as ``kvferry serve`` takes it. Absent: an open cluster.
@@ -51,6 +56,7 @@ KNOWN_KEYS = frozenset(
         "kv_release",
         "fence_writes",
         "cluster_secret_file",
+        "load_failure_port",
     }
 )
 
@@ -68,6 +74,7 @@ class ConnectorSettings:
     kv_release: bool
     cluster_secret_file: str | None = None
     fence_writes: bool = False
+    load_failure_port: int | None = None
     ignored_keys: tuple[str, ...] = ()  # extra-config keys kvferry does not know (logged)
 
     @property
@@ -161,6 +168,10 @@ def parse_settings(
     if not isinstance(fence, bool):
         raise ConfigError(f"fence_writes must be true or false, not {fence!r}")
 
+    failure_port = None
+    if "load_failure_port" in extra:
+        failure_port = _port(extra["load_failure_port"], "load_failure_port")
+
     secret = extra.get("cluster_secret_file")
     if "cluster_secret_file" in extra and (
         not isinstance(secret, str) or not 0 < len(secret) <= 4096
@@ -175,5 +186,6 @@ def parse_settings(
         bootstrap_server_address=address,
         kv_release=release,
         fence_writes=fence,
+        load_failure_port=failure_port,
         ignored_keys=tuple(sorted(k for k in extra if k not in KNOWN_KEYS)),
     )

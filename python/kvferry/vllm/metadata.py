@@ -57,13 +57,17 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class KvferryWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker to scheduler: transfers P's native worker dropped before their prefill finished
-    (a dead or departed decoder). vLLM gives a connector no way to abort a request, so the
-    scheduler half can only log them; their blocks are freed when the prefill finishes."""
+    (a dead or departed decoder: vLLM gives a connector no way to abort a request, so the
+    scheduler half can only log them; their blocks are freed when the prefill finishes), and
+    on D why loads failed (for the load-failure service a router asks)."""
 
     dropped_transfers: list[str] = field(default_factory=list)
+    failed_loads: dict[str, str] = field(default_factory=dict)  # request id -> reason
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvferryWorkerMetadata)
         seen = set(self.dropped_transfers)
         merged = self.dropped_transfers + [t for t in other.dropped_transfers if t not in seen]
-        return KvferryWorkerMetadata(dropped_transfers=merged)
+        # The first rank's reason of a request stays (each rank says why its own load failed).
+        failed = {**other.failed_loads, **self.failed_loads}
+        return KvferryWorkerMetadata(dropped_transfers=merged, failed_loads=failed)

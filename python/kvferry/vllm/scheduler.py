@@ -130,6 +130,17 @@ class KvferryConnectorScheduler:
         # D read one request's KV from blocks vLLM freed for the other.
         self._owner: dict[str, str] = {}
 
+        # D: why loads failed, for a router to ask (config.py: load_failure_port), and the
+        # transfer of each load in flight, to file the reasons under.
+        self._load_failures: Any = None
+        self._load_transfer: dict[str, str] = {}
+        if self.is_consumer and settings.load_failure_port is not None:
+            import kvferry._native as native
+
+            self._load_failures = native.LoadFailureService(
+                host="0.0.0.0", port=settings.load_failure_port)
+            logger.info("kvferry: load-failure service on port %d", self._load_failures.port)
+
         if settings.ignored_keys:
             logger.warning(
                 "KvferryConnector ignores kv_connector_extra_config keys %s",
@@ -208,6 +219,7 @@ class KvferryConnectorScheduler:
             )
             if any(block_ids):
                 self._load[request_id] = LoadSpec(source=source, block_ids=block_ids)
+                self._load_transfer[request_id] = source.transfer_id
             else:
                 # A full local prefix hit: nothing to pull; tell P it may free the KV.
                 self._tracked.setdefault(request_id, source)
@@ -296,6 +308,14 @@ class KvferryConnectorScheduler:
         return True, decode_params
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvferryWorkerMetadata) and meta.failed_loads:
+            for request_id, reason in meta.failed_loads.items():
+                transfer_id = self._load_transfer.get(request_id)
+                if transfer_id is not None and self._load_failures is not None:
+                    self._load_failures.record(transfer_id, reason)
+        for request_id in connector_output.finished_recving or ():
+            self._load_transfer.pop(request_id, None)
         # A settled receive (success or failure) ends tracking: the worker stopped renewing.
         for request_id in connector_output.finished_recving or ():
             self._tracked.pop(request_id, None)
@@ -305,7 +325,6 @@ class KvferryConnectorScheduler:
             transfer_id = self._holding.pop(request_id, None)
             if transfer_id is not None and self._owner.get(transfer_id) == request_id:
                 del self._owner[transfer_id]
-        meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvferryWorkerMetadata) and meta.dropped_transfers:
             logger.warning(
                 "the prefill runtime dropped %d transfer(s) before their prefill finished "
@@ -314,6 +333,15 @@ class KvferryConnectorScheduler:
                 len(meta.dropped_transfers),
                 ", ".join(meta.dropped_transfers[:8]),
             )
+
+    def shutdown(self) -> None:
+        if self._load_failures is not None:
+            self._load_failures.stop()
+            self._load_failures = None
+
+    @property
+    def load_failure_port(self) -> int | None:
+        return self._load_failures.port if self._load_failures is not None else None
 
     # -- introspection for tests and logs ------------------------------------------------------
 

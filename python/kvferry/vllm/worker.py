@@ -210,6 +210,7 @@ class KvferryConnectorWorker:
         self._failed_released: set[str] = set()  # held failures whose blocks are free now
         self._invalid_block_ids: set[int] = set()
         self._dropped: list[str] = []
+        self._failure_reasons: dict[str, str] = {}  # D: for the scheduler half (worker meta)
 
     # -- registration -------------------------------------------------------------------------
 
@@ -282,6 +283,7 @@ class KvferryConnectorWorker:
                 if block_ids is None:
                     continue
                 logger.warning("KV load of request %s failed: %s", request_id, reason)
+                self._failure_reasons[request_id] = reason
                 if not held:
                     self._finished_recving.add(request_id)
                     self._failed_recving[request_id] = block_ids
@@ -349,10 +351,11 @@ class KvferryConnectorWorker:
         return invalid
 
     def build_worker_meta(self) -> KvferryWorkerMetadata | None:
-        if not self._dropped:
+        if not self._dropped and not self._failure_reasons:
             return None
-        meta = KvferryWorkerMetadata(dropped_transfers=self._dropped)
-        self._dropped = []
+        meta = KvferryWorkerMetadata(dropped_transfers=self._dropped,
+                                     failed_loads=self._failure_reasons)
+        self._dropped, self._failure_reasons = [], {}
         return meta
 
     def shutdown(self) -> None:
