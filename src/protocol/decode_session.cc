@@ -21,6 +21,11 @@ constexpr std::size_t kMaxEnginesForRefusals = 1024;
 // they ever left (it reports an unsent one after its connection wait, 3 s, long after a reply
 // deadline of lease/12): about 20 s of passes at the shortest lease's rate.
 constexpr std::size_t kMaxUnansweredRenewals = 64;
+// Lookups in flight at once for one engine at distinct bootstrap addresses: clients may name
+// any address, and one naming a bad one must not hold up the others (found by attacking
+// `kvferry serve`: a request naming the real engine at a hanging address made proxied requests
+// wait 4.7 s and time out), while one naming a new address per request must not grow D's work.
+constexpr std::size_t kMaxLookupsPerEngine = 4;
 // How often SweepEngines runs at most.
 constexpr core::Duration kEngineSweep = std::chrono::seconds(10);
 // A fence that found writes still landing under its keys (a writer stalled mid-batch) is asked
@@ -237,27 +242,67 @@ Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSour
     by_transfer_.emplace(source.transfer_id, request);  // to release it if the receive fails
   }
   Load load{request, source, std::move(blocks)};
+  const std::string address = LoadAddress(state, load);
   if (state.view && !state.view_stale) {
     SendLoad(std::move(load), *state.view, now);
-  } else if (!state.view && state.failed_until > now) {
-    FailLoad(std::move(load), state.failure, now);  // the engine is known unreachable: fail at once
+  } else if (!state.view && FailureCovers(state, address, now)) {
+    FailLoad(std::move(load), state.failure, now);  // known unreachable there: fail at once
   } else {
     state.waiting_loads.push_back(std::move(load));
-    RequestLookup(source.engine_id, state, now);
+    // Unpaired: a lookup where this request says the engine is, whatever others named. A
+    // stale view is refreshed where the latest request names it.
+    RequestLookup(source.engine_id, state, now, state.view ? nullptr : &address);
   }
   return Status::Ok();
 }
 
 // ---- lookups ----
 
-void DecodeSession::RequestLookup(const core::EngineId& engine, EngineState& state, TimePoint now) {
-  if (state.lookup_in_flight) return;
-  state.lookup_in_flight = true;
-  state.lookup_deadline = now + options_.lookup_timeout;
+void DecodeSession::RequestLookup(const core::EngineId& engine, EngineState& state, TimePoint now,
+                                  const std::string* address) {
+  const std::string& where = address != nullptr ? *address : state.bootstrap_address;
+  if (state.lookups.count(where) != 0 || state.lookups.size() >= kMaxLookupsPerEngine) return;
   state.lookup_id = ++last_lookup_id_;
-  state.lookup_address = state.bootstrap_address;
+  state.lookup_address = where;
+  state.lookups.emplace(where, InFlightLookup{state.lookup_id, now + options_.lookup_timeout});
   ++counters_.lookups;
-  lookups_out_.push_back({engine, state.bootstrap_address, state.lookup_id});
+  lookups_out_.push_back({engine, where, state.lookup_id});
+}
+
+std::optional<std::string> DecodeSession::TakeLookup(EngineState& state, std::uint64_t lookup_id) {
+  if (lookup_id == 0) lookup_id = state.lookup_id;
+  for (auto it = state.lookups.begin(); it != state.lookups.end(); ++it) {
+    if (it->second.id == lookup_id) {
+      std::string address = it->first;
+      state.lookups.erase(it);
+      return address;
+    }
+  }
+  return std::nullopt;
+}
+
+bool DecodeSession::FailureCovers(const EngineState& state, const std::string& address,
+                                  TimePoint now) {
+  return state.failed_until > now &&
+         (state.failure_address.empty() || state.failure_address == address);
+}
+
+const std::string& DecodeSession::LoadAddress(const EngineState& state, const Load& load) {
+  return load.source.bootstrap_address.empty() ? state.bootstrap_address
+                                               : load.source.bootstrap_address;
+}
+
+void DecodeSession::LookUpForWaiting(const core::EngineId& engine, EngineState& state,
+                                     TimePoint now) {
+  if (!state.waiting_renewals.empty() || !state.waiting_releases.empty() ||
+      (state.view && !state.waiting_loads.empty())) {
+    RequestLookup(engine, state, now);
+  }
+  if (state.view) return;
+  for (const Load& load : state.waiting_loads) {
+    const std::string& address = LoadAddress(state, load);
+    if (!FailureCovers(state, address, now)) RequestLookup(engine, state, now, &address);
+  }
 }
 
 bool DecodeSession::StaleLookup(const core::EngineId& engine, EngineState& state,
@@ -267,24 +312,20 @@ bool DecodeSession::StaleLookup(const core::EngineId& engine, EngineState& state
   // registry read before its lease lapsed), and believing it would send loads there to wait
   // for their pull deadline. A fresh lookup answers whoever waits.
   ++counters_.lookups_stale;
-  if (state.lookup_in_flight && state.lookup_id == lookup_id) {
-    state.lookup_in_flight = false;
-    state.lookup_deadline = core::kNever;
-  }
-  if (!state.waiting_loads.empty() || !state.waiting_renewals.empty() ||
-      !state.waiting_releases.empty()) {
-    RequestLookup(engine, state, now);
-  }
+  (void)TakeLookup(state, lookup_id);
+  LookUpForWaiting(engine, state, now);
   return true;
 }
 
 void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now, std::uint64_t lookup_id) {
   EngineState& state = Engine(engine.engine_id, "");
   if (StaleLookup(engine.engine_id, state, lookup_id, now)) return;
-  state.lookup_in_flight = false;
-  state.lookup_deadline = core::kNever;
+  // An answer to a lookup no longer in flight (it timed out) is taken as the latest's, as
+  // before lookups per address.
+  const std::string asked = TakeLookup(state, lookup_id).value_or(state.lookup_address);
   state.failed_until = TimePoint::min();
   state.failure = Status();
+  state.failure_address.clear();
   std::optional<std::string> replaced;  // an old process the answer says is gone
   if (state.view && state.view->incarnation != engine.incarnation) {
     renewals_.ResetEngine(engine.engine_id);
@@ -295,7 +336,7 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now, std::uint6
     // (OnProcessGone), and their blocks stay quarantined until a fence or a late answer. A
     // service D did not learn the old process from says nothing of it: a client may name any
     // bootstrap, and that answer only adds peers.
-    const bool same_source = state.view_address == state.lookup_address;
+    const bool same_source = state.view_address == asked;
     if (same_source) replaced = state.view->incarnation;
     events_out_.push_back(Warning{
         Warning::Kind::kIncarnation,
@@ -306,7 +347,7 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now, std::uint6
                                   "replies or a fence")});
   }
   state.view = engine;
-  state.view_address = state.lookup_address;
+  state.view_address = asked;
   state.view_stale = false;
   state.declared_down.reset();
   std::vector<Load> loads = std::move(state.waiting_loads);
@@ -336,9 +377,12 @@ void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& w
   if (it == engines_.end()) return;
   EngineState& state = it->second;
   if (StaleLookup(engine, state, lookup_id, now)) return;
-  state.lookup_in_flight = false;
-  state.lookup_deadline = core::kNever;
+  const std::optional<std::string> taken = TakeLookup(state, lookup_id);
   ++counters_.lookup_failures;
+  // A failure of a lookup no longer in flight (its deadline already failed it) says nothing new,
+  // and must not fail loads that wait for a newer lookup at the same address.
+  if (lookup_id != 0 && !taken) return;
+  const std::string asked = taken.value_or(state.lookup_address);
   if (state.view) {
     // A refresh failed: pull with what is known (the pulls' own deadlines decide).
     std::vector<Load> loads = std::move(state.waiting_loads);
@@ -356,13 +400,22 @@ void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& w
   state.failed_until = now + options_.lookup_failure_ttl;
   state.failure = Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
                          fmt::format("bootstrap lookup of {}: {}", engine, why.message()));
-  std::vector<Load> loads = std::move(state.waiting_loads);
-  state.waiting_loads.clear();
-  counters_.renewal_failures += state.waiting_renewals.size();
-  state.waiting_renewals.clear();
-  counters_.releases_dropped += state.waiting_releases.size();  // the lease frees them
-  state.waiting_releases.clear();
+  state.failure_address = asked;
+  // Only the loads that named this address fail: others wait for their own lookups.
+  std::vector<Load> loads;
+  std::vector<Load> waiting;
+  for (Load& load : state.waiting_loads) {
+    (LoadAddress(state, load) == asked ? loads : waiting).push_back(std::move(load));
+  }
+  state.waiting_loads = std::move(waiting);
+  if (state.lookups.empty()) {
+    counters_.renewal_failures += state.waiting_renewals.size();
+    state.waiting_renewals.clear();
+    counters_.releases_dropped += state.waiting_releases.size();  // the lease frees them
+    state.waiting_releases.clear();
+  }
   for (Load& load : loads) FailLoad(std::move(load), state.failure, now);
+  LookUpForWaiting(engine, state, now);  // loads that waited behind the lookup cap
 }
 
 // ---- pulls ----
@@ -811,10 +864,10 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
   state.view_stale = false;
   // A lookup in flight may answer with the dead process: its answer will be stale, and the
   // next lookup need not wait for it.
-  state.lookup_in_flight = false;
-  state.lookup_deadline = core::kNever;
+  state.lookups.clear();
   state.lookup_floor = last_lookup_id_ + 1;
   state.failed_until = now + options_.lookup_failure_ttl;
+  state.failure_address.clear();  // down wherever a request names it
   state.failure = Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
                          fmt::format("prefill engine {} is down: {}", engine, why.message()));
   std::vector<Load> loads = std::move(state.waiting_loads);
@@ -866,19 +919,15 @@ void DecodeSession::OnProcessGone(const core::EngineId& engine, const std::strin
                                    incarnation, why.message()));
   // A lookup asked before now may have read the process that is gone: its answer is stale.
   state.lookup_floor = last_lookup_id_ + 1;
-  if (state.lookup_in_flight) {
-    state.lookup_in_flight = false;
-    state.lookup_deadline = core::kNever;
-    if (!state.waiting_loads.empty() || !state.waiting_renewals.empty() ||
-        !state.waiting_releases.empty()) {
-      RequestLookup(engine, state, now);
-    }
+  if (!state.lookups.empty()) {
+    state.lookups.clear();
+    LookUpForWaiting(engine, state, now);
   }
   if (state.view && state.view->incarnation == incarnation) {
     // The view names the process that is gone: the next load asks again.
     state.view.reset();
     state.view_stale = false;
-    if (!state.waiting_loads.empty()) RequestLookup(engine, state, now);
+    LookUpForWaiting(engine, state, now);
   }
   if (state.declared_down && state.declared_down->incarnation == incarnation) {
     state.declared_down.reset();
@@ -972,7 +1021,7 @@ void DecodeSession::RenewalPass(TimePoint now) {
       // stopped lookup_failure_ttl after the down, and a P back after its lease freed the KV).
       if (state.failed_until <= now) RequestLookup(batch.engine, state, now);
       SendRenewals(batch.engine, *state.declared_down, batch.ids, now);
-    } else if (state.failed_until > now) {
+    } else if (FailureCovers(state, state.bootstrap_address, now)) {
       ++counters_.renewal_failures;  // known unreachable: one lookup per ttl, not per batch
     } else {
       state.waiting_renewals.push_back(std::move(batch.ids));
@@ -1056,7 +1105,7 @@ void DecodeSession::FlushReleases(TimePoint now) {
       RequestLookup(engine, state, now);
     } else if (state.declared_down) {
       SendReleases(engine, *state.declared_down, ids, now);  // advisory down: see OnEngineDown
-    } else if (state.failed_until > now) {
+    } else if (FailureCovers(state, state.bootstrap_address, now)) {
       counters_.releases_dropped += ids.size();  // known unreachable: the lease frees them
     } else {
       state.waiting_releases.insert(state.waiting_releases.end(), ids.begin(), ids.end());
@@ -1215,11 +1264,15 @@ void DecodeSession::OnMessage(EndpointId endpoint, std::span<const std::uint8_t>
 
 void DecodeSession::OnTimeout(TimePoint now) {
   for (auto& [engine, state] : engines_) {
-    if (state.lookup_in_flight && state.lookup_deadline <= now) {
+    std::vector<std::uint64_t> expired;
+    for (const auto& [address, lookup] : state.lookups) {
+      if (lookup.deadline <= now) expired.push_back(lookup.id);
+    }
+    for (std::uint64_t id : expired) {
       OnLookupFailed(engine,
                      Status(ErrorCode::kTimeout,
                             fmt::format("no answer within {}", Secs(options_.lookup_timeout))),
-                     now);
+                     now, id);
     }
   }
   while (!renewal_deadlines_.empty() && std::get<0>(*renewal_deadlines_.begin()) <= now) {
@@ -1264,7 +1317,7 @@ void DecodeSession::SweepEngines(TimePoint now) {
   for (const auto& [request, tracked] : tracked_) named.insert(tracked.engine);
   for (auto it = engines_.begin(); it != engines_.end();) {
     const EngineState& s = it->second;
-    const bool unreached = !s.view && !s.declared_down && !s.lookup_in_flight &&
+    const bool unreached = !s.view && !s.declared_down && s.lookups.empty() &&
                            s.failed_until <= now && s.waiting_loads.empty() &&
                            s.waiting_renewals.empty() && s.waiting_releases.empty() &&
                            s.pending_releases.empty();
@@ -1290,7 +1343,7 @@ TimePoint DecodeSession::NextDeadline() const {
   next = std::min(next, release_due_);
   if (!fence_retries_.empty()) next = std::min(next, fence_retries_.begin()->first);
   for (const auto& [engine, state] : engines_) {
-    if (state.lookup_in_flight) next = std::min(next, state.lookup_deadline);
+    for (const auto& [address, lookup] : state.lookups) next = std::min(next, lookup.deadline);
   }
   return next;
 }

@@ -6,7 +6,7 @@
 // engine (lookups, their failures, incarnations), every pull in flight with its deadline, the
 // renewal passes with theirs, and the fences it asks for. No sockets, threads or clock reads:
 // every call takes `now`; decisions come out of the Take*() queues —
-//   TakeLookups()   bootstrap lookups to make (at most one in flight per engine),
+//   TakeLookups()   bootstrap lookups to make (at most one in flight per engine and address),
 //   TakeMessages()  Pulls and Renewals to send, each to an endpoint (a P worker's side channel),
 //   TakeFences()    data-plane fences to perform (answer each with OnFenceDone),
 //   TakeEvents()    receive completions, blocks leaving quarantine, warnings, for the engine,
@@ -17,9 +17,14 @@
 //  - Nothing waits behind anything: every pull and renewal goes out at once, many per endpoint
 //    (wire ids are per endpoint), so a dead P delays no pull or renewal to a live one. A renewal
 //    pass sends to every P worker at once; each reply is awaited at most `renewal_reply_timeout`
-//    (≤ lease/12); one lookup per engine at a time (an answer to a lookup that already timed
-//    out may overlap the next one), and a failed lookup is cached for `lookup_failure_ttl`,
-//    during which loads from that engine fail at once (nothing sent).
+//    (≤ lease/12); one lookup per engine and bootstrap address at a time (an answer to a
+//    lookup that already timed out may overlap the next one), and a failed lookup is cached
+//    for `lookup_failure_ttl`, during which loads naming that engine at that address fail at
+//    once (nothing sent).
+//  - One client's bootstrap address never holds up another's: until D has paired with an
+//    engine, a load naming it at another address than a lookup in flight or a cached failure
+//    gets a lookup of its own (up to kMaxLookupsPerEngine at once), and a failed lookup fails
+//    only the loads that named its address. The first answer pairs the engine for all.
 //  - A pull's deadline settles its still-pending entries as timeouts: the receive fails at once
 //    but its blocks stay quarantined (a local timeout is not proof that P stopped writing). The
 //    pull stays known, so a late reply still settles it and releases the quarantine; and the
@@ -381,11 +386,15 @@ class DecodeSession {
     RemoteSource source;
     std::vector<core::BlockId> blocks;
   };
+  struct InFlightLookup {
+    std::uint64_t id = 0;
+    core::TimePoint deadline = core::kNever;
+  };
   struct EngineState {
     std::string bootstrap_address;
     std::optional<PeerEngine> view;
-    bool lookup_in_flight = false;
-    core::TimePoint lookup_deadline = core::kNever;
+    // Lookups in flight by bootstrap address (at most kMaxLookupsPerEngine; usually one).
+    std::map<std::string, InFlightLookup> lookups;
     std::uint64_t lookup_id = 0;     // the latest lookup asked
     std::string lookup_address;      // where the latest lookup asked
     std::string view_address;        // where `view` was learned
@@ -393,6 +402,9 @@ class DecodeSession {
     core::TimePoint failed_until =
         core::TimePoint::min();  // a failed lookup is believed until then
     Status failure;
+    // The bootstrap address whose lookup failed (failed_until); empty: the engine at any
+    // address (declared down by a liveness source).
+    std::string failure_address;
     std::vector<Load> waiting_loads;
     std::vector<std::vector<core::Fingerprint>> waiting_renewals;  // this pass's batches
     // A pull to it timed out: the next load waits for a fresh lookup (the engine may have
@@ -425,7 +437,21 @@ class DecodeSession {
   };
 
   EngineState& Engine(const core::EngineId& engine, const std::string& bootstrap_address);
-  void RequestLookup(const core::EngineId& engine, EngineState& state, core::TimePoint now);
+  // Asks for a lookup of `engine` at `address` (default: the latest address a request named)
+  // unless one is in flight there, or kMaxLookupsPerEngine are.
+  void RequestLookup(const core::EngineId& engine, EngineState& state, core::TimePoint now,
+                     const std::string* address = nullptr);
+  // The in-flight lookup `lookup_id` answers (0: the latest asked), removed from the state;
+  // nullopt if none is in flight under that id. Its key is the address it asked.
+  std::optional<std::string> TakeLookup(EngineState& state, std::uint64_t lookup_id);
+  // Whether a cached lookup failure covers a load naming `address`.
+  static bool FailureCovers(const EngineState& state, const std::string& address,
+                            core::TimePoint now);
+  // Where a waiting load's lookup asks: the address its request named, else the engine's latest.
+  static const std::string& LoadAddress(const EngineState& state, const Load& load);
+  // Asks for the lookups that what waits for `engine` needs and that are not in flight: at the
+  // latest address, and (while unpaired) at each address a waiting load named.
+  void LookUpForWaiting(const core::EngineId& engine, EngineState& state, core::TimePoint now);
   // True (and counted, and a fresh lookup asked if anything waits) when the answer to
   // `lookup_id` is stale: asked before the engine was last declared down.
   bool StaleLookup(const core::EngineId& engine, EngineState& state, std::uint64_t lookup_id,

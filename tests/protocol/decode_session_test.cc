@@ -181,6 +181,65 @@ TEST_F(DecodeSessionTest, FailedLookupIsCachedAndFailsLoadsAtOnceWithoutQuaranti
   EXPECT_EQ(s().TakeLookups().size(), 1u);
 }
 
+// Issue 20 item 11: lookups and their failures are per bootstrap address until D has paired.
+TEST_F(DecodeSessionTest, AFailedLookupAtOneAddressFailsOnlyTheLoadsThatNamedIt) {
+  Make();
+  const RemoteSource bad{"x1", "p", "http://bad:1"};
+  ASSERT_TRUE(s().StartLoad("r1", bad, {1}, kT0).ok());
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0).ok());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 2u) << "one per address named, without waiting for the other";
+  EXPECT_EQ(lookups[0].bootstrap_address, "http://bad:1");
+  EXPECT_EQ(lookups[1].bootstrap_address, "p:8998");
+  s().OnLookupFailed("p", Status(ErrorCode::kUnavailable, "connection refused"), kT0 + 1ms,
+                     lookups[0].id);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r1");
+  EXPECT_FALSE(done[0].ok);
+  // The failure is believed for the bad address only.
+  ASSERT_TRUE(s().StartLoad("r3", bad, {3}, kT0 + 2ms).ok());
+  ASSERT_EQ(Done().size(), 1u);
+  ASSERT_TRUE(s().StartLoad("r4", Source("x4"), {4}, kT0 + 2ms).ok());
+  EXPECT_TRUE(Done().empty()) << "r4 waits for the lookup in flight at its own address";
+  EXPECT_TRUE(s().TakeLookups().empty());
+  s().OnLookup(Engine("p"), kT0 + 3ms, lookups[1].id);
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 2u);
+  EXPECT_EQ(pulls[0].requests[0].d_req_id, "r2");
+  EXPECT_EQ(pulls[1].requests[0].d_req_id, "r4");
+}
+
+TEST_F(DecodeSessionTest, AHangingLookupAtOneAddressHoldsUpNoLoadNamingAnother) {
+  Make();
+  ASSERT_TRUE(s().StartLoad("r1", {"x1", "p", "http://hangs:1"}, {1}, kT0).ok());
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 1ms).ok());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 2u);
+  s().OnLookup(Engine("p"), kT0 + 2ms, lookups[1].id);
+  EXPECT_EQ(Pulls().size(), 2u) << "paired: r1 goes to the engine too";
+  s().OnTimeout(kT0 + 5s);  // the hanging lookup's deadline: paired, so it fails nothing
+  EXPECT_TRUE(Done().empty());
+  EXPECT_GT(s().NextDeadline(), kT0 + 5s) << "no lookup left in flight";
+}
+
+TEST_F(DecodeSessionTest, LookupsOfOneEngineAtManyAddressesAreCapped) {
+  Make();
+  for (int i = 0; i < 10; ++i) {
+    const std::string n = std::to_string(i);
+    ASSERT_TRUE(s().StartLoad("r" + n, {"x" + n, "p", "http://a" + n}, {1u + i}, kT0).ok());
+  }
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 4u) << "the rest wait for one of these";
+  for (const LookupRequest& l : lookups) {
+    s().OnLookupFailed("p", Status(ErrorCode::kUnavailable, "refused"), kT0 + 1ms, l.id);
+  }
+  EXPECT_EQ(Done().size(), 4u);
+  std::vector<LookupRequest> next = s().TakeLookups();
+  ASSERT_EQ(next.size(), 4u) << "the next addresses' turn";
+  EXPECT_EQ(next[0].bootstrap_address, "http://a4");
+}
+
 TEST_F(DecodeSessionTest, UnansweredLookupFailsAtItsDeadline) {
   Make();
   ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
