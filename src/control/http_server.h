@@ -127,6 +127,7 @@ struct HttpServerStats {
   std::uint64_t requests = 0;        // requests whose headers arrived
   std::uint64_t refused_busy = 0;    // 503: handler threads and queue full
   std::uint64_t refused_limits = 0;  // 411/413 answered by this server
+  std::uint64_t refused_connections = 0;  // closed at accept: max_connections were open
   std::uint64_t handler_errors = 0;  // handler threw or returned without answering
 };
 
@@ -160,7 +161,8 @@ class HttpServer {
 
 // Prometheus text for the servers of one process, labelled server="<name>":
 // kvferry_http_connections_open, kvferry_http_requests_total,
-// kvferry_http_refusals_total{reason="busy"|"limits"}, kvferry_http_handler_errors_total.
+// kvferry_http_refusals_total{reason="busy"|"limits"|"connections"},
+// kvferry_http_handler_errors_total.
 [[nodiscard]] std::string RenderHttpMetrics(
     const std::vector<std::pair<std::string, HttpServerStats>>& servers);
 

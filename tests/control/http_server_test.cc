@@ -229,6 +229,36 @@ TEST_F(HttpServerTest, AnIdleOrHalfSentConnectionIsClosedAfterTheIdleTimeout) {
   EXPECT_TRUE(half.ClosedWithin(4000ms));
 }
 
+// Issue 20 item 12: over the cap, a connection is closed at accept, and the server keeps
+// answering the others (before: the library stopped accepting at its limit, and connections
+// over it waited unanswered in the backlog until an idle one timed out).
+TEST_F(HttpServerTest, ConnectionsOverTheCapAreClosedAtAcceptAndTheServerKeepsAnswering) {
+  HttpServerOptions options = TestOptions();
+  options.max_connections = 32;
+  StartServer(options);
+  std::vector<RawSocket> idle;
+  for (int i = 0; i < 32; ++i) idle.emplace_back(port_);
+  for (int i = 0; i < 100 && server_->stats().connections_open < 32; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(server_->stats().connections_open, 32u);
+  std::vector<RawSocket> over;
+  for (int i = 0; i < 8; ++i) over.emplace_back(port_);
+  for (RawSocket& s : over) EXPECT_TRUE(s.ClosedWithin(2000ms)) << "closed at accept, not held";
+  EXPECT_EQ(server_->stats().refused_connections, 8u);
+  EXPECT_NE(RenderHttpMetrics({{"test", server_->stats()}})
+                .find("kvferry_http_refusals_total{server=\"test\",reason=\"connections\"} 8"),
+            std::string::npos);
+  // Once some idle ones leave, a new connection is served at once.
+  while (idle.size() > 24) idle.pop_back();
+  for (int i = 0; i < 100 && server_->stats().connections_open > 24; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  const auto latency = TimedHealth();
+  EXPECT_GE(latency.count(), 0);
+  EXPECT_LT(latency, std::chrono::microseconds(1000000));
+}
+
 TEST_F(HttpServerTest, StopAnswersAHandlerThatOutlivesTheDrainTimeoutWith503) {
   StartServer();
   auto blocked = std::async(std::launch::async, [this] {
