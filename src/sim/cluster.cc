@@ -259,17 +259,25 @@ class Sim {
       // The proxy sends to P and D at the same moment.
       const Duration to_p = c_.proxy_latency + rng_.Span(Duration{0}, c_.proxy_jitter);
       const Duration to_d = c_.proxy_latency + rng_.Span(Duration{0}, c_.proxy_jitter);
-      loop_.Schedule(spec.arrival + to_p, kArriveP, i, [this, idx] { ArriveP(idx); });
+      const TimePoint reaches_p = spec.arrival + to_p;
+      loop_.Schedule(reaches_p, kArriveP, i, [this, idx] { ArriveP(idx); });
       loop_.Schedule(spec.arrival + to_d, kArriveD, i, [this, idx] { ArriveD(idx); });
+      // P's engine hears of an abort no earlier than of the request (at the same instant the
+      // arrival, scheduled first, runs first): the client's abort travels the request's own
+      // connection, and an engine can only fail a prefill it has. An abort that overtook its
+      // request would make the engine skip a request it admits on arrival without ever ending
+      // it in the hold tables, which no real engine does (ArriveP).
       if (spec.abort_at != kNever) {
-        loop_.Schedule(spec.abort_at + c_.proxy_latency, kAbortP, i, [this, idx] { AbortP(idx); });
+        loop_.Schedule(std::max(spec.abort_at + c_.proxy_latency, reaches_p), kAbortP, i,
+                       [this, idx] { AbortP(idx); });
         loop_.Schedule(spec.abort_at + c_.proxy_latency, kAbortD, i, [this, idx] { AbortD(idx); });
       }
       if (spec.d_cancel_at != kNever) {
         loop_.Schedule(spec.d_cancel_at, kAbortD, i, [this, idx] { AbortD(idx); });
       }
       if (spec.p_abort_at != kNever) {
-        loop_.Schedule(spec.p_abort_at, kAbortP, i, [this, idx] { AbortP(idx); });
+        loop_.Schedule(std::max(spec.p_abort_at, reaches_p), kAbortP, i,
+                       [this, idx] { AbortP(idx); });
       }
     }
     if (c_.load.probe_every.count() > 0) {
@@ -380,6 +388,13 @@ class Sim {
   // decoder's queued requests are dropped before they cost any compute (SPEC §4).
   void ArriveP(int idx) {
     if (p_dead_) return;
+    if (preqs_[idx].st != PReq::St::kQueued) {
+      // The engine already dropped it. Admitted now, it would never be prefilled nor finished:
+      // an admitted id ends only by PrefillDone or EngineFinished (a prefilling entry that no D
+      // pulled or renewed has no deadline in the hold table), so P would hold it forever.
+      Violation(fmt::format("P's engine received {} after it had dropped it", preqs_[idx].xfer));
+      return;
+    }
     if (!AdmitOnRanks(idx)) {
       preqs_[idx].st = PReq::St::kGone;  // D already gave up on this transfer: spend nothing
       return;

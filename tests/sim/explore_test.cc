@@ -5,6 +5,8 @@
 
 #include <chrono>
 
+#include "cluster.h"
+
 namespace kvferry::sim {
 namespace {
 
@@ -51,6 +53,35 @@ TEST(Explore, SeedsWithALiveEngineDeclaredDownKeepEveryInvariant) {
       for (const std::string& v : f.violations) text += "\n  " + v;
       ADD_FAILURE() << text;
     }
+  }
+}
+
+// Found by exploration (seeds 5550195663, 5550425426, 5550656660, 5550976427): P's engine
+// failed a request 0–1 ms after the client sent it, before the request reached P. The engine
+// model dropped the request then, yet admitted it into every rank's hold table when it
+// arrived and never reported it finished. A prefilling entry that no D pulled or renewed has
+// no deadline of its own (its end is the engine's PrefillDone or EngineFinished), so with D
+// dead P held it forever. P's engine learns of an abort no earlier than of the request.
+TEST(Explore, APrefillThatFailsBeforeItsRequestReachesPLeavesNothingHeld) {
+  for (const Duration lease : {Duration{0}, Duration{30s}}) {
+    SimConfig c;
+    c.p.tp = 2;
+    c.p.hold.lease = lease;
+    c.d.lease = lease;
+    c.faults.d_crash = kT0;  // no D ever pulls or renews it
+    RequestSpec q;
+    q.arrival = kT0;
+    q.prompt = 64;
+    q.output = 4;
+    q.p_abort_at = kT0;  // reaches P after proxy_latency (1 ms)
+    c.load.requests.push_back(q);
+    const SimResult r = RunCluster(c);
+    for (const std::string& v : r.violations) {
+      ADD_FAILURE() << "lease " << core::ToSeconds(lease) << " s: " << v;
+    }
+    EXPECT_TRUE(r.quiet);
+    ASSERT_EQ(r.requests.size(), 1u);
+    EXPECT_EQ(r.requests[0].ends, 1);
   }
 }
 
