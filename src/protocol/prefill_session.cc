@@ -519,6 +519,20 @@ void PrefillSession::DrainHoldEvents(TimePoint now) {
       }
     }
   }
+  NotePassDue(now);
+}
+
+void PrefillSession::NotePassDue(TimePoint now) {
+  const TimePoint next = table_->NextDeadline();
+  if (next > now) {
+    pass_due_ = next;
+    return;
+  }
+  // Due already. The table's next deadline may lie far in the past without any pass having
+  // been missed: an entry whose expiry a write put off is keyed at the deadline that passed
+  // while the write ran, and falls due only when the write ends, in this call. So the pass is
+  // due since this call, unless an earlier call already found it due.
+  pass_due_ = std::min(pass_due_, now);
 }
 
 // ---- input from the engine ----
@@ -596,7 +610,7 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
 
 void PrefillSession::OnTimeout(TimePoint now) {
   if (stall_grace_until_ == TimePoint::min()) {
-    const TimePoint due = table_->NextDeadline();
+    const TimePoint due = pass_due_;
     if (due != core::kNever && now - due > kStallThreshold) {
       stall_grace_until_ = now + kStallGrace;
       ++counters_.stalls;

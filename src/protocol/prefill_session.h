@@ -225,7 +225,9 @@ class PrefillSession {
   // freeze, a stop, an overloaded host): the renewals a live D sent then still wait in the
   // socket, so the pass is put off by kStallGrace (500 ms) for the caller to read them first
   // (found by review: after a freeze longer than the lease, P expired the transfers a live D
-  // was renewing before it read the renewals queued during the freeze).
+  // was renewing before it read the renewals queued during the freeze). The pass is due at the
+  // table's next deadline, or, if a call made a deadline that had already passed due, at that
+  // call (the end of a write that put an expiry off): such a pass is not late.
   void OnTimeout(core::TimePoint now);
   core::TimePoint NextDeadline() const;
 
@@ -294,7 +296,10 @@ class PrefillSession {
   void AddErr(std::uint64_t key, Wave& wave, std::uint32_t index, const Status& status);
   // The request is answered (or will never be): drop what it retained.
   void Listed(std::uint64_t key, std::uint32_t index);
+  // Also notes when the next expiry pass is due (NotePassDue): every call that changes the
+  // table drains its events.
   void DrainHoldEvents(core::TimePoint now);
+  void NotePassDue(core::TimePoint now);
   // Sends the waves that are complete, forgets finished pulls, closes the step.
   void Flush();
   // A finished pull's id stays known for a while (remembered_pull_ids).
@@ -306,6 +311,9 @@ class PrefillSession {
   bool shut_down_ = false;
   // While set: an expiry pass found late by a stall waits until then (OnTimeout).
   core::TimePoint stall_grace_until_ = core::TimePoint::min();
+  // When the expiry pass fell due (kNever: no deadline), as the calls so far saw it: the time
+  // OnTimeout's lateness is measured from.
+  core::TimePoint pass_due_ = core::kNever;
 
   std::unordered_map<std::uint64_t, PendingPull> pulls_;
   std::uint64_t next_pull_key_ = 1;

@@ -150,6 +150,9 @@ class HoldTable {
   // P's engine admitted the request. `handle` is echoed in events (the engine's request cookie).
   // A placeholder created by an earlier pull is adopted. Errors: kTombstoned (the transfer was
   // already freed: the engine should not spend compute on it), kAlreadyExists.
+  // The engine must end every id it admitted with PrefillDone or EngineFinished: until then an
+  // entry that no D pulled or renewed has no deadline here (the table cannot know how long the
+  // engine queues and prefills it).
   Status Admit(const TransferId& id, std::uint64_t handle, TimePoint now);
 
   // Prefill finished; `num_blocks` blocks are now held for D. Starts the lease (or timeout) and
