@@ -38,7 +38,6 @@ from vllm_serve import (  # noqa: E402
     p_params,
     post_json,
     prompts,
-    start_completion,
     wait_for,
 )
 
@@ -301,24 +300,24 @@ def test_a_client_leaving_p_while_its_request_queues_fails_ds_half_at_once(clust
 
 
 def test_clients_leaving_d_while_queued_let_p_free_their_kv_at_once(cluster):
-    # D runs 4 requests at a time; the rest queue with their KV held on P. Once P holds it, the
-    # clients leave: D releases every transfer and P frees it, without waiting for the lease.
-    # (The clients leave when P holds the KV, not at a fixed time: on a loaded machine P's
-    # prefills can take longer than any fixed client timeout, and a client that left before its
-    # prefill was never held.)
+    # D runs 4 requests at a time; the rest queue with their KV held on P. The clients leave:
+    # D releases every transfer and P frees it, without waiting for the lease.
     b = cluster.pairs["b"]
     batch = prompts(12, [300] * 8)
-    clients = [start_completion(b.proxy.url, b.model, p, 200) for p in batch]
-    try:
-        wait_for("P holds the queued requests' KV", lambda: kv_usage(b.prefill) > 0.3, 60)
+    stop_at = time.monotonic() + 1.5
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(complete, b.proxy.url, b.model, p, 200, timeout_s=1.5)
+                   for p in batch]
+        wait_for("P holds the queued requests' KV", lambda: kv_usage(b.prefill) > 0.3, 10)
         held = kv_usage(b.prefill)
-    finally:
-        for client in clients:
-            client.close()
+        for f in futures:
+            f.result()  # every client gave up at its 1.5 s timeout and closed its connection
+    left = time.monotonic()
     freed = wait_for("P freed the KV of requests whose clients left",
                      lambda: kv_usage(b.prefill) == 0, LEASE_S / 6 + 2)
     print(f"[ measured ] P held {held:.0%} of its KV for queued requests; freed {freed:.2f} s "
           f"after their clients left (renewal interval {LEASE_S / 6:.2f} s)")
+    assert stop_at <= left + 0.5
     wait_for("D idle", lambda: idle(b.decode), 10)
 
 
