@@ -10,6 +10,11 @@
 #   3. in the deterministic simulator at the seed's full scale (seconds of wall time), with
 #      the seed's old ledger beside the fixed one for case C, and case E (30% of clients
 #      cancel on D: timeout vs lease vs lease + release). Plots: out/case_a.png, out/case_e.png.
+#   4. through real `vllm serve` engines (vLLM 0.32.0's CPU build, a tiny model made on the
+#      spot): KvferryConnector beside vLLM's own MooncakeConnector and NixlConnector, identical
+#      outputs, TTFT and handoff, cases A, B and E time-scaled (scripts/demo-vllm.sh, about 11
+#      minutes; out/vllm). It installs .venv with the connectors' pinned packages; it says
+#      "skipped: REASON" where vLLM cannot run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,3 +45,7 @@ if command -v gnuplot >/dev/null; then
   [ -f out/scenario_a_timeline.csv ] && gnuplot scripts/plot_case_a.gp && echo "plot: out/case_a.png"
   [ -f out/scenario_e_timeline.csv ] && gnuplot scripts/plot_case_e.gp && echo "plot: out/case_e.png"
 fi
+
+echo
+echo "==== 4. Real vLLM engines: KvferryConnector beside MooncakeConnector and NixlConnector (scripts/demo-vllm.sh)"
+scripts/demo-vllm.sh

