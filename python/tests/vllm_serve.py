@@ -146,6 +146,24 @@ def complete(url: str, model: str, prompt: Sequence[int], max_tokens: int = 16, 
     return out
 
 
+def start_completion(url: str, model: str, prompt: Sequence[int],
+                     max_tokens: int = 16) -> socket.socket:
+    """Sends a streamed greedy /v1/completions and returns its connection unread: a client
+    that closes it leaves, whenever the test decides."""
+    host, _, port = url.split("://", 1)[-1].rstrip("/").partition(":")
+    body = json.dumps({"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: " +
+                 str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def running(engine: VllmEngine) -> float:
+    return metric(engine.metrics(), "vllm:num_requests_running")
+
+
 def prompts(seed: int, lengths: Iterable[int], vocab: int = 1024) -> list[list[int]]:
     """Token-id prompts (ids 4.. past the tokenizer's specials), one per length."""
     rng = random.Random(seed)
