@@ -160,9 +160,12 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
                                                    job.transfer_id, kFenceWait.count())));
     }
     if (status.code() == ErrorCode::kTimeout) {
+      // The fenced status says what the batch still waited for when the peer was closed.
       status = Status(ErrorCode::kTimeout,
-                      fmt::format("write of {} did not complete within {} ms (peer closed)",
-                                  job.transfer_id, options_.write_timeout.count()));
+                      fmt::format("write of {} did not complete within {} ms ({})",
+                                  job.transfer_id, options_.write_timeout.count(),
+                                  fenced.ok() ? "it completed as the peer closed"
+                                              : fenced.message()));
     }
   }
   if (options_.trace) options_.trace(WritePhase::kEnd, context, job, core::Clock::now(), status);

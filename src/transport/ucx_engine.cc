@@ -18,6 +18,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <fmt/format.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
@@ -1501,6 +1502,17 @@ void UcxEngine::DriveCloses() {
       }
       p.close_started = true;
       p.close_timed_out = in_flight > 0 && !dead;
+      // Say what each batch still waited for: UCX requests of ours, or the receiver's ack.
+      // That is what tells a stalled transport from a silent receiver when a write times out.
+      for (auto& [id, b] : batches_) {
+        if (b->peer.get() != &p) continue;
+        const int sends = b->outstanding - (b->awaiting_ack ? 1 : 0);
+        b->Fail(Status(ErrorCode::kCancelled,
+                       fmt::format("peer closed with the batch in flight: {} {} request(s) of "
+                                   "{} op(s) not completed{}",
+                                   sends, p.use_put ? "put/flush" : "send", b->ops.size(),
+                                   b->awaiting_ack ? ", the receiver's ack not received" : "")));
+      }
       if (p.ep != nullptr) {
         // Tell the peer it can drop its back endpoint (best effort: a lost BYE only leaves that
         // endpoint open until this engine goes away).

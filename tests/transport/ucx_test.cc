@@ -199,6 +199,24 @@ TEST_P(UcxTest, KilledReceiverGivesAnErrorWithinBound) {
   EXPECT_LT(core::ToSeconds(Clock::now() - t), 6.0);
 }
 
+// A write that does not complete must say, once its peer is closed, what it still waited for:
+// that is what tells a stalled transport from a silent receiver in a timed-out write's error.
+TEST_P(UcxTest, ClosingAStuckBatchSaysWhatItStillWaitedFor) {
+  ConnectPeer();
+  auto op = Op(0, 0, 4 << 20);
+  ASSERT_EQ(kill(peer_.pid(), SIGSTOP), 0);
+  BatchWaiter w;
+  ASSERT_TRUE(engine_->SubmitWrites(peer_id_, std::span(&op, 1), kNoWriteKey, w.Callback()));
+  Status waited = w.Wait(In(300ms));
+  (void)engine_->ClosePeer(peer_id_, In(200ms));
+  kill(peer_.pid(), SIGCONT);
+  if (waited.ok()) GTEST_SKIP() << "the batch landed without the receiver (one-sided put)";
+  Status closed = w.Wait(In(5s));
+  EXPECT_EQ(closed.code(), ErrorCode::kCancelled) << closed.ToString();
+  EXPECT_NE(closed.message().find("peer closed with the batch in flight"), std::string::npos)
+      << closed.ToString();
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Transports, UcxTest,
     ::testing::Values(Config{"tcp_auto", "tcp", UcxMode::kAuto, "am"},
