@@ -148,9 +148,9 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
   }
   Status status = waiter.Wait(Deadline(options_.write_timeout));
   if (status.code() == ErrorCode::kTimeout || status.code() == ErrorCode::kUnavailable) {
-    // Fence the peer before we report: D must not reuse blocks we might still write. Whichever
-    // sender closes the peer, ClosePeer returns only after every batch of it completed, so our
-    // own batch's completion is the proof that nothing more of it can land.
+    // Close the peer: nothing more is posted to it, the next write gets a fresh endpoint, and
+    // once our batch completes the transport no longer reads our blocks. Whichever sender
+    // closes the peer, ClosePeer returns only after every batch of it completed.
     DropPeer(*context.region_descriptor, peer->id);
     Status fenced = waiter.Wait(Deadline(kFenceWait));
     if (fenced.code() == ErrorCode::kTimeout) {
@@ -174,8 +174,16 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
     bytes_written_ += bytes;
     ++batches_;
   }
-  // The batch completed (or failed and was fenced): nothing more of it can land.
-  return status.ok() ? WriteOutcome::Landed() : failed(std::move(status));
+  if (status.ok()) return WriteOutcome::Landed();
+  // Only the receiver's own verdict (its ack: every op applied or refused) proves that nothing
+  // more of a failed batch can land. A send cancelled or failed on our side proves nothing of
+  // the kind: its bytes may still sit in a socket buffer or in the receiver's queue and be
+  // applied after D reused the blocks. Such a write stays unanswered, so D's deadline
+  // quarantines the blocks (and fences the writer where it fences).
+  if (status.code() == ErrorCode::kOutOfRange || status.code() == ErrorCode::kRejected) {
+    return failed(std::move(status));
+  }
+  return WriteOutcome::Unsettled(std::move(status));
 }
 
 void TransportKvWriter::CancelWrites() {

@@ -41,7 +41,10 @@ using WriteTraceFn = std::function<void(WritePhase, const protocol::PullContext&
 
 // KvWriter over a transport::Engine: plans the slice of every block this P rank owes the pulling
 // D rank (core/tp_plan.h), coalesces contiguous runs, and writes them, for every KV plane, as
-// one batch.
+// one batch. A failed batch is kFailed only when nothing of it was posted or the receiver
+// itself refused it (kOutOfRange, kRejected: its ack came after every op was applied or
+// refused); any other failure (timeout, cancel, a dead or unreachable peer) is kUnsettled,
+// because bytes already sent may still be applied at the receiver.
 class TransportKvWriter : public control::KvWriter {
  public:
   struct Options {

@@ -1,0 +1,110 @@
+// TransportKvWriter's verdicts: a failed write is kFailed (D may reuse the blocks at once) only
+// when the receiver itself refused it; any other failure leaves bytes that may still land, so
+// it is kUnsettled (D's deadline quarantines the blocks). Over the in-process data plane with
+// injected faults.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "kvferry/transport/inprocess.h"
+#include "runtime/prefill_worker.h"
+
+namespace kvferry::runtime {
+namespace {
+
+using namespace std::chrono_literals;
+using protocol::WriteEnd;
+using transport::Fault;
+using transport::FaultKind;
+
+constexpr std::uint64_t kBlockLen = 256;
+constexpr std::uint32_t kBlocks = 8;
+
+class TransportKvWriterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto fabric = transport::MakeInProcessFabric();
+    auto p = transport::MakeInProcessEngine(fabric, {"p", false});
+    auto d = transport::MakeInProcessEngine(fabric, {"d", false});
+    ASSERT_TRUE(p && d);
+    p_ = std::move(*p);
+    d_ = std::move(*d);
+    auto src = p_->AllocateRegion(kBlocks * kBlockLen);
+    auto dst = d_->AllocateRegion(kBlocks * kBlockLen);
+    ASSERT_TRUE(src && dst);
+    auto descriptor = d_->ExportDescriptor({});
+    ASSERT_TRUE(descriptor);
+    auto context = std::make_shared<protocol::PullContext>();
+    context->d_engine_id = "decode";
+    context->region_descriptor = std::make_shared<const std::vector<std::uint8_t>>(
+        reinterpret_cast<const std::uint8_t*>(descriptor->data()),
+        reinterpret_cast<const std::uint8_t*>(descriptor->data() + descriptor->size()));
+    context->block_len = kBlockLen;
+    context->num_blocks = kBlocks;
+    context_ = context;
+    TransportKvWriter::Options o;
+    o.layout = core::TpLayout{1, 1, kBlockLen};
+    o.regions = {src->id};
+    o.write_timeout = 200ms;
+    // The in-process engine is shared by the test (faults) and the writer.
+    engine_ = std::shared_ptr<transport::InProcessEngine>(p_.get(), [](auto*) {});
+    writer_ = std::make_unique<TransportKvWriter>(
+        engine_, o, [](std::uint64_t) -> Result<std::vector<core::BlockId>> {
+          return std::vector<core::BlockId>{0, 1};
+        });
+  }
+
+  void TearDown() override {
+    writer_.reset();
+    engine_.reset();
+  }
+
+  protocol::WriteOutcome Write() {
+    protocol::WriteJob job;
+    job.context = context_;
+    job.transfer_id = "xfer";
+    job.dst_block_ids = {4, 5};
+    return writer_->Write(*context_, job);
+  }
+
+  std::unique_ptr<transport::InProcessEngine> p_, d_;
+  std::shared_ptr<transport::InProcessEngine> engine_;
+  std::shared_ptr<const protocol::PullContext> context_;
+  std::unique_ptr<TransportKvWriter> writer_;
+};
+
+TEST_F(TransportKvWriterTest, AWriteThatLandsIsLanded) {
+  EXPECT_EQ(Write().end, WriteEnd::kLanded);
+}
+
+TEST_F(TransportKvWriterTest, TheReceiversOwnRefusalIsAPlainFailure) {
+  p_->InjectFault("d", Fault{FaultKind::kFail, 1, {}, ErrorCode::kRejected});
+  p_->InjectFault("d", Fault{FaultKind::kFail, 1, {}, ErrorCode::kOutOfRange});
+  for (int i = 0; i < 2; ++i) {
+    auto outcome = Write();
+    EXPECT_EQ(outcome.end, WriteEnd::kFailed) << outcome.status.ToString();
+  }
+}
+
+TEST_F(TransportKvWriterTest, AFailureOnTheSendersSideLeavesTheWriteUnsettled) {
+  // The peer became unreachable: what was already sent may still be applied at D.
+  p_->InjectFault("d", Fault{FaultKind::kFail, 1, {}, ErrorCode::kUnavailable});
+  auto outcome = Write();
+  EXPECT_EQ(outcome.end, WriteEnd::kUnsettled) << outcome.status.ToString();
+  EXPECT_EQ(outcome.status.code(), ErrorCode::kUnavailable);
+}
+
+TEST_F(TransportKvWriterTest, AWriteThatTimesOutIsUnsettledAndNamesWhatItWaitedFor) {
+  p_->InjectFault("d", Fault{FaultKind::kDrop, 1});
+  auto outcome = Write();
+  EXPECT_EQ(outcome.end, WriteEnd::kUnsettled) << outcome.status.ToString();
+  EXPECT_EQ(outcome.status.code(), ErrorCode::kTimeout);
+  EXPECT_NE(outcome.status.message().find("did not complete within 200 ms"), std::string::npos)
+      << outcome.status.ToString();
+  // The next write gets a fresh endpoint and lands.
+  EXPECT_EQ(Write().end, WriteEnd::kLanded);
+}
+
+}  // namespace
+}  // namespace kvferry::runtime
