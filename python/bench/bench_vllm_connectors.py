@@ -100,6 +100,7 @@ from kvferry.vllm.launch import (  # noqa: E402
     Child,
     LaunchError,
     VllmEngine,
+    free_port,
     kvferry_transfer_config,
     metric,
     parse_metrics,
@@ -329,22 +330,6 @@ def run_proxy(argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------
 # Engines and setups
 # ---------------------------------------------------------------------------------------------
-
-
-_GIVEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing listens on now, never one this run handed out before."""
-    import socket
-
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
 
 
 def engine_env(run_dir: Path) -> dict[str, str]:

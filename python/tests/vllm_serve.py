@@ -28,6 +28,7 @@ from kvferry.vllm.launch import (
     Proxy,
     VllmEngine,
     find_kvferry,
+    free_port,
     kvferry_transfer_config,
     metric,
 )
@@ -38,12 +39,6 @@ COMMON_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager"
 # One engine start on 2 cores with others starting beside it: 30-80 s measured, up to ~4x that
 # when every engine of a module starts at once.
 START_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_env(session_dir: Path, **overrides: str) -> dict[str, str]:

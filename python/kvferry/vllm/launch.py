@@ -55,6 +55,42 @@ class LaunchError(RuntimeError):
     """A component did not start: exited, or not ready within its deadline."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now and that this process never handed
+    out before, taken below the kernel's ephemeral range. A port-0 bind would hand out an
+    ephemeral port, and the engines bind dozens of those (and make outgoing connections from
+    them) while they start, minutes before a proxy binds the port it was given: CI saw a proxy
+    fail with "Address already in use" that way."""
+    import random
+    import socket
+
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    for _ in range(1000):
+        port = random.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise LaunchError(f"no free port in {low}-{high - 1}")
+
+
 def http_get(url: str, timeout: float = HTTP_TIMEOUT_S) -> tuple[int, str]:
     """(status, body) of GET ``url``; (0, reason) when nothing answered."""
     try:
