@@ -57,8 +57,8 @@ class KvWriter {
 
   // Writes the job's KV into D and returns when the bytes landed (kLanded) or the write failed:
   // kFailed when nothing more of it can land (its reason is listed in the pull's `err`),
-  // kUnsettled when that cannot be proved (e.g. the peer could not be fenced: the request is
-  // left unanswered so D quarantines its blocks). Called on sender threads, up to `num_senders`
+  // kUnsettled when that cannot be proved (a timeout, a cancel, a dead peer: the request is
+  // listed `unsettled`, so D fails it at once and quarantines its blocks). Called on sender threads, up to `num_senders`
   // at once. Must not throw. Must return soon after CancelWrites().
   virtual protocol::WriteOutcome Write(const protocol::PullContext& context,
                                        const protocol::WriteJob& job) = 0;

@@ -1244,6 +1244,7 @@ std::string ServingEngine::RenderMetrics() {
       d.pulls_sent += x.pulls_sent;
       d.pull_timeouts += x.pull_timeouts;
       d.late_replies += x.late_replies;
+      d.unsettled_writes += x.unsettled_writes;
       d.lookups += x.lookups;
       d.lookup_failures += x.lookup_failures;
       d.lookups_stale += x.lookups_stale;
@@ -1274,6 +1275,10 @@ std::string ServingEngine::RenderMetrics() {
     w.Single("kvferry_late_replies_total", "counter",
              "Answers to pulls after their deadline (each releases its quarantine)",
              static_cast<double>(d.late_replies));
+    w.Single("kvferry_unsettled_writes_total", "counter",
+             "Loads failed because P's write failed with bytes that may still land: their blocks "
+             "stay quarantined until a fence holds or P is known stopped",
+             static_cast<double>(d.unsettled_writes));
     w.Family("kvferry_bootstrap_lookups_total", "counter", "Bootstrap lookups, by outcome");
     w.Sample("kvferry_bootstrap_lookups_total",
              static_cast<double>(

@@ -642,6 +642,19 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
   const core::RequestId request = op->second.request;
   ApplyPullResponse(*ledger_, op->second.peer, std::span<const core::RequestId>(&request, 1),
                     response);
+  const bool unsettled =
+      std::any_of(response.err.begin(), response.err.end(),
+                  [&](const wire::RequestError& e) { return e.unsettled && e.d_req_id == request; });
+  if (unsettled && !op->second.timed_out) {
+    // P's write failed with bytes that may still land: the receive failed just now (quarantined,
+    // in ApplyPullResponse). As after a timeout, the pull stays known and the writer is fenced
+    // where the data plane can; a fence, or P's quiescence, releases the blocks.
+    ++counters_.unsettled_writes;
+    op->second.timed_out = true;
+    AskFence(endpoint, &peer_keys_.at(op->second.peer).incarnation);
+    DrainLedger(now);
+    return;
+  }
   if (op->second.timed_out && response.status == wire::PullStatus::kFinish) {
     // A late FINISH that does not list the request still says P writes nothing more for it.
     (void)ledger_->Settle(request, op->second.peer, core::Settle::kFinished,

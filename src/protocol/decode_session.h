@@ -222,6 +222,7 @@ struct DecodeStats {
   std::uint64_t pulls_abandoned = 0;    // pulls given up on because their engine went down
   std::uint64_t processes_replaced = 0;  // lookups that found a restart (OnLookup)
   std::uint64_t late_replies = 0;       // replies to a pull after its deadline
+  std::uint64_t unsettled_writes = 0;   // P's writes failed with bytes that may still land
   std::uint64_t replies_unmatched = 0;  // replies naming no pull or renewal of that endpoint
   std::uint64_t receives_ok = 0;
   std::uint64_t receives_failed = 0;

@@ -449,11 +449,12 @@ void PrefillSession::Listed(std::uint64_t key, std::uint32_t index) {
 }
 
 void PrefillSession::AddErr(std::uint64_t key, Wave& wave, std::uint32_t index,
-                            const Status& status) {
+                            const Status& status, bool unsettled) {
   wire::RequestError error;
   error.d_req_id = pulls_.at(key).requests[index].d_req_id;
   error.code = status.ok() ? ErrorCode::kInternal : status.code();
   error.reason = Truncated(status.message().empty() ? status.ToString() : status.message());
+  error.unsettled = unsettled;
   wave.err.push_back(std::move(error));
   ++counters_.requests_err;
   if (status.code() == ErrorCode::kTombstoned) ++counters_.late_pulls_rejected;
@@ -598,8 +599,11 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
     case WriteEnd::kUnsettled:
       ++counters_.writes_failed;
       ++counters_.writes_unsettled;
-      ++pull.unsettled;
-      Listed(t.ref.pull_key, t.ref.request);  // never listed, but nothing more to keep
+      AddErr(t.ref.pull_key, wave, t.ref.request,
+             Status(status.ok() ? ErrorCode::kInternal : status.code(),
+                    fmt::format("write of {} failed and may still land: {}", request.transfer_id,
+                                status.message())),
+             /*unsettled=*/true);
       break;
   }
   DrainHoldEvents(now);
@@ -702,17 +706,17 @@ void PrefillSession::Flush() {
         pull.listed += listed;
         wire::PullResponse response;
         response.id = pull.id;
-        // FINISH tells D nothing more will be written for this pull: never while a request is
-        // unsettled (its writer may still land bytes).
-        response.status = pull.listed == total && pull.unsettled == 0 ? wire::PullStatus::kFinish
-                                                                      : wire::PullStatus::kContinue;
+        // FINISH: every request is listed (an unsettled one with its flag, so D keeps its
+        // blocks quarantined whatever FINISH says of the rest).
+        response.status =
+            pull.listed == total ? wire::PullStatus::kFinish : wire::PullStatus::kContinue;
         response.ok = std::move(wave.ok);
         response.err = std::move(wave.err);
         Emit(pull.peer, std::move(response));
       }
       w = pull.waves.erase(w);
     }
-    if (pull.listed + pull.unsettled == total) {
+    if (pull.listed == total) {
       if (pull.id != 0) Remember({pull.peer, pull.id});
       pulls_.erase(it);
     }

@@ -22,10 +22,10 @@
 // Replies (docs/protocol.md): a Renewal gets one RenewalReply. A Pull gets one PullResponse per
 // readiness wave — the requests whose outcome became known in one call — CONTINUE, with FINISH on
 // the last; every request is listed exactly once in some `ok` or `err`, or the whole pull gets
-// one ERROR when it is unusable (checked before anything changes). The single exception is a
-// write whose writer could not be fenced (WriteEnd::kUnsettled): that request is never listed,
-// so D's deadline quarantines its blocks; such a pull ends with CONTINUE, never FINISH (FINISH
-// would tell D that nothing more will be written).
+// one ERROR when it is unusable (checked before anything changes). A write whose bytes may
+// still land (WriteEnd::kUnsettled) is listed in `err` with `unsettled` set: D fails the
+// request at once with the reason, but quarantines its blocks until the writer is fenced or
+// known stopped.
 //
 // Hostile input changes nothing and costs bounded memory: every size is checked before it is
 // used (d_tp_size against core::kMaxTpSize before any per-rank work), one D rank waits at most
@@ -93,8 +93,8 @@ struct WriteJob {
 enum class WriteEnd : std::uint8_t {
   kLanded,     // every byte landed: listed in `ok`
   kFailed,     // it failed and nothing more of it can land (or it never started): `err`
-  kUnsettled,  // it failed and could not be fenced: bytes may still land. Never listed, so D
-               // times out and quarantines the blocks instead of reusing them.
+  kUnsettled,  // it failed and bytes of it may still land: listed in `err` with `unsettled`,
+               // so D fails the request now and quarantines the blocks instead of reusing them.
 };
 
 struct WriteOutcome {
@@ -159,7 +159,7 @@ struct PrefillStats {
   std::uint64_t lease_mismatches = 0;     // requests failed kLeaseMismatch
   std::uint64_t writes_started = 0;
   std::uint64_t writes_failed = 0;
-  std::uint64_t writes_unsettled = 0;  // left unanswered: D quarantines
+  std::uint64_t writes_unsettled = 0;  // listed with `unsettled`: D quarantines
   std::uint64_t descriptors_replaced = 0;
   std::uint64_t descriptors_evicted = 0;
   std::uint64_t replies = 0;                // PullResponse + RenewalReply messages produced
@@ -263,7 +263,6 @@ class PrefillSession {
     std::uint32_t need_send = 0;
     std::optional<core::Duration> d_lease;
     std::size_t listed = 0;     // requests already sent in some ok/err
-    std::size_t unsettled = 0;  // requests never to be listed (WriteEnd::kUnsettled)
     std::map<std::uint32_t, Wave> waves;
     std::uint32_t next_wave = 0;
     std::uint64_t open_step = UINT64_MAX;  // the step in which `open_wave` accepts more
@@ -293,7 +292,8 @@ class PrefillSession {
   void Dispatch(std::uint64_t key, std::uint32_t index, core::TimePoint now);
   Wave& OpenWave(PendingPull& pull, std::uint64_t key, std::uint32_t* index = nullptr);
   void AddOk(std::uint64_t key, Wave& wave, std::uint32_t index);
-  void AddErr(std::uint64_t key, Wave& wave, std::uint32_t index, const Status& status);
+  void AddErr(std::uint64_t key, Wave& wave, std::uint32_t index, const Status& status,
+              bool unsettled = false);
   // The request is answered (or will never be): drop what it retained.
   void Listed(std::uint64_t key, std::uint32_t index);
   // Also notes when the next expiry pass is due (NotePassDue): every call that changes the

@@ -1,5 +1,6 @@
 // How D settles its receive entries from one PullResponse of one peer (SPEC §3 rule 1):
-// `ok` → kOk, `err` → kErr, a whole-message ERROR → kMessageError for every request of the
+// `ok` → kOk, `err` → kErr (kTimeout for an entry marked `unsettled`: its writer may still
+// land bytes, so the blocks are quarantined), a whole-message ERROR → kMessageError for every request of the
 // pull, and on FINISH every request of the pull still pending → kFinished (failed: P will write
 // nothing more for it). Only the requests the pull asked for are settled: an id the pull did not
 // name is ignored, whatever the peer lists (a confused or hostile P cannot settle another pull's
@@ -40,7 +41,9 @@ void ApplyPullResponse(Ledger& ledger, core::PeerId peer,
   }
   for (const wire::RequestError& e : response.err) {
     if (asked(e.d_req_id)) {
-      (void)ledger.Settle(e.d_req_id, peer, core::Settle::kErr, Status(e.code, e.reason));
+      // An unsettled write may still land: the request fails now, its blocks stay quarantined.
+      (void)ledger.Settle(e.d_req_id, peer, e.unsettled ? core::Settle::kTimeout : core::Settle::kErr,
+                          Status(e.code, e.reason));
     }
   }
   if (response.status == wire::PullStatus::kFinish) {

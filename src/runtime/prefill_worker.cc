@@ -178,8 +178,8 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
   // Only the receiver's own verdict (its ack: every op applied or refused) proves that nothing
   // more of a failed batch can land. A send cancelled or failed on our side proves nothing of
   // the kind: its bytes may still sit in a socket buffer or in the receiver's queue and be
-  // applied after D reused the blocks. Such a write stays unanswered, so D's deadline
-  // quarantines the blocks (and fences the writer where it fences).
+  // applied after D reused the blocks. Such a write is listed `unsettled`: D fails the load
+  // at once and quarantines the blocks (fencing the writer where it fences).
   if (status.code() == ErrorCode::kOutOfRange || status.code() == ErrorCode::kRejected) {
     return failed(std::move(status));
   }

@@ -559,8 +559,10 @@ const std::array<Label, kResponseFieldCount> kResponseLabels{{
     {"c", "code"},
     {"m", "message"},
 }};
-// Elements of one err entry: [d_req_id, code, reason, ...ignored].
+// Elements of one err entry: [d_req_id, code, reason, unsettled (optional), ...ignored].
 constexpr std::size_t kErrFields = 3;
+// An err entry of a write whose bytes may still land carries a fourth element, `unsettled`.
+constexpr std::size_t kErrFieldsUnsettled = 4;
 }  // namespace
 
 std::vector<std::uint8_t> Encode(const PullResponse& msg) {
@@ -587,10 +589,11 @@ std::vector<std::uint8_t> Encode(const PullResponse& msg) {
     PackKey(pk, "err");
     pk.pack_array(static_cast<std::uint32_t>(msg.err.size()));
     for (const auto& e : msg.err) {
-      pk.pack_array(kErrFields);
+      pk.pack_array(e.unsettled ? kErrFieldsUnsettled : kErrFields);
       PackStr(pk, e.d_req_id);
       pk.pack_uint8(static_cast<std::uint8_t>(e.code));
       PackStr(pk, e.reason);
+      if (e.unsettled) pk.pack_true();
     }
   }
   if (is_error) {
@@ -640,7 +643,7 @@ Status Validate(const PullResponse& msg) {
   // 4096 maximal reasons would not fit in one frame: P splits such a response in CONTINUEs.
   std::size_t bound = 64 + msg.message.size();
   for (const auto& id : msg.ok) bound += 3 + id.size();
-  for (const auto& e : msg.err) bound += 10 + e.d_req_id.size() + e.reason.size();
+  for (const auto& e : msg.err) bound += 11 + e.d_req_id.size() + e.reason.size();
   if (bound > kMaxFrameBytes && Encode(msg).size() > kMaxFrameBytes) {
     return Status(ErrorCode::kOutOfRange, "frame too large: split into CONTINUE responses");
   }
@@ -714,6 +717,9 @@ Result<PullResponse> DecodePullResponse(const std::uint8_t* data, std::size_t si
     }
     std::string_view reason;
     KVF_ASSIGN(reason, GetStr(e[2], Label{"err", "reason", i}, kMaxTextBytes, false));
+    if (e.size() >= kErrFieldsUnsettled) {
+      KVF_ASSIGN(re.unsettled, GetBool(e[3], Label{"err", "unsettled", i}));
+    }
     re.d_req_id.assign(id);
     re.code = static_cast<ErrorCode>(code);
     re.reason.assign(reason);

@@ -166,6 +166,10 @@ struct RequestError {
   core::RequestId d_req_id;               // non-empty, <= kMaxIdBytes
   ErrorCode code = ErrorCode::kInternal;  // never kOk
   std::string reason;                     // <= kMaxTextBytes
+  // The write failed and bytes of it may still land (protocol.md §3.4): D fails the request
+  // at once but must not reuse its blocks until the writer is fenced or known stopped. On the
+  // wire: a fourth element `true`, absent otherwise (a D that predates it ignores it).
+  bool unsettled = false;
 
   friend bool operator==(const RequestError&, const RequestError&) = default;
 };

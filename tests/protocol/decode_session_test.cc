@@ -301,6 +301,50 @@ TEST_F(DecodeSessionTest, LateReplyAfterTheDeadlineReleasesTheQuarantine) {
   EXPECT_EQ(s().stats().pulls_in_flight, 0u);
 }
 
+// Item 6: P's write failed with bytes that may still land (`unsettled`): the load fails at once
+// with P's reason, its blocks stay quarantined and the writer is fenced; the fence releases them.
+TEST_F(DecodeSessionTest, AnUnsettledErrFailsTheLoadAtOnceAndQuarantinesItsBlocksUntilAFence) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {7, 8}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  wire::RequestError unsettled{"r1", ErrorCode::kTimeout, "write did not complete", true};
+  s().OnPullResponse(last_endpoints_[0], Finish(pulls[0].id, {}, {unsettled}), kT0 + 1s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_TRUE(done[0].quarantined);
+  EXPECT_EQ(done[0].error.code(), ErrorCode::kTimeout);
+  EXPECT_NE(done[0].error.message().find("write did not complete"), std::string::npos);
+  EXPECT_EQ(s().stats().quarantined_blocks, 2u);
+  EXPECT_EQ(s().stats().unsettled_writes, 1u);
+  std::vector<FenceRequest> fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  s().OnFenceDone(fences[0].id, Status::Ok(), kT0 + 2s);
+  std::vector<BlocksReleased> released = Released();
+  ASSERT_EQ(released.size(), 1u);
+  EXPECT_EQ(released[0].blocks, (std::vector<core::BlockId>{7, 8}));
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+}
+
+// The same err without the flag: nothing more can land, the blocks are free at once.
+TEST_F(DecodeSessionTest, APlainErrFailsTheLoadWithoutQuarantine) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {7, 8}, kT0).ok());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  s().OnPullResponse(last_endpoints_[0],
+                     Finish(pulls[0].id, {}, {{"r1", ErrorCode::kRejected, "refused"}}), kT0 + 1s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_FALSE(done[0].quarantined);
+  EXPECT_TRUE(s().TakeFences().empty());
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+}
+
 // Hole 3: a fence that succeeds releases what it covers — and never what it does not: pulls sent
 // after it was asked for are a new epoch of the peer.
 TEST_F(DecodeSessionTest, FenceReleasesTheTimedOutEpochOnly) {

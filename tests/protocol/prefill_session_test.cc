@@ -213,7 +213,7 @@ TEST_F(PrefillSessionTest, LateDuplicateOfAFinishedOrRefusedPullIsDropped) {
 
 // Hole 8: a writer that could not fence its write leaves the request unanswered (D's deadline
 // quarantines the blocks), and the pull never ends with FINISH.
-TEST_F(PrefillSessionTest, UnsettledWriteIsNeverListedAndThePullNeverFinishes) {
+TEST_F(PrefillSessionTest, AnUnsettledWriteIsListedInErrMarkedUnsettledWithItsReason) {
   Make();
   Ready("x1");
   Ready("x2", 8);
@@ -223,13 +223,19 @@ TEST_F(PrefillSessionTest, UnsettledWriteIsNeverListedAndThePullNeverFinishes) {
   s().OnWriteDone(writes[0].ticket, WriteOutcome::Landed(), kT0 + 1ms);
   EXPECT_TRUE(Responses().empty());  // one wave: waits for both writes
   s().OnWriteDone(writes[1].ticket,
-                  WriteOutcome::Unsettled(Status(ErrorCode::kInternal, "could not be fenced")),
+                  WriteOutcome::Unsettled(Status(ErrorCode::kTimeout, "did not complete")),
                   kT0 + 2ms);
   std::vector<wire::PullResponse> replies = Responses();
   ASSERT_EQ(replies.size(), 1u);
-  EXPECT_EQ(replies[0].status, wire::PullStatus::kContinue);
+  // Every request is listed, so the pull finishes; D reads the flag, not FINISH, for r2.
+  EXPECT_EQ(replies[0].status, wire::PullStatus::kFinish);
   EXPECT_EQ(replies[0].ok, std::vector<core::RequestId>{"r1"});
-  EXPECT_TRUE(replies[0].err.empty());
+  ASSERT_EQ(replies[0].err.size(), 1u);
+  EXPECT_EQ(replies[0].err[0].d_req_id, "r2");
+  EXPECT_TRUE(replies[0].err[0].unsettled);
+  EXPECT_EQ(replies[0].err[0].code, ErrorCode::kTimeout);
+  EXPECT_NE(replies[0].err[0].reason.find("may still land: did not complete"), std::string::npos)
+      << replies[0].err[0].reason;
   EXPECT_EQ(s().stats().pulls_in_progress, 0u);
   EXPECT_EQ(s().stats().writes_unsettled, 1u);
 }
@@ -248,6 +254,7 @@ TEST_F(PrefillSessionTest, FailedWriteIsListedInErrWithItsReason) {
   ASSERT_EQ(replies[0].err.size(), 1u);
   EXPECT_EQ(replies[0].err[0].code, ErrorCode::kUnavailable);
   EXPECT_NE(replies[0].err[0].reason.find("peer closed"), std::string::npos);
+  EXPECT_FALSE(replies[0].err[0].unsettled);
   // A failed send does not count: the entry stays for another try.
   EXPECT_EQ(s().hold().PhaseOf("x1"), core::HoldPhase::kReady);
 }

@@ -214,7 +214,9 @@ TEST(WireRoundTrip, RenewalReply) {
 TEST(WireRoundTrip, PullResponse) {
   PullResponse finish{PullStatus::kFinish, {}, {}, ErrorCode::kOk, ""};
   PullResponse error{PullStatus::kError, {}, {}, ErrorCode::kProtocol, "unsupported version 2"};
-  for (const PullResponse& r : {SampleResponse(), finish, error}) {
+  PullResponse unsettled = SampleResponse();
+  unsettled.err.push_back({"r-unsettled", ErrorCode::kTimeout, "write did not complete", true});
+  for (const PullResponse& r : {SampleResponse(), finish, error, unsettled}) {
     ASSERT_TRUE(Validate(r).ok()) << Validate(r).ToString();
     auto d = DecodePullResponse(Encode(r));
     ASSERT_TRUE(d.has_value()) << d.error().ToString();
@@ -763,20 +765,20 @@ TEST(WirePullResponseFields, Rules) {
   ExpectError(DecodePullResponse(
                   Raw().Head(4, 4).Str("s").Uint(0).Str("err").Array(1).Array(2).Str("r").Uint(4)),
               ErrorCode::kProtocol, "'err'[0].: 2 items, need at least 3");
-  // Extra trailing elements of an err entry are a forward-compatible extension: ignored.
-  auto d = DecodePullResponse(Raw()
-                                  .Head(4, 4)
-                                  .Str("s")
-                                  .Uint(0)
-                                  .Str("err")
-                                  .Array(1)
-                                  .Array(4)
-                                  .Str("r")
-                                  .Uint(4)
-                                  .Str("why")
-                                  .Str("future"));
+  // The fourth element of an err entry is `unsettled`, a bool; more trailing elements are a
+  // forward-compatible extension: ignored.
+  auto entry = [](std::uint32_t n) {
+    return Raw().Head(4, 4).Str("s").Uint(0).Str("err").Array(1).Array(n).Str("r").Uint(4).Str(
+        "why");
+  };
+  auto d = DecodePullResponse(entry(5).Bool(true).Str("future"));
   ASSERT_TRUE(d.has_value()) << d.error().ToString();
-  EXPECT_EQ(d->err, (std::vector<RequestError>{{"r", ErrorCode::kOutOfRange, "why"}}));
+  EXPECT_EQ(d->err, (std::vector<RequestError>{{"r", ErrorCode::kOutOfRange, "why", true}}));
+  d = DecodePullResponse(entry(4).Bool(false));
+  ASSERT_TRUE(d.has_value()) << d.error().ToString();
+  EXPECT_FALSE(d->err.at(0).unsettled);
+  ExpectError(DecodePullResponse(entry(4).Str("future")), ErrorCode::kProtocol,
+              "'err'[0].unsettled: expected bool");
   // "c" on a non-ERROR response means nothing and is skipped like an unknown key.
   EXPECT_TRUE(DecodePullResponse(Raw().Head(4, 4).Str("s").Uint(0).Str("c").Str("x")));
   // ok + err together are bounded.

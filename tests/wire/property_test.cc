@@ -116,7 +116,9 @@ PullResponse GenPullResponse() {
   const auto n_ok = *rc::gen::inRange<std::size_t>(0, 10);
   for (std::size_t i = 0; i < n_ok; ++i) r.ok.push_back(GenId());
   const auto n_err = *rc::gen::inRange<std::size_t>(0, 10);
-  for (std::size_t i = 0; i < n_err; ++i) r.err.push_back({GenId(), GenErrorCode(), GenText()});
+  for (std::size_t i = 0; i < n_err; ++i) {
+    r.err.push_back({GenId(), GenErrorCode(), GenText(), *rc::gen::arbitrary<bool>()});
+  }
   r.message = GenText();
   return r;
 }

@@ -49,6 +49,7 @@ class Raw {
     return Byte(0xcf).Be(v, 8);
   }
   Raw& Nil() { return Byte(0xc0); }
+  Raw& Bool(bool b) { return Byte(b ? 0xc3 : 0xc2); }
   // {"t": type, "v": version} opening a map of `keys` keys (t and v included).
   Raw& Head(std::uint32_t keys, std::uint64_t type, std::uint64_t version = 1) {
     return Map(keys).Str("t").Uint(type).Str("v").Uint(version);
