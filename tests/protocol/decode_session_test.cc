@@ -108,6 +108,15 @@ class DecodeSessionTest : public ::testing::Test {
     s().OnTimeout(kT0 + 600s);
     return s().TakeFences();
   }
+  // A session with engine "p" known and one load of `request` (blocks 7, 8) pulled: its pull.
+  wire::Pull OneLoadPulled(const core::RequestId& request) {
+    Make();
+    s().OnLookup(Engine("p"), kT0);
+    if (!s().StartLoad(request, Source("x-" + request), {7, 8}, kT0).ok()) ADD_FAILURE();
+    std::vector<wire::Pull> pulls = Pulls();
+    if (pulls.size() != 1) ADD_FAILURE() << pulls.size() << " pulls";
+    return pulls.empty() ? wire::Pull{} : pulls[0];
+  }
   static wire::PullResponse UnreadableIdError() {
     wire::PullResponse error;
     error.id = 0;
@@ -304,13 +313,9 @@ TEST_F(DecodeSessionTest, LateReplyAfterTheDeadlineReleasesTheQuarantine) {
 // Item 6: P's write failed with bytes that may still land (`unsettled`): the load fails at once
 // with P's reason, its blocks stay quarantined and the writer is fenced; the fence releases them.
 TEST_F(DecodeSessionTest, AnUnsettledErrFailsTheLoadAtOnceAndQuarantinesItsBlocksUntilAFence) {
-  Make();
-  s().OnLookup(Engine("p"), kT0);
-  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {7, 8}, kT0).ok());
-  std::vector<wire::Pull> pulls = Pulls();
-  ASSERT_EQ(pulls.size(), 1u);
+  const wire::Pull pull = OneLoadPulled("r1");
   wire::RequestError unsettled{"r1", ErrorCode::kTimeout, "write did not complete", true};
-  s().OnPullResponse(last_endpoints_[0], Finish(pulls[0].id, {}, {unsettled}), kT0 + 1s);
+  s().OnPullResponse(last_endpoints_[0], Finish(pull.id, {}, {unsettled}), kT0 + 1s);
   std::vector<ReceiveDone> done = Done();
   ASSERT_EQ(done.size(), 1u);
   EXPECT_FALSE(done[0].ok);
@@ -330,13 +335,9 @@ TEST_F(DecodeSessionTest, AnUnsettledErrFailsTheLoadAtOnceAndQuarantinesItsBlock
 
 // The same err without the flag: nothing more can land, the blocks are free at once.
 TEST_F(DecodeSessionTest, APlainErrFailsTheLoadWithoutQuarantine) {
-  Make();
-  s().OnLookup(Engine("p"), kT0);
-  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {7, 8}, kT0).ok());
-  std::vector<wire::Pull> pulls = Pulls();
-  ASSERT_EQ(pulls.size(), 1u);
+  const wire::Pull pull = OneLoadPulled("r1");
   s().OnPullResponse(last_endpoints_[0],
-                     Finish(pulls[0].id, {}, {{"r1", ErrorCode::kRejected, "refused"}}), kT0 + 1s);
+                     Finish(pull.id, {}, {{"r1", ErrorCode::kRejected, "refused"}}), kT0 + 1s);
   std::vector<ReceiveDone> done = Done();
   ASSERT_EQ(done.size(), 1u);
   EXPECT_FALSE(done[0].ok);
