@@ -883,19 +883,43 @@ async def drain(tasks: list[asyncio.Task]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def begin_load(s, pair: Pair, health: "Health") -> "Sampler":
+    """What every load case starts with: the machine's health and a sampler of P's and D's
+    state running, one second of samples before the load."""
+    health.start()
+    sampler = Sampler(s, pair)
+    sampler.start()
+    await asyncio.sleep(1.0)
+    return sampler
+
+
+def send_load(s, pair: Pair, prefix: str, n: int, seed: int,
+              timeout_s: float) -> tuple[list["Reply"], list[asyncio.Task]]:
+    """n streamed PROMPT-token requests (OUTPUT out) through the proxy, sent at once."""
+    replies = [Reply(rid(prefix)) for _ in range(n)]
+    tasks = [asyncio.create_task(complete(s, pair.url, pair.model, p, OUTPUT, r,
+                                          timeout_s=timeout_s))
+             for r, p in zip(replies, make_prompts(seed, [PROMPT] * n))]
+    return replies, tasks
+
+
+def identical_to(reference: dict[str, Any] | None, case: str, replies: list["Reply"],
+                 skip: frozenset[str] = frozenset()) -> int | None:
+    """How many replies (but those in `skip`) equal the plain instance's; None without one."""
+    want = (reference or {}).get(case)
+    if want is None:
+        return None
+    return sum(r.ok and r.tokens == w for r, w in zip(replies, want) if r.rid not in skip)
+
+
 async def case_e(pair: Pair, hold_s: float, reference: dict[str, Any] | None) -> dict[str, Any]:
     """30% of clients leave while their requests queue on D."""
     health = Health()
     async with session_factory() as s:
-        health.start()
-        sampler = Sampler(s, pair)
-        sampler.start()
-        await asyncio.sleep(1.0)
+        sampler = await begin_load(s, pair, health)
         t_load = now()
-        replies = [Reply(rid("e")) for _ in range(E_REQUESTS)]
-        tasks = {r.rid: asyncio.create_task(
-            complete(s, pair.url, pair.model, p, OUTPUT, r, timeout_s=hold_s + 120))
-            for r, p in zip(replies, make_prompts(E_SEED, [PROMPT] * E_REQUESTS))}
+        replies, sent = send_load(s, pair, "e", E_REQUESTS, E_SEED, hold_s + 120)
+        tasks = {r.rid: t for r, t in zip(replies, sent)}
         n_cancel = round(E_CANCEL_SHARE * E_REQUESTS)
         queued: list[str] = []
 
@@ -930,9 +954,7 @@ async def case_e(pair: Pair, hold_s: float, reference: dict[str, Any] | None) ->
         await drain(list(tasks.values()))
         machine = await health.stop()
     by_rid = {r.rid: r for r in replies}
-    want = (reference or {}).get("E")
-    live_same = None if want is None else sum(
-        r.ok and r.tokens == w for r, w in zip(replies, want) if r.rid not in chosen)
+    live_same = identical_to(reference, "E", replies, frozenset(chosen))
     t_free = sampler.first_time(t_cancel, lambda row: row["p_kv"] == 0)
     kv_after = min((row["p_kv"] for row in sampler.rows if t_cancel <= row["t"] <= t_cancel + 1.5),
                    default=None)
@@ -995,15 +1017,9 @@ async def case_b(pair: Pair, hold_s: float, reference: dict[str, Any] | None) ->
     """D overloaded, no crash: requests wait on D up to ~2.5x the lease/timeout."""
     health = Health()
     async with session_factory() as s:
-        health.start()
-        sampler = Sampler(s, pair)
-        sampler.start()
-        await asyncio.sleep(1.0)
+        sampler = await begin_load(s, pair, health)
         t_load = now()
-        replies = [Reply(rid("b")) for _ in range(B_REQUESTS)]
-        tasks = [asyncio.create_task(complete(s, pair.url, pair.model, p, OUTPUT, r,
-                                              timeout_s=240))
-                 for r, p in zip(replies, make_prompts(B_SEED, [PROMPT] * B_REQUESTS))]
+        replies, tasks = send_load(s, pair, "b", B_REQUESTS, B_SEED, 240)
         # P keeps serving other requests meanwhile (they fit beside the held KV): blocks P has
         # freed get used again, so a read of freed blocks shows in the outputs.
         prober = Prober(s, pair, 8, 240)
@@ -1029,9 +1045,7 @@ async def case_b(pair: Pair, hold_s: float, reference: dict[str, Any] | None) ->
         if not r.ok:
             key = (r.error or f"status {r.status}")[:140]
             errors[key] = errors.get(key, 0) + 1
-    want = (reference or {}).get("B")
-    identical = None if want is None else \
-        sum(r.ok and r.tokens == w for r, w in zip(replies, want))
+    identical = identical_to(reference, "B", replies)
     return {
         "requests": B_REQUESTS, "ok": sum(r.ok for r in replies),
         "ok_identical_to_plain": identical,
@@ -1052,15 +1066,9 @@ async def case_a(pair: Pair, hold_s: float, on_kill=None) -> dict[str, Any]:
     """D SIGKILLed while requests queue on it with their KV held on P; probes straight to P."""
     health = Health()
     async with session_factory() as s:
-        health.start()
-        sampler = Sampler(s, pair)
-        sampler.start()
-        await asyncio.sleep(1.0)
+        sampler = await begin_load(s, pair, health)
         t_load = now()
-        replies = [Reply(rid("a")) for _ in range(A_REQUESTS)]
-        tasks = [asyncio.create_task(complete(s, pair.url, pair.model, p, OUTPUT, r,
-                                              timeout_s=hold_s + 120))
-                 for r, p in zip(replies, make_prompts(6, [PROMPT] * A_REQUESTS))]
+        replies, tasks = send_load(s, pair, "a", A_REQUESTS, 6, hold_s + 120)
         prober = Prober(s, pair, 7, hold_s + 120)
         probes = prober.probes
         prober.start()
