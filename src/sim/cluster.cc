@@ -15,6 +15,7 @@
 
 #include "kvferry/core/block_pool.h"
 #include "kvferry/core/tp_plan.h"
+#include "protocol/decode_adapter.h"
 #include "protocol/decode_session.h"
 #include "protocol/prefill_session.h"
 #include "protocol/pull_reply.h"
@@ -176,10 +177,9 @@ struct DReq {
   std::vector<BlockId> blocks;      // all blocks (prompt + output)
   std::vector<BlockId> dest;        // the prompt's blocks, which P writes
   std::vector<std::uint64_t> gens;  // generations of `dest` at allocation
-  std::uint32_t ranks_completed = 0;
-  std::uint32_t ranks_released = 0;
-  bool recv_failed = false;
-  Status error;
+  std::uint32_t ranks_completed = 0;  // oracle: ranks whose receive ended (CheckLeaseKept)
+  bool load_done = false;  // the adapter's LoadDone: every rank's receive ended
+  bool reusable = false;   // the adapter's BlocksReusable: no P writer can touch `dest`
   std::uint32_t decoded = 0;
   bool freed = false;
   std::uint32_t peers_written = 0;
@@ -199,7 +199,12 @@ struct Write {
 
 class Sim {
  public:
-  explicit Sim(const SimConfig& c) : c_(c), rng_(c.seed), p_pool_(c.p.blocks), d_pool_(c.d.blocks) {
+  explicit Sim(const SimConfig& c)
+      : c_(c),
+        rng_(c.seed),
+        p_pool_(c.p.blocks),
+        d_pool_(c.d.blocks),
+        d_adapter_({.ranks = std::max<std::uint32_t>(1, c.d.tp)}) {
     const std::size_t n = c.load.requests.size();
     res_.requests.resize(n);
     preqs_.resize(n);
@@ -1075,8 +1080,12 @@ class Sim {
     }
     DReq& d = dreqs_[idx];
     d.st = DReq::St::kQueued;
-    for (std::uint32_t r = 0; r < c_.d.tp; ++r) {  // on_new_request: renew while still queued
-      d_sessions_[r]->OnNewRequest(RequestName(idx), SourceOf(idx), now());
+    // on_new_request: renew while still queued.
+    if (Status s = d_adapter_.Track(RequestName(idx), SourceOf(idx)); !s.ok()) {
+      Violation("Track: " + s.ToString());
+    }
+    PumpAdapter();
+    for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
       for (std::uint32_t g = 0; g < c_.faults.silent_engines; ++g) {
         d_sessions_[r]->OnNewRequest(
             GhostName(idx, g), {fmt::format("ghost-xfer-{}-{}", idx, g), GhostEngine(g), "ghost"},
@@ -1133,6 +1142,8 @@ class Sim {
       if (++d.decoded >= c_.load.requests[static_cast<std::size_t>(idx)].output) {
         d.st = DReq::St::kDone;
         End(idx, Outcome::kOk, {});
+        d_adapter_.Finish(RequestName(idx));
+        PumpAdapter();
         MaybeFreeD(idx);
       } else {
         still.push_back(idx);
@@ -1145,14 +1156,69 @@ class Sim {
   protocol::RemoteSource SourceOf(int idx) const { return {preqs_[idx].xfer, "P", "bootstrap"}; }
 
   void StartReceive(int idx) {
-    DReq& d = dreqs_[idx];
-    for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
-      if (Status s = d_sessions_[r]->StartLoad(RequestName(idx), SourceOf(idx), d.dest, now());
-          !s.ok()) {
-        Violation("StartLoad: " + s.ToString());
-      }
-      DrainD(r);
+    if (Status s = d_adapter_.StartLoad(RequestName(idx), SourceOf(idx), dreqs_[idx].dest);
+        !s.ok()) {
+      Violation("the adapter's StartLoad: " + s.ToString());
     }
+    PumpAdapter();
+  }
+
+  // Carries out what D's engine adapter decided (the same protocol::DecodeAdapter that
+  // `kvferry serve` and the vLLM connector run): rank calls onto the sessions, events onto the
+  // engine; until it has nothing more to say.
+  void PumpAdapter() {
+    while (!d_dead_) {
+      std::vector<protocol::RankCall> calls = d_adapter_.TakeCommands();
+      std::vector<protocol::AdapterEvent> events = d_adapter_.TakeEvents();
+      if (calls.empty() && events.empty()) break;
+      for (const protocol::RankCall& call : calls) {
+        protocol::DecodeSession& session = *d_sessions_[call.rank];
+        switch (call.kind) {
+          case protocol::RankCall::Kind::kTrack:
+            session.OnNewRequest(call.request, call.source, now());
+            break;
+          case protocol::RankCall::Kind::kStartLoad:
+            if (Status s = session.StartLoad(call.request, call.source, call.blocks, now());
+                !s.ok()) {
+              Violation("StartLoad: " + s.ToString());
+              d_adapter_.OnStartFailed(call.rank, call.request, s);
+            }
+            break;
+          case protocol::RankCall::Kind::kFinish:
+            session.RequestFinished(call.request, now());
+            break;
+          case protocol::RankCall::Kind::kRelease:
+            session.ReleaseTransfer(call.source, now());
+            break;
+        }
+        DrainD(call.rank);
+      }
+      for (protocol::AdapterEvent& event : events) HandleAdapterEvent(event);
+    }
+  }
+
+  void HandleAdapterEvent(protocol::AdapterEvent& event) {
+    if (auto* done = std::get_if<protocol::LoadDone>(&event)) {
+      const int idx = RequestIndex(done->request);
+      dreqs_[idx].load_done = true;
+      ReceiveDone(idx, done->status);
+      return;
+    }
+    if (auto* reusable = std::get_if<protocol::BlocksReusable>(&event)) {
+      const int idx = RequestIndex(reusable->request);
+      dreqs_[idx].reusable = true;
+      MaybeFreeD(idx);
+      return;
+    }
+    // P dropped the transfer while the request queued here: the engine fails it at once.
+    auto& dropped = std::get<protocol::TransferDropped>(event);
+    const int idx = RequestIndex(dropped.request);
+    DReq& d = dreqs_[idx];
+    if (d.st != DReq::St::kQueued || Ended(idx)) return;
+    ++res_.failed_by_notice;
+    d.st = DReq::St::kDone;
+    d_adapter_.Finish(dropped.request);  // request_finished
+    End(idx, Outcome::kFailed, dropped.why);
   }
 
   // Carries out what D rank `r`'s session decided, until it has nothing more to say; then arms
@@ -1276,42 +1342,16 @@ class Sim {
       return;
     }
     if (auto* released = std::get_if<protocol::BlocksReleased>(&event)) {
-      const int idx = RequestIndex(released->request);
-      ++dreqs_[idx].ranks_released;
-      MaybeFreeD(idx);
-      return;
-    }
-    if (auto* aborted = std::get_if<protocol::TransferAborted>(&event)) {
-      // P dropped the transfer while the request queued here: the engine fails it at once.
-      const int idx = RequestIndex(aborted->request);
-      DReq& d = dreqs_[idx];
-      if (d.st != DReq::St::kQueued || Ended(idx)) return;
-      ++res_.failed_by_notice;
-      d.st = DReq::St::kDone;
-      for (std::uint32_t rank = 0; rank < c_.d.tp; ++rank) {  // request_finished
-        d_sessions_[rank]->RequestFinished(RequestName(idx), now());
-        if (rank != r) DrainD(rank);
-      }
-      End(idx, Outcome::kFailed, aborted->error);
-      return;
-    }
-    auto& done = std::get<protocol::ReceiveDone>(event);
-    const int idx = RequestIndex(done.request);
-    DReq& d = dreqs_[idx];
-    if (++d.ranks_completed > c_.d.tp) {
-      Violation(fmt::format("req-{}: receive completed twice on D rank {}", idx, r));
-    }
-    if (!done.ok && !d.recv_failed) {
-      d.recv_failed = true;
-      d.error = done.error;
-    }
-    if (done.quarantined) {
-      ++res_.quarantined_completions;
+      d_adapter_.OnReleased(r, released->request);
+    } else if (auto* aborted = std::get_if<protocol::TransferAborted>(&event)) {
+      d_adapter_.OnTransferAborted(r, aborted->request, aborted->error);
     } else {
-      ++d.ranks_released;
+      auto& done = std::get<protocol::ReceiveDone>(event);
+      if (done.quarantined) ++res_.quarantined_completions;
+      ++dreqs_[RequestIndex(done.request)].ranks_completed;
+      d_adapter_.OnReceiveDone(r, done.request, done.ok, done.error, done.quarantined);
     }
-    if (d.ranks_completed == c_.d.tp) ReceiveDone(idx);
-    MaybeFreeD(idx);
+    PumpAdapter();
   }
 
   // Each D rank's session wakes at its NextDeadline (pull deadlines, renewal passes, lookups).
@@ -1328,13 +1368,14 @@ class Sim {
     });
   }
 
-  void ReceiveDone(int idx) {
+  void ReceiveDone(int idx, const Status& status) {
     DReq& d = dreqs_[idx];
     --receiving_;                              // the sessions stopped renewing it
     if (d.st != DReq::St::kReceiving) return;  // aborted meanwhile: only the blocks remain
-    if (d.recv_failed) {
+    if (!status.ok()) {
       d.st = DReq::St::kDone;
-      End(idx, Outcome::kFailed, d.error);
+      End(idx, Outcome::kFailed, status);
+      d_adapter_.Finish(RequestName(idx));
       return;
     }
     d.st = DReq::St::kDecoding;
@@ -1342,12 +1383,12 @@ class Sim {
     KickD();
   }
 
-  // D's blocks go back to the pool only when every rank's receive settled and released them
-  // (quarantine) and the request no longer decodes.
+  // D's blocks go back to the pool only when the adapter says no P writer can touch them
+  // (every rank's receive ended and released its quarantine) and the request no longer decodes.
   void MaybeFreeD(int idx) {
     DReq& d = dreqs_[idx];
     if (d.freed || d.blocks.empty() || d_dead_) return;
-    if (d.ranks_completed < c_.d.tp || d.ranks_released < c_.d.tp) return;
+    if (!d.reusable) return;
     if (d.st == DReq::St::kDecoding || d.st == DReq::St::kReceiving) return;
     d.freed = true;
     if (!d_pool_.Free(d.blocks, static_cast<Owner>(idx))) {
@@ -1402,15 +1443,13 @@ class Sim {
   void AbortD(int idx) {
     if (d_dead_ || Ended(idx)) return;
     DReq& d = dreqs_[idx];
-    for (std::uint32_t r = 0; r < c_.d.tp; ++r) {  // request_finished: releases go to P
-      d_sessions_[r]->RequestFinished(RequestName(idx), now());
-      DrainD(r);
-    }
+    d_adapter_.Finish(RequestName(idx));  // request_finished: releases go to P
+    PumpAdapter();
     const DReq::St st = d.st;
     End(idx, Outcome::kAborted, Status(ErrorCode::kCancelled, "aborted by the client"));
     if (st == DReq::St::kReceiving) {
       d.st = DReq::St::kDone;
-      return;  // the blocks wait for every peer to settle (ReceiveDone, then MaybeFreeD)
+      return;  // the blocks wait for every peer to settle (BlocksReusable, then MaybeFreeD)
     }
     if (st == DReq::St::kDecoding) {
       decoding_.erase(std::find(decoding_.begin(), decoding_.end(), idx));
@@ -1486,6 +1525,15 @@ class Sim {
       if (d_pool_.used() != 0) {
         Violation(fmt::format("leak: {} D blocks still allocated", d_pool_.used()));
       }
+      const protocol::DecodeAdapterStats adapter = d_adapter_.stats();
+      if (adapter.tracked != 0) {
+        Violation(fmt::format("leak: D's engine adapter still tracks {} requests", adapter.tracked));
+      }
+      if (adapter.stray_results != 0) {
+        // A rank reported a receive it never started, twice, or a release of nothing held.
+        Violation(fmt::format("D's ranks reported {} results for no load of theirs",
+                              adapter.stray_results));
+      }
       for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
         const protocol::DecodeStats stats = d_sessions_[r]->stats();
         if (stats.receiving != 0 || stats.quarantined_blocks != 0 || stats.pulls_in_flight != 0) {
@@ -1521,6 +1569,7 @@ class Sim {
 
   // D engine.
   BlockPool d_pool_;
+  protocol::DecodeAdapter d_adapter_;  // the engine's glue to its ranks' sessions
   std::vector<std::unique_ptr<protocol::DecodeSession>> d_sessions_;  // per D rank
   std::vector<TimePoint> d_timer_at_;  // each session's armed wake-up (kNever: none)
   std::map<std::pair<std::uint32_t, std::uint32_t>, protocol::EndpointId> endpoint_;  // (d, p)
