@@ -15,6 +15,7 @@
 #include "harness/trace_file.h"
 #include "kvferry/core/block_pool.h"
 #include "kvferry/transport/ucx.h"
+#include "protocol/decode_adapter.h"
 #include "runtime/decode_worker.h"
 
 namespace kvferry::harness {
@@ -89,12 +90,10 @@ struct Request {
   bool answered = false;  // the stream got its terminal event
   // P remote decode: ranks whose hold still owns the blocks.
   std::uint32_t holds_outstanding = 0;
-  // D remote prefill.
+  // D remote prefill (what protocol::DecodeAdapter said of its load).
   bool load_started = false;
-  std::uint32_t results = 0;
-  bool recv_ok = true;
-  Status recv_error;
-  std::set<std::uint32_t> quarantined_ranks;
+  Status load_status;     // LoadDone: OK or the first rank's failure
+  bool reusable = false;  // BlocksReusable: no P writer can touch the blocks
   Clock::time_point load_start{};
 };
 
@@ -112,7 +111,10 @@ struct Inbox {
   std::vector<std::uint64_t> aborts;
   std::vector<HoldNote> holds;
   std::vector<RecvNote> recvs;
-  bool empty() const { return fresh.empty() && aborts.empty() && holds.empty() && recvs.empty(); }
+  std::vector<runtime::RemoteSource> refusals;  // D: refused before tracking; release to P
+  bool empty() const {
+    return fresh.empty() && aborts.empty() && holds.empty() && recvs.empty() && refusals.empty();
+  }
 };
 
 // Gauges the engine thread publishes and counters anyone may bump; read by /metrics.
@@ -143,7 +145,7 @@ std::string StatusReason(const Status& s) { return s.ToString(); }
 }  // namespace
 
 struct ServingEngine::Impl {
-  explicit Impl(EngineOptions& o) : options(o) {}
+  explicit Impl(EngineOptions& o) : options(o), adapter({.ranks = o.geometry.tp}) {}
 
   EngineOptions& options;
   std::uint64_t block_len = 0;
@@ -152,6 +154,9 @@ struct ServingEngine::Impl {
   std::vector<std::unique_ptr<runtime::DecodeWorker>> decode;
   std::vector<std::thread> collectors;
   std::unique_ptr<core::BlockPool> pool;  // engine thread only; owners are request handles
+  // D: the glue between this engine and its ranks' workers (engine thread only), the same
+  // class the simulator and the vLLM connector drive.
+  protocol::DecodeAdapter adapter;
 
   // Inbox and lifecycle.
   std::mutex mu;
@@ -191,6 +196,8 @@ struct ServingEngine::Impl {
   void ApplyAbort(std::uint64_t handle);
   void ApplyHold(const HoldNote& note);
   void ApplyRecv(RecvNote& note);
+  void PumpAdapter();
+  void OnAdapterEvent(const protocol::AdapterEvent& event);
   void OnReceiveDone(Request& r);
   void Schedule();
   void RunStep();
@@ -449,9 +456,12 @@ void ServingEngine::Refused(const CompletionSpec& spec, const Status& why) {
     // This instance can never serve it as sent: P must not prefill it and hold its KV for
     // nobody. (A full queue or a shutdown is left alone: a router may retry another decoder
     // with the same transfer, whose KV P still holds.)
-    const runtime::RemoteSource source{spec.transfer_id, spec.remote_engine_id,
-                                       spec.remote_bootstrap_addr};
-    for (auto& worker : impl_->decode) worker->ReleaseTransfer(source);
+    {
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      impl_->inbox.refusals.push_back(
+          {spec.transfer_id, spec.remote_engine_id, spec.remote_bootstrap_addr});
+    }
+    impl_->cv.notify_all();
   }
 }
 
@@ -520,10 +530,6 @@ Result<std::shared_ptr<RequestStream>> ServingEngine::Enqueue(const CompletionSp
       return tl::unexpected(
           Status(first.code(), fmt::format("transfer {}: {}", spec.transfer_id, first.message())));
     }
-  } else if (spec.kind == RequestKind::kRemotePrefill) {
-    runtime::RemoteSource source{spec.transfer_id, spec.remote_engine_id,
-                                 spec.remote_bootstrap_addr};
-    for (auto& worker : impl.decode) worker->OnNewRequest(r->id, source);
   }
   std::shared_ptr<RequestStream> stream = r->stream;
   {
@@ -580,6 +586,13 @@ void ServingEngine::Impl::Loop() {
     Apply(in);
     if (stop) {
       FailAll();
+      // The workers' Stop releases what they still track; quarantined blocks stay registered
+      // until the workers are destroyed.
+      const protocol::DecodeAdapterStopReport left = adapter.Stop();
+      if (left.loading + left.quarantined > 0) {
+        spdlog::info("[{}] stopping with {} loads in flight and {} quarantined",
+                     options.engine_id, left.loading, left.quarantined);
+      }
       Publish();
       return;
     }
@@ -596,6 +609,8 @@ void ServingEngine::Impl::Apply(Inbox& in) {
   for (auto& r : in.fresh) AddRequest(std::move(r));
   for (const HoldNote& note : in.holds) ApplyHold(note);
   for (RecvNote& note : in.recvs) ApplyRecv(note);
+  for (const runtime::RemoteSource& source : in.refusals) adapter.Refuse(source);
+  PumpAdapter();
   for (std::uint64_t handle : in.aborts) ApplyAbort(handle);
 }
 
@@ -604,6 +619,14 @@ void ServingEngine::Impl::AddRequest(std::unique_ptr<Request> r) {
   by_id[r->id] = handle;
   requests[handle] = std::move(r);
   waiting.push_back(handle);
+  if (const Request& req = *requests[handle]; req.spec.kind == RequestKind::kRemotePrefill) {
+    // Renewals start while it queues for blocks.
+    const runtime::RemoteSource source{req.spec.transfer_id, req.spec.remote_engine_id,
+                                       req.spec.remote_bootstrap_addr};
+    if (Status tracked = adapter.Track(req.id, source); !tracked.ok()) {
+      spdlog::error("[{}] request {}: {}", options.engine_id, req.id, tracked.ToString());
+    }
+  }
   if (early_aborts.erase(handle) > 0) {
     Request& req = *requests[handle];
     CountFailure("prefill_abort");
@@ -662,60 +685,97 @@ void ServingEngine::Impl::ApplyHold(const HoldNote& note) {
 }
 
 void ServingEngine::Impl::ApplyRecv(RecvNote& note) {
-  for (runtime::ReceiveResult& result : note.finished.received) {
-    auto it = by_id.find(result.request);
-    Request* r = it == by_id.end() ? nullptr : Find(it->second);
-    if (r == nullptr || !r->load_started) {
-      spdlog::warn("[{}] receive result for unknown request {}", options.engine_id, result.request);
-      continue;
-    }
-    ++r->results;
-    if (!result.ok && r->recv_ok) {
-      r->recv_ok = false;
-      r->recv_error = result.error;
-    }
-    if (result.quarantined) r->quarantined_ranks.insert(note.rank);
-    if (r->results == options.geometry.tp) OnReceiveDone(*r);
+  for (const runtime::ReceiveResult& result : note.finished.received) {
+    adapter.OnReceiveDone(note.rank, result.request, result.ok, result.error, result.quarantined);
   }
-  for (auto& [request, blocks] : note.finished.released) {
-    auto it = by_id.find(request);
-    Request* r = it == by_id.end() ? nullptr : Find(it->second);
-    if (r == nullptr) continue;
-    r->quarantined_ranks.erase(note.rank);
+  for (const auto& [request, blocks] : note.finished.released) {
+    adapter.OnReleased(note.rank, request);
+  }
+  for (const auto& [request, why] : note.finished.aborted) {
+    adapter.OnTransferAborted(note.rank, request, why);
+  }
+  PumpAdapter();
+}
+
+// Carries out what the adapter decided: rank calls onto the workers, events onto requests.
+// Requests are looked up by id for every event: one event may finish and erase a request.
+void ServingEngine::Impl::PumpAdapter() {
+  while (true) {
+    std::vector<protocol::RankCall> calls = adapter.TakeCommands();
+    std::vector<protocol::AdapterEvent> events = adapter.TakeEvents();
+    if (calls.empty() && events.empty()) return;
+    for (const protocol::RankCall& call : calls) {
+      runtime::DecodeWorker& worker = *decode.at(call.rank);
+      switch (call.kind) {
+        case protocol::RankCall::Kind::kTrack:
+          worker.OnNewRequest(call.request, call.source);
+          break;
+        case protocol::RankCall::Kind::kStartLoad:
+          if (Status started = worker.StartLoad(call.request, call.source, call.blocks);
+              !started.ok()) {
+            adapter.OnStartFailed(call.rank, call.request, started);
+          }
+          break;
+        case protocol::RankCall::Kind::kFinish:
+          worker.RequestFinished(call.request);
+          break;
+        case protocol::RankCall::Kind::kRelease:
+          worker.ReleaseTransfer(call.source);
+          break;
+      }
+    }
+    for (const protocol::AdapterEvent& event : events) OnAdapterEvent(event);
+  }
+}
+
+void ServingEngine::Impl::OnAdapterEvent(const protocol::AdapterEvent& event) {
+  const core::RequestId& id =
+      std::visit([](const auto& e) -> const core::RequestId& { return e.request; }, event);
+  auto it = by_id.find(id);
+  Request* r = it == by_id.end() ? nullptr : Find(it->second);
+  if (r == nullptr) {
+    spdlog::warn("[{}] the engine adapter named unknown request {}", options.engine_id, id);
+    return;
+  }
+  if (const auto* done = std::get_if<protocol::LoadDone>(&event)) {
+    r->load_status = done->status;
+    OnReceiveDone(*r);
+  } else if (std::holds_alternative<protocol::BlocksReusable>(event)) {
+    r->reusable = true;
     MaybeRelease(*r);
-  }
-  for (auto& [request, why] : note.finished.aborted) {
+  } else if (const auto* dropped = std::get_if<protocol::TransferDropped>(&event)) {
     // P dropped the transfer while the request queued here: fail it now with P's reason
-    // instead of pulling late (every rank hears it; the first one answers).
-    auto it = by_id.find(request);
-    Request* r = it == by_id.end() ? nullptr : Find(it->second);
-    if (r == nullptr || r->answered || r->load_started) continue;
+    // instead of pulling late.
+    if (r->answered || r->load_started) return;
     CountFailure("prefill_aborted");
-    Finish(*r, Status(why.code(), "KV transfer aborted by the prefill instance: " + why.message()),
+    Finish(*r,
+           Status(dropped->why.code(),
+                  "KV transfer aborted by the prefill instance: " + dropped->why.message()),
            503);
   }
 }
 
 void ServingEngine::Impl::OnReceiveDone(Request& r) {
-  for (auto& worker : decode) worker->RequestFinished(r.id);  // stop renewing
+  const bool ok = r.load_status.ok();
   const std::uint32_t kv_blocks = BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens);
   {
     std::lock_guard<std::mutex> lock(stats_mu);
     stats.transfer_latency.Observe(
         std::chrono::duration<double>(Clock::now() - r.load_start).count());
-    if (r.recv_ok) stats.received_bytes += std::uint64_t{kv_blocks} * block_len * decode.size();
+    if (ok) stats.received_bytes += std::uint64_t{kv_blocks} * block_len * decode.size();
   }
   if (r.answered) {  // aborted while receiving: only the blocks are left to settle
     MaybeRelease(r);
     return;
   }
-  if (!r.recv_ok) {
+  if (!ok) {
     CountFailure("receive");
     {
       std::lock_guard<std::mutex> lock(stats_mu);
-      ++stats.receive_failures[std::string(ToString(r.recv_error.code()))];
+      ++stats.receive_failures[std::string(ToString(r.load_status.code()))];
     }
-    Finish(r, Status(r.recv_error.code(), "KV transfer failed: " + r.recv_error.message()), 503);
+    Finish(r, Status(r.load_status.code(), "KV transfer failed: " + r.load_status.message()),
+           503);
     return;
   }
   // Verify every received block on every rank: the right transfer's bytes at the right heads.
@@ -784,18 +844,13 @@ void ServingEngine::Impl::Schedule() {
       std::vector<BlockId> dst(r->blocks.begin(), r->blocks.begin() + kv_blocks);
       runtime::RemoteSource source{r->spec.transfer_id, r->spec.remote_engine_id,
                                    r->spec.remote_bootstrap_addr};
-      for (auto& worker : decode) {
-        Status started = worker->StartLoad(r->id, source, dst);
-        if (!started.ok()) {
-          // Nothing started on that rank (its result will never come): count it as failed.
-          ++r->results;
-          if (r->recv_ok) {
-            r->recv_ok = false;
-            r->recv_error = started;
-          }
-        }
+      if (Status started = adapter.StartLoad(r->id, source, std::move(dst)); !started.ok()) {
+        r->load_started = false;  // nothing was started: the blocks are this engine's alone
+        CountFailure("receive");
+        Finish(*r, started, 500);
+        continue;
       }
-      if (r->results == options.geometry.tp) OnReceiveDone(*r);
+      PumpAdapter();
     } else {
       r->phase = Phase::kPrefill;
       running.push_back(r->handle);
@@ -974,7 +1029,8 @@ void ServingEngine::Impl::Finish(Request& r, const Status& error, int http_statu
     EngineFinishedAll(r);
   }
   if (r.spec.kind == RequestKind::kRemotePrefill) {
-    for (auto& worker : decode) worker->RequestFinished(r.id);
+    adapter.Finish(r.id);  // every rank stops renewing and releases the transfer to P
+    PumpAdapter();
   }
   if (r.phase == Phase::kHeld) return;  // the hold tables own the blocks
   r.phase = Phase::kDraining;
@@ -983,10 +1039,8 @@ void ServingEngine::Impl::Finish(Request& r, const Status& error, int http_statu
 
 void ServingEngine::Impl::MaybeRelease(Request& r) {
   if (r.phase != Phase::kDraining) return;
-  // D: not before every rank's receive settled and no peer may still write (quarantine).
-  if (r.load_started && (r.results < options.geometry.tp || !r.quarantined_ranks.empty())) {
-    return;
-  }
+  // D: not before the adapter says no P writer can touch the blocks (quarantine).
+  if (r.load_started && !r.reusable) return;
   FreeBlocks(r);
   Erase(r.handle);
 }
