@@ -31,6 +31,7 @@
 #include "kvferry/status.h"
 #include "kvferry/transport/inprocess.h"
 #include "kvferry/transport/ucx.h"
+#include "runtime/decode_driver.h"
 #include "runtime/decode_worker.h"
 #include "runtime/prefill_worker.h"
 
@@ -418,36 +419,57 @@ class PyDecodeWorker {
     worker_ = StartWithoutGil(c, "-d", [&](std::shared_ptr<transport::Engine> engine) {
       return runtime::DecodeWorker::Start(std::move(o), std::move(engine));
     });
+    driver_ = std::make_unique<runtime::DecodeDriver>(std::vector{worker_.get()});
   }
 
+  // The engine calls go through protocol::DecodeAdapter (runtime::DecodeDriver over this one
+  // rank), the glue `kvferry serve` and the simulator run too. The driver is touched only
+  // with the GIL held; it lives while worker_ does (Stop drops it first).
   void OnNewRequest(const std::string& request, const py::dict& source) {
     runtime::RemoteSource s = Source(source);
-    Live()->OnNewRequest(request, s);
+    Check(Driver().Track(request, s));
+    Pump();
   }
   void StartLoad(const std::string& request, const py::dict& source,
                  std::vector<core::BlockId> blocks) {
     runtime::RemoteSource s = Source(source);
-    Check(Live()->StartLoad(request, s, std::move(blocks)));
+    Check(Driver().StartLoad(request, s, std::move(blocks)));
+    Pump();
   }
-  void RequestFinished(const std::string& request) { Live()->RequestFinished(request); }
-  void ReleaseTransfer(const py::dict& source) { Live()->ReleaseTransfer(Source(source)); }
+  void RequestFinished(const std::string& request) {
+    Driver().Finish(request);
+    Pump();
+  }
+  void ReleaseTransfer(const py::dict& source) {
+    runtime::RemoteSource s = Source(source);
+    Driver().Refuse(s);
+    Pump();
+  }
 
-  // {"received": [(request, ok, error, invalid_blocks, quarantined)],
-  //  "released": [(request, blocks)], "aborted": [(request, error)]}
+  // The adapter's events since the last call (protocol/decode_adapter.h), each once:
+  // {"loaded": [(request, ok, error, quarantined)], "reusable": [(request, after_quarantine)],
+  //  "dropped": [(request, why)]}
   py::dict TakeFinished() {
-    runtime::DecodeFinished f = Live()->TakeFinished();
-    return ToDict(std::move(f));
+    runtime::DecodeDriver& driver = Driver();
+    driver.OnFinished(0, Live()->TakeFinished());
+    Pump();
+    return TakeEvents();
   }
+  // As TakeFinished, first waiting (without the GIL) until the worker reports something or
+  // `timeout_s` passes; at once if events are already waiting.
   py::dict WaitFinished(double timeout_s) {
     const auto deadline = core::Clock::now() + Millis(timeout_s, "timeout_s");
     runtime::DecodeFinished f;
-    {
+    if (events_.empty()) {
       std::shared_ptr<runtime::DecodeWorker> worker = Live();  // alive until this returns
       py::gil_scoped_release release;
       f = worker->WaitFinished(deadline);
       worker.reset();  // if stop() came meanwhile, the worker stops here, without the GIL
     }
-    return ToDict(std::move(f));
+    if (driver_ == nullptr) return TakeEvents();  // stopped meanwhile
+    driver_->OnFinished(0, f);
+    Pump();
+    return TakeEvents();
   }
 
   py::dict Stats() {
@@ -476,6 +498,8 @@ class PyDecodeWorker {
   void Stop() {
     std::shared_ptr<runtime::DecodeWorker> worker = worker_;
     if (!worker) return;
+    if (driver_ != nullptr) (void)driver_->Stop();
+    driver_.reset();
     {
       py::gil_scoped_release release;
       worker->Stop();
@@ -483,31 +507,51 @@ class PyDecodeWorker {
     worker_.reset();
     StopQuietly(std::move(worker));
   }
-  ~PyDecodeWorker() { StopQuietly(std::move(worker_)); }
+  ~PyDecodeWorker() {
+    driver_.reset();
+    StopQuietly(std::move(worker_));
+  }
 
  private:
-  static py::dict ToDict(runtime::DecodeFinished f) {
-    py::list received;
-    for (runtime::ReceiveResult& r : f.received) {
-      received.append(py::make_tuple(r.request, r.ok, r.error.ok() ? "" : r.error.ToString(),
-                                     r.invalid, r.quarantined));
+  void Pump() {
+    for (std::vector<protocol::AdapterEvent> got = driver_->Pump(); !got.empty();
+         got = driver_->Pump()) {
+      for (protocol::AdapterEvent& e : got) events_.push_back(std::move(e));
     }
-    py::list released;
-    for (auto& [request, blocks] : f.released) released.append(py::make_tuple(request, blocks));
-    py::list aborted;
-    for (auto& [request, why] : f.aborted) aborted.append(py::make_tuple(request, why.ToString()));
+  }
+  py::dict TakeEvents() {
+    py::list loaded;
+    py::list reusable;
+    py::list dropped;
+    for (const protocol::AdapterEvent& e : std::exchange(events_, {})) {
+      if (const auto* done = std::get_if<protocol::LoadDone>(&e)) {
+        loaded.append(py::make_tuple(done->request, done->status.ok(),
+                                     done->status.ok() ? "" : done->status.ToString(),
+                                     done->quarantined));
+      } else if (const auto* r = std::get_if<protocol::BlocksReusable>(&e)) {
+        reusable.append(py::make_tuple(r->request, r->after_quarantine));
+      } else if (const auto* d = std::get_if<protocol::TransferDropped>(&e)) {
+        dropped.append(py::make_tuple(d->request, d->why.ToString()));
+      }
+    }
     py::dict d;
-    d["received"] = received;
-    d["released"] = released;
-    d["aborted"] = aborted;
+    d["loaded"] = loaded;
+    d["reusable"] = reusable;
+    d["dropped"] = dropped;
     return d;
   }
   std::shared_ptr<runtime::DecodeWorker> Live() {
     if (!worker_) Raise(Status(ErrorCode::kCancelled, "the decode worker is stopped"));
     return worker_;
   }
+  runtime::DecodeDriver& Driver() {
+    if (driver_ == nullptr) Raise(Status(ErrorCode::kCancelled, "the decode worker is stopped"));
+    return *driver_;
+  }
 
   std::shared_ptr<runtime::DecodeWorker> worker_;
+  std::unique_ptr<runtime::DecodeDriver> driver_;  // over worker_; null once stopped
+  std::vector<protocol::AdapterEvent> events_;     // not yet taken
 };
 
 void SetRank(RankConfig& c, std::string engine_id, std::uint32_t tp_size, std::uint32_t tp_rank,

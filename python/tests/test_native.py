@@ -52,7 +52,7 @@ def receive(d, request_id, timeout_s=10.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         finished = d.wait_finished(0.5)
-        for result in finished["received"]:
+        for result in finished["loaded"]:
             if result[0] == request_id:
                 return result
     raise AssertionError(f"no result for {request_id} within {timeout_s} s")
@@ -88,9 +88,9 @@ def test_every_plane_of_p_tensors_lands_in_d_tensors_and_p_frees_after_the_pull(
         p.prefill_done("xfer-1", [3, 4, 5])
         d.on_new_request("req-1", src("xfer-1"))
         d.start_load("req-1", src("xfer-1"), [10, 11, 12])
-        request, ok, error, invalid, quarantined = receive(d, "req-1")
+        request, ok, error, quarantined = receive(d, "req-1")
         assert ok, error
-        assert invalid == [] and not quarantined
+        assert not quarantined
         for layer in range(LAYERS):
             assert torch.equal(d_kv[layer][:, 10:13], p_kv[layer][:, 3:6]), f"layer {layer}"
             assert not d_kv[layer][:, :10].any(), "D blocks nobody asked for were written"
@@ -114,7 +114,7 @@ def test_a_decoder_that_fences_its_writers_receives_every_plane_through_write_ke
         p.admit("xfer-1", 7)
         p.prefill_done("xfer-1", [3, 4, 5])
         d.start_load("req-1", src("xfer-1"), [10, 11, 12])
-        request, ok, error, invalid, quarantined = receive(d, "req-1")
+        request, ok, error, quarantined = receive(d, "req-1")
         assert ok, error
         for layer in range(LAYERS):
             assert torch.equal(d_kv[layer][:, 10:13], p_kv[layer][:, 3:6]), f"layer {layer}"
@@ -132,11 +132,36 @@ def test_a_pull_of_a_freed_transfer_fails_at_once_with_the_tombstone():
         d.request_finished("req-1")
         start = time.monotonic()
         d.start_load("req-2", src("xfer-1"), [2])
-        request, ok, error, invalid, quarantined = receive(d, "req-2")
+        request, ok, error, quarantined = receive(d, "req-2")
         assert not ok
         assert "TOMBSTONED" in error, error
         assert time.monotonic() - start < 2.0
         assert not quarantined
+    finally:
+        stop(d, p, bootstrap)
+
+
+def test_a_second_load_of_a_loading_request_is_refused_and_the_first_one_lands():
+    # The engine adapter's duplicate-id decision through the binding: refused with
+    # ALREADY_EXISTS, nothing pulled for it, and the first load reports for the request.
+    bootstrap, p, d, p_kv, d_kv, src = make_pair()
+    try:
+        d.on_new_request("req-1", src("xfer-1"))
+        with pytest.raises(native.KvferryError) as error:
+            d.on_new_request("req-1", src("xfer-1"))
+        assert error.value.code == "ALREADY_EXISTS"
+        d.start_load("req-1", src("xfer-1"), [10])
+        with pytest.raises(native.KvferryError) as error:
+            d.start_load("req-1", src("xfer-1"), [11])
+        assert error.value.code == "ALREADY_EXISTS"
+        p.admit("xfer-1", 1)
+        p.prefill_done("xfer-1", [3])
+        request, ok, error, quarantined = receive(d, "req-1")
+        assert ok, error
+        for layer in range(LAYERS):
+            assert torch.equal(d_kv[layer][:, 10], p_kv[layer][:, 3]), f"layer {layer}"
+            assert not d_kv[layer][:, 11].any(), "the refused load wrote its blocks"
+        assert d.stats()["pulls_sent"] == 1
     finally:
         stop(d, p, bootstrap)
 
@@ -147,7 +172,7 @@ def test_a_lease_mismatch_fails_naming_both_values():
         p.admit("xfer-1", 1)
         p.prefill_done("xfer-1", [0])
         d.start_load("req-1", src("xfer-1"), [1])
-        request, ok, error, invalid, quarantined = receive(d, "req-1")
+        request, ok, error, quarantined = receive(d, "req-1")
         assert not ok
         assert "5" in error and "7" in error, error
     finally:
@@ -185,9 +210,13 @@ def test_bad_arguments_raise_kvferry_error_with_the_status_code():
         with pytest.raises(native.KvferryError) as error:
             d.start_load("req-1", {"transfer_id": "x"}, [0])
         assert "engine_id" in str(error.value)
-        with pytest.raises(native.KvferryError) as error:
-            d.start_load("req-1", src("xfer-1"), [NUM_BLOCKS])
-        assert error.value.code == "OUT_OF_RANGE"
+        # A block outside the region: the rank refuses it and the load ends failed at once,
+        # with nothing sent (so nothing held), as every rank's refusal does (DecodeAdapter).
+        d.start_load("req-1", src("xfer-1"), [NUM_BLOCKS])
+        request, ok, error, quarantined = d.take_finished()["loaded"][0]
+        assert (request, ok, quarantined) == ("req-1", False, False)
+        assert error.startswith("OUT_OF_RANGE"), error
+        assert d.stats()["pulls_sent"] == 0
     finally:
         stop(d, p, bootstrap)
     with pytest.raises(native.KvferryError) as error:
@@ -328,13 +357,13 @@ def test_a_p_restarted_on_a_new_side_channel_gets_the_loads_after_the_first_unse
                                   bootstrap_address=f"127.0.0.1:{bootstrap.port}",
                                   incarnation=uuid.uuid4().hex)
         d.start_load("req-2", src("xfer-2"), [2])
-        request, ok, error, invalid, quarantined = receive(d, "req-2")
+        request, ok, error, quarantined = receive(d, "req-2")
         assert not ok and "not sent" in error, error
         assert not quarantined, "a pull that never left cannot be written for"
         p2.admit("xfer-3", 3)
         p2.prefill_done("xfer-3", [5])
         d.start_load("req-3", src("xfer-3"), [6])
-        request, ok, error, invalid, quarantined = receive(d, "req-3")
+        request, ok, error, quarantined = receive(d, "req-3")
         assert ok, error
         for layer in range(LAYERS):
             assert torch.equal(d_kv[layer][:, 6], p_kv[layer][:, 5]), f"layer {layer}"
@@ -403,7 +432,7 @@ def test_a_decoder_survives_two_thousand_p_addresses_with_bounded_side_channels(
         failed = set()
         deadline = time.monotonic() + 60
         while len(failed) < len(engines) and time.monotonic() < deadline:
-            for request, ok, error, invalid, quarantined in d.wait_finished(0.5)["received"]:
+            for request, ok, error, quarantined in d.wait_finished(0.5)["loaded"]:
                 assert not ok and not quarantined, (request, error)
                 failed.add(request)
         assert len(failed) == len(engines), f"{len(failed)} of {len(engines)} loads ended"

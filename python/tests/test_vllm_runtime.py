@@ -73,29 +73,31 @@ def test_token_major_blocks_are_registered_but_never_head_sliced():
     assert head_slices([region(0x10000, 256, 256)], kv_heads=8)
 
 
-class _FakeDecodeWorker:
-    """kvferry._native.DecodeWorker's calls and results, scripted."""
-
-    def __init__(self, **kwargs):
-        self.calls: list[tuple] = []
-        self.pending = {"received": [], "released": [], "aborted": []}
-
-    def start_load(self, request_id, source, blocks):
-        self.calls.append(("start_load", request_id))
-
-    def request_finished(self, request_id):
-        self.calls.append(("request_finished", request_id))
-
-    def take_finished(self):
-        out, self.pending = self.pending, {"received": [], "released": [], "aborted": []}
-        return out
-
-
 class _FakeNative:
     class KvferryError(Exception):
-        pass
+        def __init__(self, message, code):
+            super().__init__(message)
+            self.code = code
 
-    DecodeWorker = _FakeDecodeWorker
+    class DecodeWorker:
+        """kvferry._native.DecodeWorker's calls and adapter events, scripted."""
+
+        def __init__(self, **kwargs):
+            self.calls: list[tuple] = []
+            self.refuse: dict[str, Exception] = {}  # start_load raises for these
+            self.pending = {"loaded": [], "reusable": [], "dropped": []}
+
+        def start_load(self, request_id, source, blocks):
+            self.calls.append(("start_load", request_id))
+            if request_id in self.refuse:
+                raise self.refuse[request_id]
+
+        def request_finished(self, request_id):
+            self.calls.append(("request_finished", request_id))
+
+        def take_finished(self):
+            out, self.pending = self.pending, {"loaded": [], "reusable": [], "dropped": []}
+            return out
 
 
 def _decode_runtime():
@@ -115,24 +117,31 @@ def test_a_failed_load_is_reported_at_once_and_its_held_blocks_once_released():
     # P that never answers. It is reported failed at once now, held; then released.
     runtime, native, source = _decode_runtime()
     runtime.start_load("r1", source, [[1, 2]])
-    native.pending["received"] = [("r1", False, "TIMEOUT: no answer", [1, 2], True)]
+    native.pending["loaded"] = [("r1", False, "TIMEOUT: no answer", True)]
     got = runtime.take_finished()
     assert got.failed == [("r1", "TIMEOUT: no answer", True)] and got.released == []
-    native.pending["released"] = [("r1", [1, 2])]
+    native.pending["reusable"] = [("r1", True)]
     assert runtime.take_finished().released == ["r1"]
 
 
-def test_a_load_whose_transfer_p_dropped_fails_at_once_with_ps_reason_and_unpulled():
+def test_only_loads_reported_held_are_reported_released():
     runtime, native, source = _decode_runtime()
-    native.pending["aborted"] = [("r1", "CANCELLED: prefill engine p dropped transfer x: aborted")]
-    assert runtime.take_finished().failed == []  # still queued in vLLM: nothing to report
-    runtime.start_load("r1", source, [[1]])
-    assert ("start_load", "r1") not in native.calls, "P serves no pull for it"
+    native.pending["loaded"] = [("ok", True, "", False), ("bad", False, "NOT_FOUND: x", False)]
+    native.pending["reusable"] = [("ok", False), ("bad", False)]
     got = runtime.take_finished()
-    assert got.failed == [("r1", "CANCELLED: prefill engine p dropped transfer x: aborted", False)]
-    # A request that ends while it queues forgets the notice.
-    native.pending["aborted"] = [("r2", "dropped")]
-    runtime.take_finished()
-    runtime.request_finished("r2")
+    assert got.received == ["ok"]
+    assert got.failed == [("bad", "NOT_FOUND: x", False)]
+    assert got.released == [], "vLLM never held these blocks back: nothing to release"
+
+
+def test_a_refused_load_fails_unpulled_but_a_second_load_of_one_id_changes_nothing():
+    runtime, native, source = _decode_runtime()
+    native.refuse["r1"] = _FakeNative.KvferryError("block 9 outside the region", "OUT_OF_RANGE")
+    runtime.start_load("r1", source, [[9]])
+    assert runtime.take_finished().failed == [("r1", "block 9 outside the region", False)]
+    # A second load of an id still loading: the first load's outcome is the request's, so
+    # nothing is reported now (a failure would let vLLM reuse blocks the first load writes).
+    native.refuse["r2"] = _FakeNative.KvferryError("request r2 is loading", "ALREADY_EXISTS")
     runtime.start_load("r2", source, [[3]])
-    assert ("start_load", "r2") in native.calls
+    got = runtime.take_finished()
+    assert got.failed == [] and got.received == []

@@ -15,7 +15,7 @@
 #include "harness/trace_file.h"
 #include "kvferry/core/block_pool.h"
 #include "kvferry/transport/ucx.h"
-#include "protocol/decode_adapter.h"
+#include "runtime/decode_driver.h"
 #include "runtime/decode_worker.h"
 
 namespace kvferry::harness {
@@ -145,7 +145,7 @@ std::string StatusReason(const Status& s) { return s.ToString(); }
 }  // namespace
 
 struct ServingEngine::Impl {
-  explicit Impl(EngineOptions& o) : options(o), adapter({.ranks = o.geometry.tp}) {}
+  explicit Impl(EngineOptions& o) : options(o) {}
 
   EngineOptions& options;
   std::uint64_t block_len = 0;
@@ -154,9 +154,9 @@ struct ServingEngine::Impl {
   std::vector<std::unique_ptr<runtime::DecodeWorker>> decode;
   std::vector<std::thread> collectors;
   std::unique_ptr<core::BlockPool> pool;  // engine thread only; owners are request handles
-  // D: the glue between this engine and its ranks' workers (engine thread only), the same
-  // class the simulator and the vLLM connector drive.
-  protocol::DecodeAdapter adapter;
+  // D: the glue between this engine and its ranks' workers (engine thread only): the
+  // protocol::DecodeAdapter the simulator and the vLLM connector drive too.
+  std::unique_ptr<runtime::DecodeDriver> driver;
 
   // Inbox and lifecycle.
   std::mutex mu;
@@ -374,6 +374,9 @@ Status ServingEngine::Impl::StartRanks() {
       }
       decode.push_back(std::move(*worker));
     }
+    std::vector<runtime::DecodeWorker*> ranks;
+    for (auto& worker : decode) ranks.push_back(worker.get());
+    driver = std::make_unique<runtime::DecodeDriver>(std::move(ranks));
     for (std::uint32_t rank = 0; rank < tp; ++rank) {
       collectors.emplace_back([this, rank] { Collect(rank); });
     }
@@ -588,7 +591,8 @@ void ServingEngine::Impl::Loop() {
       FailAll();
       // The workers' Stop releases what they still track; quarantined blocks stay registered
       // until the workers are destroyed.
-      const protocol::DecodeAdapterStopReport left = adapter.Stop();
+      const protocol::DecodeAdapterStopReport left =
+          driver ? driver->Stop() : protocol::DecodeAdapterStopReport{};
       if (left.loading + left.quarantined > 0) {
         spdlog::info("[{}] stopping with {} loads in flight and {} quarantined",
                      options.engine_id, left.loading, left.quarantined);
@@ -609,8 +613,8 @@ void ServingEngine::Impl::Apply(Inbox& in) {
   for (auto& r : in.fresh) AddRequest(std::move(r));
   for (const HoldNote& note : in.holds) ApplyHold(note);
   for (RecvNote& note : in.recvs) ApplyRecv(note);
-  for (const runtime::RemoteSource& source : in.refusals) adapter.Refuse(source);
-  PumpAdapter();
+  for (const runtime::RemoteSource& source : in.refusals) driver->Refuse(source);
+  if (driver) PumpAdapter();
   for (std::uint64_t handle : in.aborts) ApplyAbort(handle);
 }
 
@@ -623,7 +627,7 @@ void ServingEngine::Impl::AddRequest(std::unique_ptr<Request> r) {
     // Renewals start while it queues for blocks.
     const runtime::RemoteSource source{req.spec.transfer_id, req.spec.remote_engine_id,
                                        req.spec.remote_bootstrap_addr};
-    if (Status tracked = adapter.Track(req.id, source); !tracked.ok()) {
+    if (Status tracked = driver->Track(req.id, source); !tracked.ok()) {
       spdlog::error("[{}] request {}: {}", options.engine_id, req.id, tracked.ToString());
     }
   }
@@ -685,45 +689,15 @@ void ServingEngine::Impl::ApplyHold(const HoldNote& note) {
 }
 
 void ServingEngine::Impl::ApplyRecv(RecvNote& note) {
-  for (const runtime::ReceiveResult& result : note.finished.received) {
-    adapter.OnReceiveDone(note.rank, result.request, result.ok, result.error, result.quarantined);
-  }
-  for (const auto& [request, blocks] : note.finished.released) {
-    adapter.OnReleased(note.rank, request);
-  }
-  for (const auto& [request, why] : note.finished.aborted) {
-    adapter.OnTransferAborted(note.rank, request, why);
-  }
+  driver->OnFinished(note.rank, note.finished);
   PumpAdapter();
 }
 
-// Carries out what the adapter decided: rank calls onto the workers, events onto requests.
+// Carries out what the adapter decided (rank calls onto the workers) and acts on its events.
 // Requests are looked up by id for every event: one event may finish and erase a request.
 void ServingEngine::Impl::PumpAdapter() {
-  while (true) {
-    std::vector<protocol::RankCall> calls = adapter.TakeCommands();
-    std::vector<protocol::AdapterEvent> events = adapter.TakeEvents();
-    if (calls.empty() && events.empty()) return;
-    for (const protocol::RankCall& call : calls) {
-      runtime::DecodeWorker& worker = *decode.at(call.rank);
-      switch (call.kind) {
-        case protocol::RankCall::Kind::kTrack:
-          worker.OnNewRequest(call.request, call.source);
-          break;
-        case protocol::RankCall::Kind::kStartLoad:
-          if (Status started = worker.StartLoad(call.request, call.source, call.blocks);
-              !started.ok()) {
-            adapter.OnStartFailed(call.rank, call.request, started);
-          }
-          break;
-        case protocol::RankCall::Kind::kFinish:
-          worker.RequestFinished(call.request);
-          break;
-        case protocol::RankCall::Kind::kRelease:
-          worker.ReleaseTransfer(call.source);
-          break;
-      }
-    }
+  for (std::vector<protocol::AdapterEvent> events = driver->Pump(); !events.empty();
+       events = driver->Pump()) {
     for (const protocol::AdapterEvent& event : events) OnAdapterEvent(event);
   }
 }
@@ -844,7 +818,7 @@ void ServingEngine::Impl::Schedule() {
       std::vector<BlockId> dst(r->blocks.begin(), r->blocks.begin() + kv_blocks);
       runtime::RemoteSource source{r->spec.transfer_id, r->spec.remote_engine_id,
                                    r->spec.remote_bootstrap_addr};
-      if (Status started = adapter.StartLoad(r->id, source, std::move(dst)); !started.ok()) {
+      if (Status started = driver->StartLoad(r->id, source, std::move(dst)); !started.ok()) {
         r->load_started = false;  // nothing was started: the blocks are this engine's alone
         CountFailure("receive");
         Finish(*r, started, 500);
@@ -1029,7 +1003,7 @@ void ServingEngine::Impl::Finish(Request& r, const Status& error, int http_statu
     EngineFinishedAll(r);
   }
   if (r.spec.kind == RequestKind::kRemotePrefill) {
-    adapter.Finish(r.id);  // every rank stops renewing and releases the transfer to P
+    driver->Finish(r.id);  // every rank stops renewing and releases the transfer to P
     PumpAdapter();
   }
   if (r.phase == Phase::kHeld) return;  // the hold tables own the blocks

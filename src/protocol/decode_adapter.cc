@@ -178,7 +178,8 @@ void DecodeAdapter::RankEnded(const core::RequestId& request, Entry& entry, std:
   }
   if (entry.ranks_loading > 0) return;
   entry.load_done = true;
-  events_.push_back(LoadDone{request, entry.first_error, entry.ranks_quarantined > 0});
+  entry.quarantined_at_done = entry.ranks_quarantined > 0;
+  events_.push_back(LoadDone{request, entry.first_error, entry.quarantined_at_done});
   Settle(request);
 }
 
@@ -188,7 +189,7 @@ void DecodeAdapter::Settle(const core::RequestId& request) {
   Entry& entry = it->second;
   if (entry.load_done && !entry.reusable && entry.ranks_quarantined == 0) {
     entry.reusable = true;
-    events_.push_back(BlocksReusable{request});
+    events_.push_back(BlocksReusable{request, entry.quarantined_at_done});
   }
   if (entry.finished && (!entry.load_started || entry.reusable)) entries_.erase(it);
 }

@@ -81,6 +81,7 @@ struct LoadDone {
 };
 struct BlocksReusable {
   core::RequestId request;
+  bool after_quarantine = false;  // its LoadDone said `quarantined` (a release came since)
 };
 struct TransferDropped {
   core::RequestId request;
@@ -148,6 +149,7 @@ class DecodeAdapter {
     RemoteSource source;
     bool load_started = false;
     bool load_done = false;  // LoadDone emitted
+    bool quarantined_at_done = false;
     bool reusable = false;   // BlocksReusable emitted
     bool finished = false;   // the engine called Finish
     bool dropped = false;    // TransferDropped emitted

@@ -73,7 +73,8 @@ TEST(DecodeAdapterTest, ARankWhoseStartFailedCountsAsEndedWithNothingToQuarantin
   const std::vector<AdapterEvent> events = adapter.TakeEvents();
   ASSERT_EQ(Only<LoadDone>(events).size(), 1u);
   EXPECT_EQ(Only<LoadDone>(events)[0].status.code(), ErrorCode::kOutOfRange);
-  EXPECT_EQ(Only<BlocksReusable>(events).size(), 1u);
+  ASSERT_EQ(Only<BlocksReusable>(events).size(), 1u);
+  EXPECT_FALSE(Only<BlocksReusable>(events)[0].after_quarantine);
 }
 
 TEST(DecodeAdapterTest, BlocksAreReusableOnlyOnceEveryQuarantiningRankReleasedThem) {
@@ -91,7 +92,9 @@ TEST(DecodeAdapterTest, BlocksAreReusableOnlyOnceEveryQuarantiningRankReleasedTh
   EXPECT_TRUE(adapter.TakeEvents().empty());
   EXPECT_EQ(adapter.stats().stray_results, 1u);
   adapter.OnReleased(0, "r");
-  EXPECT_EQ(Only<BlocksReusable>(adapter.TakeEvents()).size(), 1u);
+  const auto reusable = Only<BlocksReusable>(adapter.TakeEvents());
+  ASSERT_EQ(reusable.size(), 1u);
+  EXPECT_TRUE(reusable[0].after_quarantine);
   EXPECT_EQ(adapter.stats().quarantined, 0u);
 }
 

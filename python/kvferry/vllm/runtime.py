@@ -218,7 +218,9 @@ class PrefillRuntime:
 
 
 class DecodeRuntime:
-    """One D rank (DecodeWorker in native.py)."""
+    """One D rank (DecodeWorker in native.py). The native worker runs protocol::DecodeAdapter
+    (the engine glue ``kvferry serve`` and the simulator run too: duplicate ids, P's abort
+    notice, the quarantine gate); this class only translates its events into vLLM's terms."""
 
     def __init__(self, native: Any, regions: Sequence[KvRegion], options: WorkerOptions):
         self._native = native
@@ -231,45 +233,50 @@ class DecodeRuntime:
             data_plane=options.data_plane, cluster_secret_file=options.cluster_secret_file,
             send_releases=options.kv_release, head_slices=head_slices(regions, options.kv_heads),
             fence_writes=options.fence_writes)
-        # Loads that failed before anything was sent (nothing can write their blocks).
-        self._failed: list[tuple[str, str, bool]] = []
-        # Queued requests whose transfer P dropped (AbortNotice): their load fails at once
-        # with P's reason. Entries go at start_load or request_finished.
-        self._dropped: dict[str, str] = {}
+        # Loads refused before the adapter started them: nothing was sent, nothing can write.
+        self._refused: list[tuple[str, str, bool]] = []
 
     def on_new_request(self, request_id: str, source: RemoteSource) -> None:
-        self._worker.on_new_request(request_id, _source(source))
+        try:
+            self._worker.on_new_request(request_id, _source(source))
+        except self._native.KvferryError as e:
+            # A duplicate id or a source without ids: the request is not renewed (P's lease or
+            # abort_request_timeout bounds what it holds); its load decides the rest.
+            logger.warning("kvferry: request %s is not tracked: %s", request_id, e)
 
     def start_load(self, request_id: str, source: RemoteSource,
                    block_ids: Sequence[Sequence[int]]) -> None:
-        dropped = self._dropped.pop(request_id, None)
-        if dropped is not None:
-            self._failed.append((request_id, dropped, False))  # P will serve no pull for it
-            return
         try:
             self._worker.start_load(request_id, _source(source), _single_group(block_ids))
-        except (self._native.KvferryError, LayoutError) as e:
-            self._failed.append((request_id, str(e), False))  # nothing sent: nothing can write
+        except LayoutError as e:
+            self._refused.append((request_id, str(e), False))
+        except self._native.KvferryError as e:
+            if getattr(e, "code", "") == "ALREADY_EXISTS":
+                # The first load of this id goes on and reports for it: failing the request
+                # now would let vLLM reuse blocks that load may still write.
+                logger.error("kvferry: a second load for request %s ignored: %s", request_id, e)
+                return
+            self._refused.append((request_id, str(e), False))
 
     def request_finished(self, request_id: str) -> None:
-        self._dropped.pop(request_id, None)
         self._worker.request_finished(request_id)
 
     def take_finished(self) -> DecodeFinished:
         got = self._worker.take_finished()
         received: list[str] = []
-        failed, self._failed = self._failed, []
-        for request_id, ok, error, _invalid, quarantined in got["received"]:
+        failed, self._refused = self._refused, []
+        for request_id, ok, error, quarantined in got["loaded"]:
             if ok:
                 received.append(request_id)
             else:
                 failed.append((request_id, error, bool(quarantined)))
-        released = [request_id for request_id, _blocks in got["released"]]
-        # Transfers P dropped while their request still queued here: the request fails when
-        # vLLM schedules it (a connector cannot end a waiting request), at once and unpulled.
-        for request_id, why in got["aborted"]:
+        # Only loads reported held: the others' blocks were never withheld from vLLM.
+        released = [request_id for request_id, after_quarantine in got["reusable"]
+                    if after_quarantine]
+        # A transfer P dropped while its request still queues here: vLLM cannot end a waiting
+        # request from a connector, so the load fails (at once, unpulled) when it is scheduled.
+        for request_id, why in got["dropped"]:
             logger.info("kvferry: P dropped the transfer of queued request %s: %s", request_id, why)
-            self._dropped[request_id] = why
         return DecodeFinished(received=received, failed=failed, released=released)
 
     def stats(self) -> dict[str, int]:
