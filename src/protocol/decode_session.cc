@@ -645,13 +645,18 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
   const bool unsettled =
       std::any_of(response.err.begin(), response.err.end(),
                   [&](const wire::RequestError& e) { return e.unsettled && e.d_req_id == request; });
-  if (unsettled && !op->second.timed_out) {
+  if (unsettled) {
     // P's write failed with bytes that may still land: the receive failed just now (quarantined,
     // in ApplyPullResponse). As after a timeout, the pull stays known and the writer is fenced
-    // where the data plane can; a fence, or P's quiescence, releases the blocks.
-    ++counters_.unsettled_writes;
-    op->second.timed_out = true;
-    AskFence(endpoint, &peer_keys_.at(op->second.peer).incarnation);
+    // where the data plane can; a fence, or P's quiescence, releases the blocks. A copy of this
+    // answer, or one that comes after the pull's deadline, proves nothing more: it must not
+    // settle the request as finished below (found by exploration with duplicated answers:
+    // seeds 7000572, 7020704, 7055714, 7068476 and 7156562 released blocks a write then hit).
+    if (!op->second.timed_out) {
+      ++counters_.unsettled_writes;
+      op->second.timed_out = true;
+      AskFence(endpoint, &peer_keys_.at(op->second.peer).incarnation);
+    }
     DrainLedger(now);
     return;
   }

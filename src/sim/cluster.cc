@@ -73,6 +73,7 @@ enum Kind : std::uint32_t {
   kSample,
   kPDeclaredDown,
   kUnsent,
+  kWriteGiveUp,
 };
 
 // Pools of P and D: core::BlockPool, whose generations tell a WRITE whether its destination
@@ -195,6 +196,8 @@ struct Write {
   bool fenced = false;
   bool err_after = false;    // scenario C's injected P0 failure
   std::uint64_t ticket = 0;  // the session's write ticket
+  bool give_up = false;      // Faults::unsettled_write: the sender gives up before the end
+  bool reported = false;     // P's session heard the outcome already (kUnsettled)
 };
 
 class Sim {
@@ -904,6 +907,7 @@ class Sim {
             false,
             job.ticket};
     if (r == 0 && rng_.Chance(c_.faults.p0_err_after_write)) w.err_after = true;
+    if (slice && slice->should_write && rng_.Chance(c_.faults.unsettled_write)) w.give_up = true;
     Duration delay{0};
     if (r == 1 && c_.faults.p1_write_delay.count() > 0) {
       delay += rng_.Span(Duration{0}, c_.faults.p1_write_delay);
@@ -920,10 +924,47 @@ class Sim {
     const Duration duration = c_.dp.latency + TransmitTime(bytes, c_.dp.bytes_per_s);
     writes_[wid] = std::move(w);
     loop_.After(delay, kWriteStart, wid, [this, wid, duration] {
-      if (WriteStart(wid)) {
-        loop_.After(duration, kWriteEnd, wid, [this, wid] { WriteEnd(wid, true); });
+      if (!WriteStart(wid)) return;
+      Duration lands_after = duration;
+      if (writes_[wid].give_up) {
+        const auto give_up_after =
+            std::chrono::duration_cast<Duration>(duration * 0.9 * rng_.Real());
+        loop_.After(give_up_after, kWriteGiveUp, wid, [this, wid] { GiveUp(wid); });
+        // Bytes the sender gave up on may sit in a socket buffer or the receiver's queue for
+        // a while: some land after D asked for a fence (and are refused), some before.
+        lands_after += rng_.Span(Duration{0}, 2s);
       }
+      loop_.After(lands_after, kWriteEnd, wid, [this, wid] { WriteEnd(wid, true); });
     });
+  }
+
+  // Faults::unsettled_write: P's sender stops waiting for a WRITE whose bytes are on their
+  // way. P's memory is no longer read (the bytes left it), so P may free its blocks; D's may
+  // still be written until the WRITE ends (WriteEnd lands it unless D fenced the writer).
+  void GiveUp(std::uint64_t wid) {
+    if (p_dead_) return;
+    auto it = writes_.find(wid);
+    if (it == writes_.end() || it->second.reported) return;
+    Write& w = it->second;
+    w.reported = true;
+    ++res_.unsettled_writes;
+    PRank& rank = p_ranks_[w.p_rank];
+    --preqs_[w.req].inflight[w.p_rank];
+    auto mit = rank.mirror.find(w.req);
+    if (mit != rank.mirror.end()) {
+      --mit->second.sending;
+      mit->second.last_send_end = now();
+    }
+    rank.session->OnWriteDone(
+        w.ticket,
+        protocol::WriteOutcome::Unsettled(Status(
+            ErrorCode::kTimeout, "injected: the sender gave up with the WRITE's bytes in flight")),
+        now());
+    const int req = w.req;
+    const std::uint32_t p_rank = w.p_rank;
+    SyncMirror(p_rank, req);
+    DrainP(p_rank);
+    if (preqs_[req].free_pending) FreePBlocks(req);
   }
 
   // Whether the WRITE's destination blocks are still the ones its pull aimed at; counts and
@@ -968,13 +1009,18 @@ class Sim {
     writes_.erase(wid);
     PRank& rank = p_ranks_[w.p_rank];
     PReq& p = preqs_[w.req];
-    --p.inflight[w.p_rank];
     bool ok = !d_dead_ && !w.fenced && d_revoked_[w.d_rank].count(w.key) == 0;
     if (started && ok) {
       DestinationIntact(w, false);
+      if (w.reported) {
+        ++res_.unsettled_writes_landed;  // after P answered err: D must still hold the blocks
+        return;
+      }
       ++dreqs_[w.req].peers_written;
       if (dreqs_[w.req].peers_written == c_.p.tp) ++res_.requests_written_by_all_peers;
     }
+    if (w.reported) return;  // P's session heard kUnsettled at GiveUp
+    --p.inflight[w.p_rank];
     auto mit = rank.mirror.find(w.req);
     if (mit != rank.mirror.end()) {
       --mit->second.sending;

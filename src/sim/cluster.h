@@ -113,6 +113,12 @@ struct Faults {
   // A dead P is always fenced (its death is the proof). Only meaningful on a lossless channel:
   // a lost pull or reply would then leave its blocks quarantined for good.
   bool fence_unsupported = false;
+  // The sender gives up on a started WRITE before it ends (a timeout, a cancel, a peer it
+  // declared dead) while its bytes are still on their way: P's session hears kUnsettled at
+  // U[0, 0.9 × duration) and the bytes land U[0, 2 s] after the WRITE's end all the same,
+  // unless D fenced the writer by then. D must keep the blocks until a fence holds (protocol.md §3.4). Never
+  // with fence_unsupported: D then keeps them quarantined for good (a known limit).
+  double unsettled_write = 0;
   // A P that serves a pull only after D's deadline for it passed (stalled, overloaded): the pull
   // reaches P's session pull_timeout + U[0, 5 s] late, so its WRITE and reply come after D
   // gave up on them (SPEC §3.6: D must still not reuse the blocks).
@@ -207,6 +213,10 @@ struct SimResult {
   std::uint64_t notices_delivered = 0;   // P sessions' AbortNotices that reached a D session
   std::uint64_t failed_by_notice = 0;    // requests D failed on an AbortNotice
   std::uint64_t quarantined_completions = 0;
+  // Faults::unsettled_write: WRITEs P's session heard as kUnsettled, and those whose bytes then
+  // landed (into blocks D must still have held).
+  std::uint64_t unsettled_writes = 0;
+  std::uint64_t unsettled_writes_landed = 0;
   // D's sessions, summed over ranks: the paths exploration must reach, not only the happy one.
   std::uint64_t pull_timeouts = 0;
   std::uint64_t late_replies = 0;

@@ -111,6 +111,8 @@ SimConfig RandomConfig(std::uint64_t seed) {
   if (r.Chance(0.1)) c.faults.late_pull = r.Real() * 0.2;
   if (r.Chance(0.2)) c.faults.silent_engines = static_cast<std::uint32_t>(r.Between(1, 20));
   if (r.Chance(0.2)) c.faults.hostile_pulls = static_cast<std::uint32_t>(r.Between(1, 30));
+  // Drawn last, so the seeds of runs without it keep their configurations.
+  if (r.Chance(0.15) && !c.faults.fence_unsupported) c.faults.unsettled_write = r.Real() * 0.2;
   c.horizon = kT0 + 2h;
   return c;
 }
@@ -152,6 +154,8 @@ std::string Describe(const SimConfig& c) {
       fmt::format("P0 err after write {:.2f}", c.faults.p0_err_after_write));
   add(c.faults.p1_write_delay.count() > 0,
       fmt::format("P1 delay {:.2g}s", secs(c.faults.p1_write_delay)));
+  add(c.faults.unsettled_write > 0,
+      fmt::format("unsettled writes {:.2f}", c.faults.unsettled_write));
   add(c.faults.slow_write > 0,
       fmt::format("slow writes {:.2f}x{:.2g}s", c.faults.slow_write, secs(c.faults.slow_max)));
   std::size_t aborts = 0;
@@ -183,6 +187,8 @@ ExploreReport Explore(const ExploreOptions& options) {
     report.releases_delivered += run.releases_delivered;
     report.notices_delivered += run.notices_delivered;
     report.failed_by_notice += run.failed_by_notice;
+    report.unsettled_writes += run.unsettled_writes;
+    report.unsettled_writes_landed += run.unsettled_writes_landed;
     report.requests += run.requests.size();
     report.ok += run.Count(Outcome::kOk);
     report.failed += run.Count(Outcome::kFailed);

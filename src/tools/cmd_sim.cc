@@ -118,7 +118,7 @@ int RunExplore(const SimOptions& o) {
       "  reached: %llu pull timeouts, %llu late replies, %llu fences, %llu duplicate pulls "
       "dropped by P, %llu hostile pulls answered, %llu messages to silent P engines, %llu "
       "never sent (P gone), %llu releases and %llu abort notices delivered (%llu requests "
-      "failed by a notice)\n",
+      "failed by a notice), %llu writes unsettled (%llu of them landed later)\n",
       static_cast<unsigned long long>(report.pull_timeouts),
       static_cast<unsigned long long>(report.late_replies),
       static_cast<unsigned long long>(report.fences),
@@ -128,7 +128,9 @@ int RunExplore(const SimOptions& o) {
       static_cast<unsigned long long>(report.messages_unsent),
       static_cast<unsigned long long>(report.releases_delivered),
       static_cast<unsigned long long>(report.notices_delivered),
-      static_cast<unsigned long long>(report.failed_by_notice));
+      static_cast<unsigned long long>(report.failed_by_notice),
+      static_cast<unsigned long long>(report.unsettled_writes),
+      static_cast<unsigned long long>(report.unsettled_writes_landed));
   return report.failures.empty() ? 0 : 1;
 }
 

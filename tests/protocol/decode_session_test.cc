@@ -333,6 +333,43 @@ TEST_F(DecodeSessionTest, AnUnsettledErrFailsTheLoadAtOnceAndQuarantinesItsBlock
   EXPECT_EQ(s().stats().quarantined_blocks, 0u);
 }
 
+// A copy of an unsettled answer, or one that comes only after the pull's deadline, proves no
+// more than the first: the blocks stay quarantined until the fence holds (found by exploration
+// with duplicated answers: the copy settled the request as finished and D freed blocks the
+// write then landed in).
+TEST_F(DecodeSessionTest, ACopyOrALateUnsettledAnswerReleasesNothingOnlyTheFenceDoes) {
+  const wire::Pull pull = OneLoadPulled("r1");
+  const wire::PullResponse answer =
+      Finish(pull.id, {}, {{"r1", ErrorCode::kTimeout, "write did not complete", true}});
+  s().OnPullResponse(last_endpoints_[0], answer, kT0 + 1s);
+  ASSERT_EQ(Done().size(), 1u);
+  s().OnPullResponse(last_endpoints_[0], answer, kT0 + 2s);  // the copy
+  EXPECT_TRUE(Released().empty());
+  EXPECT_EQ(s().stats().quarantined_blocks, 2u);
+  EXPECT_EQ(s().stats().unsettled_writes, 1u);
+  std::vector<FenceRequest> fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  s().OnFenceDone(fences[0].id, Status::Ok(), kT0 + 3s);
+  EXPECT_EQ(Released().size(), 1u);
+
+  // The deadline first, then the unsettled answer: still only the fence releases.
+  ASSERT_TRUE(s().StartLoad("r2", Source("x-r2"), {3, 4}, kT0 + 4s).ok());
+  const std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  s().OnTimeout(kT0 + 4s + 601s);
+  ASSERT_EQ(Done().size(), 1u);
+  fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  s().OnPullResponse(last_endpoints_[0],
+                     Finish(pulls[0].id, {}, {{"r2", ErrorCode::kTimeout, "late", true}}),
+                     kT0 + 4s + 602s);
+  EXPECT_TRUE(Released().empty());
+  EXPECT_EQ(s().stats().quarantined_blocks, 2u);
+  s().OnFenceDone(fences[0].id, Status::Ok(), kT0 + 4s + 603s);
+  EXPECT_EQ(Released().size(), 1u);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+}
+
 // The same err without the flag: nothing more can land, the blocks are free at once.
 TEST_F(DecodeSessionTest, APlainErrFailsTheLoadWithoutQuarantine) {
   const wire::Pull pull = OneLoadPulled("r1");

@@ -32,6 +32,10 @@ TEST(Explore, TwoThousandSeedsKeepEveryInvariant) {
   // (reported unsent, a plain failure: DecodeSession::OnSendFailed).
   EXPECT_GT(report.fences, 0u);
   EXPECT_GT(report.messages_unsent, 0u);
+  // ... and writes P reported unsettled whose bytes then landed: D must still have held their
+  // blocks (checked where they land; D treating `unsettled` as a plain err breaks it within
+  // 2,000 seeds, checked by mutation).
+  EXPECT_GT(report.unsettled_writes_landed, 0u);
   RecordProperty("wall_seconds", std::to_string(wall));
   std::printf("explored %llu runs, %llu events in %.2f s\n",
               static_cast<unsigned long long>(report.runs),
