@@ -140,6 +140,25 @@ TEST_P(UcxTest, ScatteredBlocksAndOneRunArriveIntact) {
   EXPECT_TRUE(engine_->ClosePeer(peer_id_, In(10s)).ok());
 }
 
+TEST_P(UcxTest, ClosingADuplicateConnectionLeavesTheOtherOneAcknowledged) {
+  // Two senders of one engine that connect to the same receiver at once keep one connection
+  // and close the other (TransportKvWriter::PeerFor). Writes on the one kept must still be
+  // acknowledged: the receiver acks through one endpoint back per sending engine.
+  auto first = engine_->Connect(peer_.descriptor(), In(10s));
+  auto second = engine_->Connect(peer_.descriptor(), In(10s));
+  ASSERT_TRUE(first && second);
+  ASSERT_TRUE(engine_->ClosePeer(*second, In(2s)).ok());
+  std::this_thread::sleep_for(200ms);  // the close reaches the receiver first
+  for (int i = 0; i < 4; ++i) {
+    BatchWaiter w;
+    auto op = Op(i * kBlock, i * kBlock, kBlock);
+    ASSERT_TRUE(engine_->SubmitWrites(*first, std::span(&op, 1), kNoWriteKey, w.Callback()));
+    Status s = w.Wait(In(10s));
+    ASSERT_TRUE(s.ok()) << "write " << i << ": " << s.ToString();
+    ExpectLanded(op);
+  }
+}
+
 TEST_P(UcxTest, OutOfRangeIsRefusedBeforePosting) {
   ConnectPeer();
   bool called = false;
