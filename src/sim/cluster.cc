@@ -17,6 +17,7 @@
 #include "kvferry/core/tp_plan.h"
 #include "protocol/decode_adapter.h"
 #include "protocol/decode_session.h"
+#include "protocol/prefill_adapter.h"
 #include "protocol/prefill_session.h"
 #include "protocol/pull_reply.h"
 #include "rng.h"
@@ -167,7 +168,6 @@ struct PReq {
   std::uint32_t done_tokens = 0;
   std::vector<BlockId> blocks;
   St st = St::kQueued;
-  std::uint32_t ranks_holding = 0;
   std::vector<int> inflight;  // WRITEs in flight, per P rank
   bool free_pending = false;
 };
@@ -206,6 +206,7 @@ class Sim {
       : c_(c),
         rng_(c.seed),
         p_pool_(c.p.blocks),
+        p_adapter_({.ranks = std::max<std::uint32_t>(1, c.p.tp)}),
         d_pool_(c.d.blocks),
         d_adapter_({.ranks = std::max<std::uint32_t>(1, c.d.tp)}) {
     const std::size_t n = c.load.requests.size();
@@ -403,12 +404,13 @@ class Sim {
       Violation(fmt::format("P's engine received {} after it had dropped it", preqs_[idx].xfer));
       return;
     }
-    if (!AdmitOnRanks(idx)) {
-      preqs_[idx].st = PReq::St::kGone;  // D already gave up on this transfer: spend nothing
+    // Every rank admits it, or none does (HandlePAdapterEvent: queued, or dropped when D
+    // already gave up on this transfer, spending nothing).
+    if (Status s = p_adapter_.Admit(preqs_[idx].xfer, static_cast<std::uint64_t>(idx)); !s.ok()) {
+      Violation("P's Admit: " + s.ToString());
       return;
     }
-    queue_p_.push_back(idx);
-    KickP();
+    PumpP();
   }
 
   void ArriveProbe(int pi) {
@@ -472,30 +474,6 @@ class Sim {
     loop_.After(cost, kPStepEnd, tokens, [this, batch] { PStepEnd(batch); });
   }
 
-  bool AdmitOnRanks(int id) {
-    PReq& p = preqs_[id];
-    std::vector<std::uint32_t> admitted;
-    bool ok = true;
-    for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-      Status s = p_ranks_[r].session->Admit(p.xfer, static_cast<std::uint64_t>(id), now());
-      if (!s.ok()) {
-        ok = false;
-        break;
-      }
-      admitted.push_back(r);
-      p_ranks_[r].mirror[id];  // keeps what a placeholder already recorded
-      ArmPass(r);
-    }
-    if (!ok) {
-      for (std::uint32_t r : admitted) {
-        p_ranks_[r].session->EngineFinished(p.xfer, now());
-        SyncMirror(r, id);
-      }
-    }
-    for (std::uint32_t r = 0; r < c_.p.tp; ++r) DrainP(r);
-    return ok;
-  }
-
   void PStepEnd(const std::vector<std::pair<int, std::uint32_t>>& batch) {
     p_step_armed_ = false;
     if (p_dead_) return;
@@ -512,25 +490,83 @@ class Sim {
         continue;
       }
       p.st = PReq::St::kHeld;
-      const auto num_blocks = static_cast<std::uint32_t>(p.blocks.size());
-      for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-        PRank& rank = p_ranks_[r];
-        if (rank.session->PrefillDone(p.xfer, num_blocks, now()).ok()) {
-          ++p.ranks_holding;
-          Mirror& m = rank.mirror[id];
-          m.ready = true;
-          m.ready_at = now();
-          m.wait_deadline = kNever;
-        }
-      }
       loop_.Note(0xd0e, static_cast<std::uint64_t>(id));
-      if (p.ranks_holding == 0) {
-        p.st = PReq::St::kGone;
-        FreePBlocks(id);
+      // The hold tables own the blocks from here; FreeBlocks gives them back.
+      if (Status s = p_adapter_.PrefillDone(p.xfer, p.blocks); !s.ok()) {
+        Violation("P's PrefillDone: " + s.ToString());
       }
-      for (std::uint32_t r = 0; r < c_.p.tp; ++r) DrainP(r);
+      PumpP();
     }
     KickP();
+  }
+
+  // Carries out what P's engine adapter decided (protocol::PrefillAdapter, the glue the vLLM
+  // connector and `kvferry serve` run): rank calls onto the sessions, with their answers fed
+  // back, and events onto the engine; until it has nothing more to say.
+  void PumpP() {
+    while (!p_dead_) {
+      std::vector<protocol::PrefillRankCall> calls = p_adapter_.TakeCommands();
+      std::vector<protocol::PrefillAdapterEvent> events = p_adapter_.TakeEvents();
+      if (calls.empty() && events.empty()) break;
+      for (const protocol::PrefillRankCall& call : calls) {
+        const std::uint32_t r = call.rank;
+        protocol::PrefillSession& session = *p_ranks_[r].session;
+        const auto found = fp_to_req_.find(core::FingerprintOf(call.transfer));
+        const int id = found == fp_to_req_.end() ? -1 : found->second;
+        switch (call.kind) {
+          case protocol::PrefillRankCall::Kind::kAdmit: {
+            const Status s = session.Admit(call.transfer, call.handle, now());
+            if (s.ok() && id >= 0) {
+              p_ranks_[r].mirror[id];  // keeps what a placeholder already recorded
+              ArmPass(r);
+            }
+            p_adapter_.OnAdmitted(r, call.transfer, s);
+            break;
+          }
+          case protocol::PrefillRankCall::Kind::kPrefillDone: {
+            const auto num_blocks = static_cast<std::uint32_t>(call.blocks.size());
+            const Status s = session.PrefillDone(call.transfer, num_blocks, now());
+            if (s.ok() && id >= 0) {
+              Mirror& m = p_ranks_[r].mirror[id];
+              m.ready = true;
+              m.ready_at = now();
+              m.wait_deadline = kNever;
+            }
+            p_adapter_.OnPrefillDone(r, call.transfer, s);
+            break;
+          }
+          case protocol::PrefillRankCall::Kind::kEngineFinished:
+            session.EngineFinished(call.transfer, now());
+            break;
+          case protocol::PrefillRankCall::Kind::kRefuse:
+            (void)session.Refuse(call.transfer, call.why, now());
+            break;
+        }
+        if (id >= 0) SyncMirror(r, id);
+        DrainP(r);
+      }
+      for (const protocol::PrefillAdapterEvent& event : events) HandlePAdapterEvent(event);
+    }
+  }
+
+  void HandlePAdapterEvent(const protocol::PrefillAdapterEvent& event) {
+    if (const auto* admitted = std::get_if<protocol::Admitted>(&event)) {
+      queue_p_.push_back(static_cast<int>(admitted->handle));
+      KickP();
+    } else if (const auto* refused = std::get_if<protocol::AdmitRefused>(&event)) {
+      preqs_[refused->handle].st = PReq::St::kGone;  // D already gave up on it: spend nothing
+      p_adapter_.Finish(refused->transfer);
+    } else if (const auto* abort = std::get_if<protocol::AbortPrefill>(&event)) {
+      const int id = static_cast<int>(abort->handle);
+      if (preqs_[id].st == PReq::St::kRunning) StopOnP(id);
+      if (preqs_[id].st == PReq::St::kQueued) DropQueued(id);
+    } else if (const auto* freed = std::get_if<protocol::FreeBlocks>(&event)) {
+      const int id = static_cast<int>(freed->handle);
+      preqs_[id].st = PReq::St::kGone;
+      FreePBlocks(id);
+    }
+    // HandOffFailed: the ranks that hold it let go (FreeBlocks follows); P's engine has no
+    // client to tell here (the simulated proxy does not wait for P's answer).
   }
 
   // Returns a request's blocks to P's pool, once no WRITE still reads them.
@@ -557,26 +593,20 @@ class Sim {
     PReq& p = preqs_[id];
     if (p.st == PReq::St::kHeld) {
       // From kReady on the hold tables own the blocks (as vLLM's delay-free): each rank's
-      // kFreeBlocks releases them once no WRITE reads them, and the last one frees them here.
-      for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-        p_ranks_[r].session->EngineFinished(p.xfer, now());
-        SyncMirror(r, id);
-      }
-      for (std::uint32_t r = 0; r < c_.p.tp; ++r) DrainP(r);
+      // kFreeBlocks releases them once no WRITE reads them, and the adapter's FreeBlocks
+      // frees them here.
+      p_adapter_.Finish(p.xfer);
+      PumpP();
       return;
     }
     if (p.st == PReq::St::kRunning) {
       running_p_.erase(std::find(running_p_.begin(), running_p_.end(), id));
     }
-    const bool had_blocks = p.st == PReq::St::kRunning || p.st == PReq::St::kHeld;
+    const bool had_blocks = p.st == PReq::St::kRunning;
     p.st = PReq::St::kGone;
-    p.ranks_holding = 0;
-    for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-      p_ranks_[r].session->EngineFinished(p.xfer, now());
-      SyncMirror(r, id);
-    }
+    p_adapter_.Finish(p.xfer);
+    PumpP();
     if (had_blocks) FreePBlocks(id);
-    for (std::uint32_t r = 0; r < c_.p.tp; ++r) DrainP(r);
   }
 
   // Carries out what P rank `r`'s session decided: replies onto the network, writes onto the
@@ -628,15 +658,13 @@ class Sim {
         if (p.inflight[r] > 0) {
           Violation(fmt::format("P rank {} released {} while its WRITE was in flight", r, p.xfer));
         }
-        if (p.st == PReq::St::kHeld && p.ranks_holding > 0 && --p.ranks_holding == 0) {
-          p.st = PReq::St::kGone;
-          FreePBlocks(id);
-        }
+        p_adapter_.OnHoldEvent(r, ev);
+        PumpP();
         break;
       case core::HoldEvent::Kind::kAbortPrefill:
         CheckLeaseKept(r, id, ev.reason);
-        if (p.st == PReq::St::kRunning) StopOnP(id);
-        if (p.st == PReq::St::kQueued) DropQueued(id);
+        p_adapter_.OnHoldEvent(r, ev);
+        PumpP();
         break;
       case core::HoldEvent::Kind::kPullsReady:
       case core::HoldEvent::Kind::kPullsFailed:
@@ -1056,11 +1084,8 @@ class Sim {
   void DropQueued(int idx) {
     PReq& p = preqs_[idx];
     p.st = PReq::St::kGone;
-    for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-      p_ranks_[r].session->EngineFinished(p.xfer, now());
-      SyncMirror(r, idx);
-      DrainP(r);
-    }
+    p_adapter_.Finish(p.xfer);
+    PumpP();
   }
 
   void CrashP() {
@@ -1566,6 +1591,15 @@ class Sim {
       if (p_pool_.used() != 0) {
         Violation(fmt::format("leak: {} P blocks still allocated", p_pool_.used()));
       }
+      const protocol::PrefillAdapterStats adapter = p_adapter_.stats();
+      if (adapter.transfers != 0) {
+        Violation(fmt::format("leak: P's engine adapter still knows {} transfers",
+                              adapter.transfers));
+      }
+      if (adapter.stray_results != 0) {
+        Violation(fmt::format("P's ranks reported {} answers or frees for nothing of theirs",
+                              adapter.stray_results));
+      }
     }
     if (!d_dead_) {
       if (d_pool_.used() != 0) {
@@ -1604,6 +1638,7 @@ class Sim {
 
   // P engine.
   BlockPool p_pool_;
+  protocol::PrefillAdapter p_adapter_;  // the engine's glue to its ranks' sessions
   std::vector<PRank> p_ranks_;
   std::vector<PReq> preqs_;  // transfers [0, n), then probes
   std::deque<int> queue_p_;
