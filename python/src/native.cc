@@ -32,6 +32,7 @@
 #include "kvferry/transport/inprocess.h"
 #include "kvferry/transport/ucx.h"
 #include "runtime/decode_driver.h"
+#include "runtime/prefill_driver.h"
 #include "runtime/decode_worker.h"
 #include "runtime/prefill_worker.h"
 
@@ -206,47 +207,47 @@ class PyPrefillWorker {
       return it->second;
     };
     auto on_hold = [state](const core::HoldEvent& event) {
-      // The listener thread: queue, never call into Python.
-      const char* kind = nullptr;
-      if (event.kind == core::HoldEvent::Kind::kFreeBlocks) kind = "free";
-      if (event.kind == core::HoldEvent::Kind::kAbortPrefill) kind = "abort";
-      if (kind == nullptr) return;
+      // The listener thread: queue for take_events, never call into Python.
+      if (event.kind != core::HoldEvent::Kind::kFreeBlocks &&
+          event.kind != core::HoldEvent::Kind::kAbortPrefill) {
+        return;
+      }
       std::lock_guard<std::mutex> lock(state->mu);
-      state->events.push_back({kind, event.id, std::string(core::ToString(event.reason))});
-      // The engine frees the blocks (or never fills them): no write may read them any more.
-      state->blocks.erase(event.handle);
-      auto it = state->handles.find(event.id);
-      if (it != state->handles.end() && it->second == event.handle) state->handles.erase(it);
+      state->holds.push_back(event);
+      // This rank's senders read the blocks no more (kFreeBlocks comes after every write).
+      if (event.kind == core::HoldEvent::Kind::kFreeBlocks) state->blocks.erase(event.handle);
     };
     worker_ = StartWithoutGil(c, "-p", [&](std::shared_ptr<transport::Engine> engine) {
       return runtime::PrefillWorker::Start(std::move(o), std::move(engine), std::move(source),
                                            std::move(on_hold));
     });
+    driver_ = std::make_unique<runtime::PrefillDriver>(std::vector{worker_.get()});
   }
+
+  // The engine calls go through protocol::PrefillAdapter (runtime::PrefillDriver over this one
+  // rank), the glue `kvferry serve` and the simulator run too. The driver waits for the
+  // worker's acknowledgements, so it runs without the GIL, under driver_mu_.
 
   // A request the engine will prefill; `handle` is the engine's cookie for it (unique while
   // the request lives). Raises ALREADY_EXISTS for a transfer id in use, TOMBSTONED for one P
-  // already freed or D released.
+  // already freed or D released: its prefill_done then frees at once ("free" event).
   void Admit(const std::string& transfer_id, std::uint64_t handle) {
-    std::shared_ptr<runtime::PrefillWorker> live = Live();
-    runtime::PrefillWorker& worker = *live;
-    Status admitted;
-    {
-      py::gil_scoped_release release;
-      admitted = worker.Admit(transfer_id, handle).get();
-    }
-    Check(admitted);
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->handles[transfer_id] = handle;
+    std::optional<Status> refused;
+    Check(WithDriver([&](runtime::PrefillDriver& d) { return d.Admit(transfer_id, handle); },
+                     [&](const protocol::PrefillAdapterEvent& e) {
+                       const auto* r = std::get_if<protocol::AdmitRefused>(&e);
+                       if (r != nullptr && r->transfer == transfer_id) refused = r->why;
+                     }));
+    if (refused) Raise(*refused);
   }
 
   // Its prefill is done and its KV sits in `block_ids` (in order); pulls may be served now.
   // `handle`, when given, must be the one the transfer was admitted with: a caller that mixes
   // up two requests gets ALREADY_EXISTS instead of lending one request's blocks to the other.
+  // A transfer dropped meanwhile (refused, released by D, its lease lapsed) is answered by a
+  // "free" event at once.
   void PrefillDone(const std::string& transfer_id, std::vector<core::BlockId> block_ids,
                    std::optional<std::uint64_t> expected_handle) {
-    std::shared_ptr<runtime::PrefillWorker> live = Live();
-    runtime::PrefillWorker& worker = *live;
     for (core::BlockId b : block_ids) {
       if (b >= num_blocks_) {
         Raise(Status(ErrorCode::kOutOfRange, "block " + std::to_string(b) + " outside the " +
@@ -254,74 +255,53 @@ class PyPrefillWorker {
                                                  " blocks registered"));
       }
     }
-    const auto count = static_cast<std::uint32_t>(block_ids.size());
-    std::uint64_t handle = 0;
-    {
-      std::lock_guard<std::mutex> lock(state_->mu);
-      auto it = state_->handles.find(transfer_id);
-      if (it == state_->handles.end()) {
-        Raise(Status(ErrorCode::kNotFound, "transfer " + transfer_id + " was not admitted"));
+    Check(WithDriver([&](runtime::PrefillDriver& d) -> Status {
+      const std::optional<std::uint64_t> handle = d.handle_of(transfer_id);
+      if (!handle) {
+        return Status(ErrorCode::kNotFound, "transfer " + transfer_id + " was not admitted");
       }
-      handle = it->second;
-      if (expected_handle && *expected_handle != handle) {
-        Raise(Status(ErrorCode::kAlreadyExists,
-                     "transfer " + transfer_id + " is admitted for another request"));
+      if (expected_handle && *expected_handle != *handle) {
+        return Status(ErrorCode::kAlreadyExists,
+                      "transfer " + transfer_id + " is admitted for another request");
       }
-      state_->blocks[handle] = std::move(block_ids);
-    }
-    Status done;
-    {
-      py::gil_scoped_release release;
-      done = worker.PrefillDone(transfer_id, count).get();
-    }
-    if (!done.ok()) {
-      std::lock_guard<std::mutex> lock(state_->mu);
-      state_->blocks.erase(handle);
-    }
-    Check(done);
+      {
+        std::lock_guard<std::mutex> lock(state_->mu);
+        state_->blocks[*handle] = block_ids;  // readable by the senders from now on
+      }
+      return d.PrefillDone(transfer_id, std::move(block_ids));
+    }));
   }
 
   // The engine finished or aborted the request: if nobody pulled it yet, it goes now.
   void EngineFinished(const std::string& transfer_id) {
-    std::shared_ptr<runtime::PrefillWorker> live = Live();
-    runtime::PrefillWorker& worker = *live;
-    Status finished;
-    {
-      py::gil_scoped_release release;
-      finished = worker.EngineFinished(transfer_id).get();
-    }
-    {
-      // Before its prefill was done the entry goes at once, with no event (the engine still
-      // owns the blocks): forget its handle here. Once done, the "free" event does it.
-      std::lock_guard<std::mutex> lock(state_->mu);
-      auto it = state_->handles.find(transfer_id);
-      if (it != state_->handles.end() && state_->blocks.count(it->second) == 0) {
-        state_->handles.erase(it);
-      }
-    }
-    Check(finished);
+    Check(WithDriver([&](runtime::PrefillDriver& d) {
+      d.Finish(transfer_id);
+      return Status::Ok();
+    }));
   }
 
-  // The engine refused the request (e.g. its prompt is too long): D's pulls fail with `why`.
+  // The engine dropped the request before admitting it: D's pulls fail with `why`.
   void Refuse(const std::string& transfer_id, const std::string& why) {
-    std::shared_ptr<runtime::PrefillWorker> live = Live();
-    runtime::PrefillWorker& worker = *live;
-    Status refused;
-    {
-      py::gil_scoped_release release;
-      refused = worker.Refuse(transfer_id, Status(ErrorCode::kRejected, why)).get();
-    }
-    Check(refused);
+    Check(WithDriver([&](runtime::PrefillDriver& d) {
+      d.Drop(transfer_id, Status(ErrorCode::kRejected, why));
+      return Status::Ok();
+    }));
   }
 
   // [(kind, transfer_id, reason)]: kind "free" (return the request's blocks to the pool) or
-  // "abort" (stop prefilling it: nobody will pull it).
+  // "abort" (stop prefilling it: nobody will pull it), each once per transfer.
   std::vector<std::tuple<std::string, std::string, std::string>> TakeEvents() {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    std::vector<std::tuple<std::string, std::string, std::string>> out(state_->events.begin(),
-                                                                       state_->events.end());
-    state_->events.clear();
-    return out;
+    Check(WithDriver([&](runtime::PrefillDriver& d) {
+      std::deque<core::HoldEvent> holds;
+      {
+        std::lock_guard<std::mutex> lock(state_->mu);
+        holds.swap(state_->holds);
+      }
+      for (const core::HoldEvent& e : holds) d.OnHoldEvent(0, e);
+      return Status::Ok();
+    }));
+    std::lock_guard<std::mutex> lock(driver_mu_);
+    return std::exchange(events_, {});
   }
 
   py::dict Stats() {
@@ -346,8 +326,9 @@ class PyPrefillWorker {
     for (core::HoldPhase phase : core::kAllHoldPhases) held += s.hold.entries[phase];
     d["held_transfers"] = held;
     {
-      std::lock_guard<std::mutex> lock(state_->mu);
-      d["admitted_transfers"] = state_->handles.size();  // admitted and not yet released
+      std::lock_guard<std::mutex> lock(driver_mu_);
+      // Admitted and not yet freed (or finished before the hand-off).
+      d["admitted_transfers"] = driver_ ? driver_->stats().transfers : 0;
     }
     return d;
   }
@@ -363,6 +344,10 @@ class PyPrefillWorker {
     Status stopped;
     {
       py::gil_scoped_release release;
+      {
+        std::lock_guard<std::mutex> lock(driver_mu_);  // a driver call in flight ends first
+        driver_.reset();
+      }
       stopped = worker->Stop();
       worker.reset();
     }
@@ -371,22 +356,52 @@ class PyPrefillWorker {
 
   // A worker collected without stop() stops here, without holding the GIL while its writes
   // drain (unless the interpreter is shutting down).
-  ~PyPrefillWorker() { StopQuietly(std::move(worker_)); }
+  ~PyPrefillWorker() {
+    driver_.reset();
+    StopQuietly(std::move(worker_));
+  }
 
  private:
   struct State {
     std::mutex mu;
-    std::unordered_map<std::string, std::uint64_t> handles;                 // by transfer id
     std::unordered_map<std::uint64_t, std::vector<core::BlockId>> blocks;  // by handle
-    std::deque<std::tuple<std::string, std::string, std::string>> events;
+    std::deque<core::HoldEvent> holds;  // from the listener thread, for take_events
   };
   std::shared_ptr<runtime::PrefillWorker> Live() {
     if (!worker_) Raise(Status(ErrorCode::kCancelled, "the prefill worker is stopped"));
     return worker_;
   }
+  // Runs `call` on the driver and pumps it, without the GIL, under driver_mu_; `seen` sees each
+  // event first (still under the lock). "free" and "abort" events are kept for take_events.
+  template <typename Call, typename Seen = void (*)(const protocol::PrefillAdapterEvent&)>
+  Status WithDriver(Call&& call, Seen&& seen = [](const protocol::PrefillAdapterEvent&) {}) {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(driver_mu_);
+    if (driver_ == nullptr) return Status(ErrorCode::kCancelled, "the prefill worker is stopped");
+    const Status status = call(*driver_);
+    for (std::vector<protocol::PrefillAdapterEvent> got = driver_->Pump(); !got.empty();
+         got = driver_->Pump()) {
+      for (const protocol::PrefillAdapterEvent& e : got) {
+        seen(e);
+        if (const auto* freed = std::get_if<protocol::FreeBlocks>(&e)) {
+          {
+            std::lock_guard<std::mutex> state_lock(state_->mu);
+            state_->blocks.erase(freed->handle);
+          }
+          events_.emplace_back("free", freed->transfer, std::string(core::ToString(freed->reason)));
+        } else if (const auto* abort = std::get_if<protocol::AbortPrefill>(&e)) {
+          events_.emplace_back("abort", abort->transfer, std::string(core::ToString(abort->reason)));
+        }
+      }
+    }
+    return status;
+  }
 
   std::shared_ptr<State> state_;
   std::shared_ptr<runtime::PrefillWorker> worker_;
+  std::mutex driver_mu_;
+  std::unique_ptr<runtime::PrefillDriver> driver_;  // over worker_; null once stopped
+  std::vector<std::tuple<std::string, std::string, std::string>> events_;  // under driver_mu_
   std::uint32_t num_blocks_ = 0;
 };
 

@@ -166,6 +166,29 @@ def test_a_second_load_of_a_loading_request_is_refused_and_the_first_one_lands()
         stop(d, p, bootstrap)
 
 
+def test_a_transfer_p_refused_to_admit_is_freed_at_its_prefill_done_and_never_held():
+    # The engine adapter on P through the binding: a refused admission holds nothing, and the
+    # prefill vLLM runs anyway gives its blocks back at once, touching no hold table.
+    bootstrap, p, d, p_kv, d_kv, src = make_pair()
+    try:
+        p.refuse("xfer-1", "the prefill instance dropped it while it queued")
+        with pytest.raises(native.KvferryError) as error:
+            p.admit("xfer-1", 1)
+        assert error.value.code == "TOMBSTONED", error.value
+        assert p.stats()["admitted_transfers"] == 1  # known, refused, until its prefill ends
+        p.prefill_done("xfer-1", [0, 1])
+        assert p.take_events() == [("free", "xfer-1", "aborted_by_engine")]
+        stats = p.stats()
+        assert stats["admitted_transfers"] == 0 and stats["held_transfers"] == 0, stats
+        # The tombstone stands: D's pull fails at once.
+        d.start_load("req-1", src("xfer-1"), [4])
+        request, ok, error, quarantined = receive(d, "req-1")
+        assert not ok and not quarantined
+        assert error.startswith("TOMBSTONED"), error
+    finally:
+        stop(d, p, bootstrap)
+
+
 def test_a_lease_mismatch_fails_naming_both_values():
     bootstrap, p, d, p_kv, d_kv, src = make_pair(lease_s=5.0, d_lease_s=7.0)
     try:

@@ -38,7 +38,7 @@ Status PrefillAdapter::PrefillDone(const core::TransferId& transfer,
   Entry& entry = it->second;
   if (entry.phase == Phase::kRefused) {
     // Nothing holds it on any rank: the blocks are the engine's again.
-    events_.push_back(FreeBlocks{transfer, entry.handle});
+    events_.push_back(FreeBlocks{transfer, entry.handle, core::ReleaseReason::kAbortedByEngine});
     entries_.erase(it);
     return Status::Ok();
   }
@@ -138,6 +138,7 @@ void PrefillAdapter::OnHoldEvent(std::uint32_t rank, const core::HoldEvent& even
       }
       entry.ranks[rank] = RankState::kNone;
       --entry.holding;
+      entry.last_free = event.reason;
       MaybeFree(event.id);
       return;
     case core::HoldEvent::Kind::kAbortPrefill:
@@ -188,6 +189,12 @@ PrefillAdapterStats PrefillAdapter::stats() const {
   }
   s.stray_results = stray_results_;
   return s;
+}
+
+std::optional<std::uint64_t> PrefillAdapter::handle_of(const core::TransferId& transfer) const {
+  auto it = entries_.find(transfer);
+  if (it == entries_.end()) return std::nullopt;
+  return it->second.handle;
 }
 
 void PrefillAdapter::Call(PrefillRankCall::Kind kind, const core::TransferId& transfer,
@@ -242,7 +249,7 @@ void PrefillAdapter::MaybeFree(const core::TransferId& transfer) {
   if (it == entries_.end()) return;
   Entry& entry = it->second;
   if (entry.phase != Phase::kHeld || entry.holding > 0) return;
-  events_.push_back(FreeBlocks{transfer, entry.handle});
+  events_.push_back(FreeBlocks{transfer, entry.handle, entry.last_free});
   entries_.erase(it);
 }
 

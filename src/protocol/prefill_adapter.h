@@ -35,6 +35,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <variant>
@@ -90,6 +91,9 @@ struct HandOffFailed {  // some rank could not hold it at PrefillDone: no D can 
 struct FreeBlocks {  // no rank holds the transfer's blocks any more: the engine frees them
   core::TransferId transfer;
   std::uint64_t handle = 0;
+  // The last holding rank's reason (kSent, kExpired, kReleasedByDecoder, ...); kAbortedByEngine
+  // when no rank held them (refused at admission, or every rank let go before the hand-off).
+  core::ReleaseReason reason = core::ReleaseReason::kAbortedByEngine;
 };
 using PrefillAdapterEvent =
     std::variant<Admitted, AdmitRefused, AbortPrefill, HandOffFailed, FreeBlocks>;
@@ -130,6 +134,8 @@ class PrefillAdapter {
   std::vector<PrefillRankCall> TakeCommands();
   std::vector<PrefillAdapterEvent> TakeEvents();
   PrefillAdapterStats stats() const;
+  // The handle `transfer` was admitted with, while the adapter knows it.
+  std::optional<std::uint64_t> handle_of(const core::TransferId& transfer) const;
 
  private:
   enum class Phase : std::uint8_t {
@@ -149,6 +155,7 @@ class PrefillAdapter {
     Status first_error;
     bool finished = false;       // the engine called Finish
     bool abort_told = false;     // AbortPrefill emitted
+    core::ReleaseReason last_free = core::ReleaseReason::kAbortedByEngine;
   };
 
   void Call(PrefillRankCall::Kind kind, const core::TransferId& transfer, const Entry& entry,

@@ -18,10 +18,12 @@ What this layer decides:
   several groups are refused at registration (vLLM then runs without the connector's HMA).
 - **P's bootstrap service** runs in P's rank-0 worker (port ``bootstrap_port``) unless
   ``bootstrap_server_address`` names one elsewhere; every rank registers with it.
-- **Idempotence.** vLLM may tell an ending twice, and a transfer may be gone (released by D,
-  expired) before the engine reports it: such calls settle at once instead of raising, and a
-  prefill done for a transfer the runtime no longer holds is reported free at once, so its
-  blocks go back to the pool.
+- **The engine glue is native.** Both workers run kvferry's engine adapters
+  (protocol::PrefillAdapter, protocol::DecodeAdapter: the code `kvferry serve` and the simulator
+  run): vLLM may tell an ending twice, and a transfer may be gone (released by D, expired)
+  before the engine reports it; such calls settle at once instead of raising, and a prefill
+  done for a transfer nothing holds is reported free at once, so its blocks go back to the
+  pool.
 """
 
 from __future__ import annotations
@@ -152,58 +154,43 @@ class PrefillRuntime:
                 self._bootstrap.stop()
             raise
         self._handles = itertools.count(1)
-        self._handle_of: dict[str, int] = {}  # transfer id -> the handle it was admitted with
-        self._refused: set[str] = set()  # admissions the runtime refused (tombstoned, ...)
-        self._events: list[tuple[str, str]] = []
+
+    # The native worker runs protocol::PrefillAdapter (admission, hand-off, frees, drops: the
+    # glue `kvferry serve` and the simulator run too); these calls only translate vLLM's.
 
     def admit(self, transfer_id: str, handle: str) -> None:
-        number = next(self._handles)
         try:
-            self._worker.admit(transfer_id, number)
-            self._handle_of[transfer_id] = number
+            self._worker.admit(transfer_id, next(self._handles))
         except self._native.KvferryError as e:
             # Released by D or expired before P admitted it (TOMBSTONED), or a duplicate id:
-            # nothing will be held; its prefill done is answered "free" at once.
+            # nothing is held; its prefill_done is answered "free" at once.
             logger.warning("kvferry: P did not admit transfer %s (request %s): %s",
                            transfer_id, handle, e)
-            self._refused.add(transfer_id)
 
     def prefill_done(self, transfer_id: str, block_ids: Sequence[Sequence[int]]) -> None:
-        blocks = _single_group(block_ids)
-        if transfer_id in self._refused:
-            self._refused.discard(transfer_id)
-            self._events.append(("free", transfer_id))
-            return
         try:
-            handle = self._handle_of.pop(transfer_id, None)
-            self._worker.prefill_done(transfer_id, blocks, handle=handle)
+            self._worker.prefill_done(transfer_id, _single_group(block_ids))
         except self._native.KvferryError as e:
-            # Dropped while it prefilled (D released it, its lease lapsed): free its blocks now.
-            logger.info("kvferry: transfer %s is not held (%s); its blocks are free", transfer_id, e)
-            self._events.append(("free", transfer_id))
+            # Never admitted here (a duplicate id the scheduler let through): nothing holds it.
+            logger.error("kvferry: prefill_done(%s): %s", transfer_id, e)
 
     def engine_finished(self, transfer_id: str) -> None:
-        self._refused.discard(transfer_id)
-        self._handle_of.pop(transfer_id, None)
         try:
             self._worker.engine_finished(transfer_id)
-        except self._native.KvferryError as e:
+        except self._native.KvferryError as e:  # stopped meanwhile
             logger.debug("kvferry: engine_finished(%s): %s", transfer_id, e)
 
     def refuse(self, transfer_id: str, why: str) -> None:
         """P's engine dropped the request before admitting it: nobody here will prefill it. A
         pull already waiting for it fails now, and later ones at once (tombstoned), instead of
         parking for abort_request_timeout with D's blocks."""
-        self._refused.discard(transfer_id)
         try:
             self._worker.refuse(transfer_id, why)
-        except self._native.KvferryError as e:
+        except self._native.KvferryError as e:  # stopped meanwhile
             logger.debug("kvferry: refuse(%s): %s", transfer_id, e)
 
     def take_events(self) -> list[tuple[str, str]]:
-        events, self._events = self._events, []
-        events += [(kind, transfer_id) for kind, transfer_id, _ in self._worker.take_events()]
-        return events
+        return [(kind, transfer_id) for kind, transfer_id, _ in self._worker.take_events()]
 
     def stats(self) -> dict[str, int]:
         return self._worker.stats()
