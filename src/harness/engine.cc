@@ -16,6 +16,7 @@
 #include "kvferry/core/block_pool.h"
 #include "kvferry/transport/ucx.h"
 #include "runtime/decode_driver.h"
+#include "runtime/prefill_driver.h"
 #include "runtime/decode_worker.h"
 
 namespace kvferry::harness {
@@ -88,8 +89,6 @@ struct Request {
   std::uint32_t prefilled = 0;
   std::uint32_t generated = 0;
   bool answered = false;  // the stream got its terminal event
-  // P remote decode: ranks whose hold still owns the blocks.
-  std::uint32_t holds_outstanding = 0;
   // D remote prefill (what protocol::DecodeAdapter said of its load).
   bool load_started = false;
   Status load_status;     // LoadDone: OK or the first rank's failure
@@ -110,10 +109,12 @@ struct Inbox {
   std::vector<std::unique_ptr<Request>> fresh;
   std::vector<std::uint64_t> aborts;
   std::vector<HoldNote> holds;
+  std::vector<protocol::PrefillAdapterEvent> p_events;  // from an HTTP thread's driver pump
   std::vector<RecvNote> recvs;
   std::vector<runtime::RemoteSource> refusals;  // D: refused before tracking; release to P
   bool empty() const {
-    return fresh.empty() && aborts.empty() && holds.empty() && recvs.empty() && refusals.empty();
+    return fresh.empty() && aborts.empty() && holds.empty() && p_events.empty() &&
+           recvs.empty() && refusals.empty();
   }
 };
 
@@ -157,6 +158,10 @@ struct ServingEngine::Impl {
   // D: the glue between this engine and its ranks' workers (engine thread only): the
   // protocol::DecodeAdapter the simulator and the vLLM connector drive too.
   std::unique_ptr<runtime::DecodeDriver> driver;
+  // P: its twin over protocol::PrefillAdapter, under p_driver_mu: HTTP threads admit through it
+  // (Submit answers a refusal at once), the engine thread hands off and frees through it.
+  std::mutex p_driver_mu;
+  std::unique_ptr<runtime::PrefillDriver> p_driver;
 
   // Inbox and lifecycle.
   std::mutex mu;
@@ -195,6 +200,28 @@ struct ServingEngine::Impl {
   void AddRequest(std::unique_ptr<Request> r);
   void ApplyAbort(std::uint64_t handle);
   void ApplyHold(const HoldNote& note);
+  // Runs `call` on P's driver and pumps it (under p_driver_mu); returns the events.
+  template <typename Call>
+  std::vector<protocol::PrefillAdapterEvent> WithPrefillDriver(Call&& call) {
+    std::lock_guard<std::mutex> lock(p_driver_mu);
+    call(*p_driver);
+    std::vector<protocol::PrefillAdapterEvent> events;
+    for (std::vector<protocol::PrefillAdapterEvent> got = p_driver->Pump(); !got.empty();
+         got = p_driver->Pump()) {
+      for (auto& e : got) events.push_back(std::move(e));
+    }
+    return events;
+  }
+  // Events a pump on an HTTP thread produced for the engine thread.
+  void ForwardPrefillEvents(std::vector<protocol::PrefillAdapterEvent> events) {
+    if (events.empty()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto& e : events) inbox.p_events.push_back(std::move(e));
+    }
+    cv.notify_all();
+  }
+  void OnPrefillEvent(const protocol::PrefillAdapterEvent& event);
   void ApplyRecv(RecvNote& note);
   void PumpAdapter();
   void OnAdapterEvent(const protocol::AdapterEvent& event);
@@ -206,7 +233,6 @@ struct ServingEngine::Impl {
   void Finish(Request& r, const Status& error, int http_status);
   void MaybeRelease(Request& r);
   void FreeBlocks(Request& r);
-  void EngineFinishedAll(const Request& r);
   void Erase(std::uint64_t handle);
   void Publish();
   void FailAll();
@@ -348,6 +374,9 @@ Status ServingEngine::Impl::StartRanks() {
       }
       prefill.push_back(std::move(*worker));
     }
+    std::vector<runtime::PrefillWorker*> ranks;
+    for (auto& worker : prefill) ranks.push_back(worker.get());
+    p_driver = std::make_unique<runtime::PrefillDriver>(std::move(ranks), kListenerAckTimeout);
   } else {
     for (std::uint32_t rank = 0; rank < tp; ++rank) {
       runtime::DecodeWorkerOptions o;
@@ -449,9 +478,9 @@ void ServingEngine::Refused(const CompletionSpec& spec, const Status& why) {
       return;
     }
     const Status refusal(code, "the prefill instance refused the request: " + why.message());
-    std::vector<std::future<Status>> acks;
-    for (auto& worker : impl_->prefill) acks.push_back(worker->Refuse(spec.transfer_id, refusal));
-    for (auto& f : acks) (void)f.wait_for(kListenerAckTimeout);
+    std::vector<protocol::PrefillAdapterEvent> events = impl_->WithPrefillDriver(
+        [&](runtime::PrefillDriver& d) { d.Drop(spec.transfer_id, refusal); });
+    impl_->ForwardPrefillEvents(std::move(events));
     return;
   }
   if (options_.role == Role::kDecode && spec.kind == RequestKind::kRemotePrefill &&
@@ -511,22 +540,28 @@ Result<std::shared_ptr<RequestStream>> ServingEngine::Enqueue(const CompletionSp
   };
   if (spec.kind == RequestKind::kRemoteDecode) {
     // Admit with every rank before the request can run, so a pull that arrives first finds the
-    // entry, and a decoder that dies while the request queues aborts it (SPEC §4).
-    std::vector<std::future<Status>> admitted;
-    for (auto& worker : impl.prefill)
-      admitted.push_back(worker->Admit(spec.transfer_id, r->handle));
+    // entry, and a decoder that dies while the request queues aborts it (SPEC §4). The adapter
+    // rolls back the ranks that admitted when another refused.
     Status first;
-    std::vector<bool> ok(admitted.size(), false);
-    for (std::size_t i = 0; i < admitted.size(); ++i) {
-      Status s = admitted[i].wait_for(kListenerAckTimeout) == std::future_status::ready
-                     ? admitted[i].get()
-                     : Status(ErrorCode::kTimeout, "hold table did not acknowledge Admit");
-      ok[i] = s.ok();
-      if (!s.ok() && first.ok()) first = s;
-    }
+    std::vector<protocol::PrefillAdapterEvent> events =
+        impl.WithPrefillDriver([&](runtime::PrefillDriver& d) {
+          first = d.Admit(spec.transfer_id, r->handle);
+        });
+    std::erase_if(events, [&](const protocol::PrefillAdapterEvent& e) {
+      const auto* refused = std::get_if<protocol::AdmitRefused>(&e);
+      if (refused != nullptr && refused->transfer == spec.transfer_id && first.ok()) {
+        first = refused->why;
+      }
+      return refused != nullptr || std::holds_alternative<protocol::Admitted>(e);
+    });
+    impl.ForwardPrefillEvents(std::move(events));
     if (!first.ok()) {
-      for (std::size_t i = 0; i < admitted.size(); ++i) {
-        if (ok[i]) (void)impl.prefill[i]->EngineFinished(spec.transfer_id);
+      {
+        // Refused: this request will not be prefilled; the adapter forgets the transfer.
+        std::lock_guard<std::mutex> lock(impl.p_driver_mu);
+        if (impl.p_driver->handle_of(spec.transfer_id) == r->handle) {
+          impl.p_driver->Finish(spec.transfer_id);
+        }
       }
       unqueue();
       impl.CountFailure("admit");
@@ -611,6 +646,7 @@ void ServingEngine::Impl::Loop() {
 void ServingEngine::Impl::Apply(Inbox& in) {
   // New requests first: a hold event or abort drained together with its request must find it.
   for (auto& r : in.fresh) AddRequest(std::move(r));
+  for (const protocol::PrefillAdapterEvent& event : in.p_events) OnPrefillEvent(event);
   for (const HoldNote& note : in.holds) ApplyHold(note);
   for (RecvNote& note : in.recvs) ApplyRecv(note);
   for (const runtime::RemoteSource& source : in.refusals) driver->Refuse(source);
@@ -649,26 +685,35 @@ void ServingEngine::Impl::ApplyAbort(std::uint64_t handle) {
 }
 
 void ServingEngine::Impl::ApplyHold(const HoldNote& note) {
-  const core::HoldEvent& event = note.event;
-  Request* r = Find(event.handle);
-  if (event.kind == core::HoldEvent::Kind::kFreeBlocks) {
+  for (const protocol::PrefillAdapterEvent& event : WithPrefillDriver(
+           [&](runtime::PrefillDriver& d) { d.OnHoldEvent(note.rank, note.event); })) {
+    OnPrefillEvent(event);
+  }
+}
+
+// What P's adapter decided, for the request it names (by handle).
+void ServingEngine::Impl::OnPrefillEvent(const protocol::PrefillAdapterEvent& event) {
+  if (const auto* freed = std::get_if<protocol::FreeBlocks>(&event)) {
+    Request* r = Find(freed->handle);
     if (r == nullptr || r->phase != Phase::kHeld) {
-      spdlog::warn("[{}] kFreeBlocks for unknown transfer {}", options.engine_id, event.id);
+      spdlog::warn("[{}] P's adapter freed transfer {}, which no held request owns",
+                   options.engine_id, freed->transfer);
       return;
     }
-    if (r->holds_outstanding > 0 && --r->holds_outstanding == 0) {
-      FreeBlocks(*r);
-      Erase(r->handle);
-    }
+    FreeBlocks(*r);
+    Erase(r->handle);
     return;
   }
-  // kAbortPrefill: this rank will not send the transfer (dead decoder, wait timeout).
+  const auto* abort = std::get_if<protocol::AbortPrefill>(&event);
+  if (abort == nullptr) return;  // admission events are the admitting thread's; HandOver's own
+  // A rank will not send the transfer (dead decoder, wait timeout): stop the request.
   CountFailure("prefill_abort");
+  Request* r = Find(abort->handle);
   if (r == nullptr) {
     // The event overtook its request on the way into the engine (Submit admits before it
     // queues): remember it for AddRequest. Bounded; stale entries age out.
-    if (event.handle != 0 && early_aborts.insert(event.handle).second) {
-      early_abort_order.push_back(event.handle);
+    if (abort->handle != 0 && early_aborts.insert(abort->handle).second) {
+      early_abort_order.push_back(abort->handle);
       if (early_abort_order.size() > kMaxEarlyAborts) {
         early_aborts.erase(early_abort_order.front());
         early_abort_order.pop_front();
@@ -676,15 +721,10 @@ void ServingEngine::Impl::ApplyHold(const HoldNote& note) {
     }
     return;
   }
-  if (r->phase == Phase::kHeld) {
-    // PrefillDone raced with the abort: that rank's PrefillDone failed and was counted; let the
-    // other ranks release too, nobody will complete this transfer.
-    EngineFinishedAll(*r);
-    return;
-  }
+  if (r->phase == Phase::kHeld) return;  // handed off meanwhile: its hand-off failed instead
   Finish(*r,
          Status(ErrorCode::kCancelled, fmt::format("transfer {} aborted by the prefill hold ({})",
-                                                   event.id, core::ToString(event.reason))),
+                                                   abort->transfer, core::ToString(abort->reason))),
          503);
 }
 
@@ -924,41 +964,33 @@ void ServingEngine::Impl::FinishPrefill(Request& r) {
 
 void ServingEngine::Impl::HandOver(Request& r) {
   running.erase(std::find(running.begin(), running.end(), r.handle));
+  const std::vector<BlockId> kv(
+      r.blocks.begin(),
+      r.blocks.begin() + BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens));
   {
     std::lock_guard<std::mutex> lock(source_mu);
     source_blocks[r.handle] = r.blocks;
   }
   r.phase = Phase::kHeld;
-  r.holds_outstanding = static_cast<std::uint32_t>(prefill.size());
-  std::vector<std::future<Status>> done;
-  for (auto& worker : prefill) {
-    done.push_back(worker->PrefillDone(
-        r.spec.transfer_id, static_cast<std::uint32_t>(
-                                BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens))));
-  }
-  Status first;
-  for (auto& f : done) {
-    if (f.wait_for(kListenerAckTimeout) != std::future_status::ready) {
-      // Unknown outcome: keep the blocks (a leak is visible in metrics; a reuse would corrupt).
-      first = Status(ErrorCode::kTimeout, "hold table did not acknowledge PrefillDone");
-      continue;
-    }
-    Status s = f.get();
-    if (!s.ok()) {
-      // This rank's hold will never free the blocks (kTombstoned / kNotFound): count it out.
-      --r.holds_outstanding;
-      if (first.ok()) first = s;
-    }
-  }
   r.answered = true;
+  // Every rank holds it for the decoder, or the adapter says why not (HandOffFailed) and lets
+  // the others go; FreeBlocks gives the blocks back once no rank holds them.
+  const std::uint64_t handle = r.handle;
+  const core::TransferId transfer = r.spec.transfer_id;
+  Status first;
+  std::vector<protocol::PrefillAdapterEvent> events =
+      WithPrefillDriver([&](runtime::PrefillDriver& d) { first = d.PrefillDone(transfer, kv); });
+  for (const protocol::PrefillAdapterEvent& e : events) {
+    const auto* failed = std::get_if<protocol::HandOffFailed>(&e);
+    if (failed != nullptr && failed->handle == handle && first.ok()) first = failed->why;
+  }
   if (!first.ok()) {
     CountFailure("prefill_done");
     r.stream->Push({StreamEvent::Kind::kError,
                     0,
                     503,
-                    fmt::format("transfer {}: {}", r.spec.transfer_id, StatusReason(first)),
+                    fmt::format("transfer {}: {}", transfer, StatusReason(first)),
                     {}});
-    EngineFinishedAll(r);
   } else {
     r.stream->Push({StreamEvent::Kind::kFinished, 0, 0, {}, "length"});
   }
@@ -970,10 +1002,7 @@ void ServingEngine::Impl::HandOver(Request& r) {
     std::lock_guard<std::mutex> lock(mu);
     --queued;
   }
-  if (r.holds_outstanding == 0) {
-    FreeBlocks(r);
-    Erase(r.handle);
-  }
+  for (const protocol::PrefillAdapterEvent& e : events) OnPrefillEvent(e);  // may free r now
 }
 
 void ServingEngine::Impl::Finish(Request& r, const Status& error, int http_status) {
@@ -1000,7 +1029,10 @@ void ServingEngine::Impl::Finish(Request& r, const Status& error, int http_statu
   drop(waiting, r.handle);
   if (r.spec.kind == RequestKind::kRemoteDecode && r.phase != Phase::kHeld) {
     // Before PrefillDone the engine owns the blocks; the hold entries just go.
-    EngineFinishedAll(r);
+    for (const protocol::PrefillAdapterEvent& e :
+         WithPrefillDriver([&](runtime::PrefillDriver& d) { d.Finish(r.spec.transfer_id); })) {
+      OnPrefillEvent(e);
+    }
   }
   if (r.spec.kind == RequestKind::kRemotePrefill) {
     driver->Finish(r.id);  // every rank stops renewing and releases the transfer to P
@@ -1025,12 +1057,6 @@ void ServingEngine::Impl::FreeBlocks(Request& r) {
   r.blocks.clear();
   std::lock_guard<std::mutex> lock(source_mu);
   source_blocks.erase(r.handle);
-}
-
-void ServingEngine::Impl::EngineFinishedAll(const Request& r) {
-  std::vector<std::future<Status>> acks;
-  for (auto& worker : prefill) acks.push_back(worker->EngineFinished(r.spec.transfer_id));
-  for (auto& f : acks) (void)f.wait_for(kListenerAckTimeout);
 }
 
 void ServingEngine::Impl::Erase(std::uint64_t handle) {
