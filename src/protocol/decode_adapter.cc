@@ -33,7 +33,7 @@ Status DecodeAdapter::Track(const core::RequestId& request, const RemoteSource& 
   Entry& entry = entries_[request];
   entry.source = source;
   entry.ranks.assign(options_.ranks, RankState::kIdle);
-  Call(RankCall::Kind::kTrack, request, entry, nullptr);
+  Call(DecodeRankCall::Kind::kTrack, request, entry, nullptr);
   return Status::Ok();
 }
 
@@ -65,7 +65,7 @@ Status DecodeAdapter::StartLoad(const core::RequestId& request, const RemoteSour
   entry.source = source;
   entry.ranks.assign(options_.ranks, RankState::kLoading);
   entry.ranks_loading = options_.ranks;
-  Call(RankCall::Kind::kStartLoad, request, entry, &blocks);
+  Call(DecodeRankCall::Kind::kStartLoad, request, entry, &blocks);
   return Status::Ok();
 }
 
@@ -73,14 +73,14 @@ void DecodeAdapter::Finish(const core::RequestId& request) {
   auto it = entries_.find(request);
   if (it == entries_.end() || it->second.finished) return;
   it->second.finished = true;
-  Call(RankCall::Kind::kFinish, request, it->second, nullptr);
+  Call(DecodeRankCall::Kind::kFinish, request, it->second, nullptr);
   Settle(request);
 }
 
 void DecodeAdapter::Refuse(const RemoteSource& source) {
   if (source.transfer_id.empty()) return;
   for (std::uint32_t r = 0; r < options_.ranks; ++r) {
-    commands_.push_back(RankCall{r, RankCall::Kind::kRelease, {}, source, {}});
+    commands_.push_back(DecodeRankCall{r, DecodeRankCall::Kind::kRelease, {}, source, {}});
   }
 }
 
@@ -131,7 +131,7 @@ DecodeAdapterStopReport DecodeAdapter::Stop() {
   return report;
 }
 
-std::vector<RankCall> DecodeAdapter::TakeCommands() { return std::exchange(commands_, {}); }
+std::vector<DecodeRankCall> DecodeAdapter::TakeCommands() { return std::exchange(commands_, {}); }
 
 std::vector<AdapterEvent> DecodeAdapter::TakeEvents() { return std::exchange(events_, {}); }
 
@@ -147,10 +147,10 @@ DecodeAdapterStats DecodeAdapter::stats() const {
   return s;
 }
 
-void DecodeAdapter::Call(RankCall::Kind kind, const core::RequestId& request, const Entry& entry,
+void DecodeAdapter::Call(DecodeRankCall::Kind kind, const core::RequestId& request, const Entry& entry,
                          const std::vector<core::BlockId>* blocks) {
   for (std::uint32_t r = 0; r < options_.ranks; ++r) {
-    RankCall call{r, kind, request, entry.source, {}};
+    DecodeRankCall call{r, kind, request, entry.source, {}};
     if (blocks != nullptr) call.blocks = *blocks;
     commands_.push_back(std::move(call));
   }

@@ -60,7 +60,7 @@ struct DecodeAdapterOptions {
 };
 
 // A call the engine makes on one rank's worker (or session).
-struct RankCall {
+struct DecodeRankCall {
   enum class Kind : std::uint8_t {
     kTrack,      // OnNewRequest(request, source)
     kStartLoad,  // StartLoad(request, source, blocks); answer a failure with OnStartFailed
@@ -138,7 +138,7 @@ class DecodeAdapter {
   // The engine stops: see the file comment.
   DecodeAdapterStopReport Stop();
 
-  std::vector<RankCall> TakeCommands();
+  std::vector<DecodeRankCall> TakeCommands();
   std::vector<AdapterEvent> TakeEvents();
   DecodeAdapterStats stats() const;
   std::uint32_t ranks() const { return options_.ranks; }
@@ -161,7 +161,7 @@ class DecodeAdapter {
   };
 
   Status CheckNew(const core::RequestId& request, const RemoteSource& source) const;
-  void Call(RankCall::Kind kind, const core::RequestId& request, const Entry& entry,
+  void Call(DecodeRankCall::Kind kind, const core::RequestId& request, const Entry& entry,
             const std::vector<core::BlockId>* blocks);
   // The rank's state for `request` if it is loading (else counts a stray result).
   Entry* Loading(std::uint32_t rank, const core::RequestId& request);
@@ -172,7 +172,7 @@ class DecodeAdapter {
 
   DecodeAdapterOptions options_;
   std::unordered_map<core::RequestId, Entry> entries_;
-  std::vector<RankCall> commands_;
+  std::vector<DecodeRankCall> commands_;
   std::vector<AdapterEvent> events_;
   std::uint64_t stray_results_ = 0;
   std::uint64_t dropped_ = 0;

@@ -33,24 +33,24 @@ void DecodeDriver::OnFinished(std::uint32_t rank, const DecodeFinished& finished
 }
 
 std::vector<protocol::AdapterEvent> DecodeDriver::Pump() {
-  for (std::vector<protocol::RankCall> calls = adapter_.TakeCommands(); !calls.empty();
+  for (std::vector<protocol::DecodeRankCall> calls = adapter_.TakeCommands(); !calls.empty();
        calls = adapter_.TakeCommands()) {
-    for (const protocol::RankCall& call : calls) {
+    for (const protocol::DecodeRankCall& call : calls) {
       DecodeWorker& worker = *ranks_.at(call.rank);
       switch (call.kind) {
-        case protocol::RankCall::Kind::kTrack:
+        case protocol::DecodeRankCall::Kind::kTrack:
           worker.OnNewRequest(call.request, call.source);
           break;
-        case protocol::RankCall::Kind::kStartLoad:
+        case protocol::DecodeRankCall::Kind::kStartLoad:
           if (Status started = worker.StartLoad(call.request, call.source, call.blocks);
               !started.ok()) {
             adapter_.OnStartFailed(call.rank, call.request, started);
           }
           break;
-        case protocol::RankCall::Kind::kFinish:
+        case protocol::DecodeRankCall::Kind::kFinish:
           worker.RequestFinished(call.request);
           break;
-        case protocol::RankCall::Kind::kRelease:
+        case protocol::DecodeRankCall::Kind::kRelease:
           worker.ReleaseTransfer(call.source);
           break;
       }

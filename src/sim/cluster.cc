@@ -1239,26 +1239,26 @@ class Sim {
   // engine; until it has nothing more to say.
   void PumpAdapter() {
     while (!d_dead_) {
-      std::vector<protocol::RankCall> calls = d_adapter_.TakeCommands();
+      std::vector<protocol::DecodeRankCall> calls = d_adapter_.TakeCommands();
       std::vector<protocol::AdapterEvent> events = d_adapter_.TakeEvents();
       if (calls.empty() && events.empty()) break;
-      for (const protocol::RankCall& call : calls) {
+      for (const protocol::DecodeRankCall& call : calls) {
         protocol::DecodeSession& session = *d_sessions_[call.rank];
         switch (call.kind) {
-          case protocol::RankCall::Kind::kTrack:
+          case protocol::DecodeRankCall::Kind::kTrack:
             session.OnNewRequest(call.request, call.source, now());
             break;
-          case protocol::RankCall::Kind::kStartLoad:
+          case protocol::DecodeRankCall::Kind::kStartLoad:
             if (Status s = session.StartLoad(call.request, call.source, call.blocks, now());
                 !s.ok()) {
               Violation("StartLoad: " + s.ToString());
               d_adapter_.OnStartFailed(call.rank, call.request, s);
             }
             break;
-          case protocol::RankCall::Kind::kFinish:
+          case protocol::DecodeRankCall::Kind::kFinish:
             session.RequestFinished(call.request, now());
             break;
-          case protocol::RankCall::Kind::kRelease:
+          case protocol::DecodeRankCall::Kind::kRelease:
             session.ReleaseTransfer(call.source, now());
             break;
         }

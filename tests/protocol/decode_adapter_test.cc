@@ -13,9 +13,9 @@ namespace {
 
 const RemoteSource kSource{"xfer-1", "prefill-0", "127.0.0.1:8998"};
 
-std::vector<RankCall::Kind> Kinds(const std::vector<RankCall>& calls) {
-  std::vector<RankCall::Kind> kinds;
-  for (const RankCall& c : calls) kinds.push_back(c.kind);
+std::vector<DecodeRankCall::Kind> Kinds(const std::vector<DecodeRankCall>& calls) {
+  std::vector<DecodeRankCall::Kind> kinds;
+  for (const DecodeRankCall& c : calls) kinds.push_back(c.kind);
   return kinds;
 }
 
@@ -41,17 +41,17 @@ TEST(DecodeAdapterTest, EveryEngineCallBecomesTheSameCallOnEveryRank) {
   ASSERT_TRUE(adapter.Track("r", kSource).ok());
   ASSERT_TRUE(adapter.StartLoad("r", kSource, {7, 8}).ok());
   adapter.Finish("r");
-  const std::vector<RankCall> calls = adapter.TakeCommands();
+  const std::vector<DecodeRankCall> calls = adapter.TakeCommands();
   ASSERT_EQ(calls.size(), 9u);
   for (std::uint32_t i = 0; i < 9; ++i) {
     EXPECT_EQ(calls[i].rank, i % 3);
     EXPECT_EQ(calls[i].request, "r");
     EXPECT_EQ(calls[i].source.transfer_id, "xfer-1");
   }
-  EXPECT_EQ(calls[0].kind, RankCall::Kind::kTrack);
-  EXPECT_EQ(calls[3].kind, RankCall::Kind::kStartLoad);
+  EXPECT_EQ(calls[0].kind, DecodeRankCall::Kind::kTrack);
+  EXPECT_EQ(calls[3].kind, DecodeRankCall::Kind::kStartLoad);
   EXPECT_EQ(calls[3].blocks, (std::vector<core::BlockId>{7, 8}));
-  EXPECT_EQ(calls[6].kind, RankCall::Kind::kFinish);
+  EXPECT_EQ(calls[6].kind, DecodeRankCall::Kind::kFinish);
 }
 
 TEST(DecodeAdapterTest, ALoadEndsOnlyWhenEveryRankEndedWithTheFirstFailure) {
@@ -101,7 +101,7 @@ TEST(DecodeAdapterTest, BlocksAreReusableOnlyOnceEveryQuarantiningRankReleasedTh
 TEST(DecodeAdapterTest, AFinishedRequestIsForgottenOnlyOnceItsBlocksAreReusable) {
   DecodeAdapter adapter = Loading(1);
   adapter.Finish("r");  // the client left while the load ran
-  EXPECT_EQ(Kinds(adapter.TakeCommands()), std::vector{RankCall::Kind::kFinish});
+  EXPECT_EQ(Kinds(adapter.TakeCommands()), std::vector{DecodeRankCall::Kind::kFinish});
   EXPECT_EQ(adapter.stats().tracked, 1u);
   adapter.OnReceiveDone(0, "r", false, Status(ErrorCode::kTimeout, "t"), true);
   EXPECT_EQ(adapter.stats().tracked, 1u);
@@ -142,10 +142,10 @@ TEST(DecodeAdapterTest, RequestsWithoutIdsOrBeyondTheBoundAreRefusedAndChangeNot
 TEST(DecodeAdapterTest, ARefusedRequestIsReleasedToPOnEveryRank) {
   DecodeAdapter adapter({.ranks = 2});
   adapter.Refuse(kSource);
-  const std::vector<RankCall> calls = adapter.TakeCommands();
+  const std::vector<DecodeRankCall> calls = adapter.TakeCommands();
   ASSERT_EQ(calls.size(), 2u);
-  for (const RankCall& c : calls) {
-    EXPECT_EQ(c.kind, RankCall::Kind::kRelease);
+  for (const DecodeRankCall& c : calls) {
+    EXPECT_EQ(c.kind, DecodeRankCall::Kind::kRelease);
     EXPECT_EQ(c.source.transfer_id, "xfer-1");
   }
   EXPECT_EQ(adapter.stats().tracked, 0u);
