@@ -238,7 +238,6 @@ class UcxEngine final : public Engine {
 
   // Inbound side (progress thread only).
   struct Sender {
-    UcxEngine* engine = nullptr;
     std::uint64_t uid = 0;
     ucp_ep_h ep = nullptr;
     int refs = 0;
@@ -295,6 +294,7 @@ class UcxEngine final : public Engine {
     return !options_.fence_writes || (key != kNoWriteKey && revoked_.count(key) == 0);
   }
   void SenderFailed(std::uint64_t uid);
+  void BackEndpointFailed(ucp_ep_h ep);
   std::string DescribeLanes(ucp_ep_h ep, bool* rma_ok);
 
   static ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* data,
@@ -900,18 +900,19 @@ ucs_status_t UcxEngine::OnHello(void* arg, const void* header, size_t header_len
   auto& slot = self->senders_[h.sender_uid];
   if (!slot || slot->ep == nullptr) {
     slot = std::make_unique<Sender>();
-    slot->engine = self;
     slot->uid = h.sender_uid;
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
     ep.address = static_cast<const ucp_address_t*>(data);
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = [](void* a, ucp_ep_h, ucs_status_t) {
-      auto* s = static_cast<Sender*>(a);
-      s->engine->SenderFailed(s->uid);
+    // The engine, not the Sender, is the handler's argument: a Sender forgotten meanwhile (a
+    // Bye, an earlier failure) is destroyed while UCX may still report its endpoint failing
+    // (found by the real-vLLM tier: SIGFPE in SenderFailed through a dangling Sender).
+    ep.err_handler.cb = [](void* a, ucp_ep_h failed, ucs_status_t) {
+      static_cast<UcxEngine*>(a)->BackEndpointFailed(failed);
     };
-    ep.err_handler.arg = slot.get();
+    ep.err_handler.arg = self;
     if (ucp_ep_create(self->worker_, &ep, &slot->ep) != UCS_OK) {
       self->senders_.erase(h.sender_uid);
       return UCS_OK;
@@ -1378,6 +1379,16 @@ void UcxEngine::InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id
   auto sit = senders_.find(sender_uid);
   if (sit == senders_.end() || sit->second->ep == nullptr) return;  // sender gone: no one to ack
   SendSmall(sit->second->ep, kAmAck, AckHeader{batch_id, static_cast<std::uint32_t>(result), 0});
+}
+
+void UcxEngine::BackEndpointFailed(ucp_ep_h ep) {
+  for (const auto& [uid, sender] : senders_) {
+    if (sender->ep == ep) {
+      SenderFailed(uid);
+      return;
+    }
+  }
+  // Not a live sender's endpoint: one forgotten already, whose close is under way.
 }
 
 void UcxEngine::SenderFailed(std::uint64_t uid) {

@@ -318,6 +318,50 @@ TEST(UcxConnectTest, DeadPeerFailsWithinTheDeadline) {
   EXPECT_LT(core::ToSeconds(Clock::now() - start), 4.0);
 }
 
+// A receiver forgets a sender that said goodbye, and its endpoint back to that sender fails
+// once the sender's process is gone: UCX reports that failure after the receiver's record of
+// the sender was destroyed. The receiver must neither touch the destroyed record (it did: a
+// SIGFPE inside a real vLLM decoder; ASan calls it a heap-use-after-free) nor forget a newer
+// sender because of it, and must go on acknowledging other senders.
+TEST(UcxReceiverTest, ASenderThatLeftAndDiedLeavesTheReceiverAcknowledgingOthers) {
+  UcxOptions options;
+  options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
+  auto receiver = MakeUcxEngine(options);
+  ASSERT_TRUE(receiver) << receiver.error().ToString();
+  auto dst = (*receiver)->AllocateRegion(1 << 20);
+  ASSERT_TRUE(dst);
+  auto desc = (*receiver)->ExportDescriptor({});
+  ASSERT_TRUE(desc);
+  auto write_once = [&](Engine& sender, ConnectionId peer) {
+    auto src = sender.AllocateRegion(4096);
+    EXPECT_TRUE(src);
+    if (!src) return Status(ErrorCode::kInternal, "no region");
+    const WriteOp op{src->id, dst->id, 0, 0, 4096};
+    BatchWaiter w;
+    auto id = sender.SubmitWrites(peer, std::span(&op, 1), kNoWriteKey, w.Callback());
+    if (!id) return id.error();
+    return w.Wait(In(10s));
+  };
+  for (int round = 0; round < 3; ++round) {
+    auto sender = MakeUcxEngine(options);
+    ASSERT_TRUE(sender) << sender.error().ToString();
+    auto peer = (*sender)->Connect(*desc, In(10s));
+    ASSERT_TRUE(peer) << peer.error().ToString();
+    Status wrote = write_once(**sender, *peer);
+    ASSERT_TRUE(wrote.ok()) << "round " << round << ": " << wrote.ToString();
+    ASSERT_TRUE((*sender)->ClosePeer(*peer, In(2s)).ok());  // a Bye: the receiver forgets it
+    std::this_thread::sleep_for(100ms);
+    sender->reset();  // its worker goes: the receiver's endpoint back to it fails
+    std::this_thread::sleep_for(500ms);
+  }
+  auto last = MakeUcxEngine(options);
+  ASSERT_TRUE(last);
+  auto peer = (*last)->Connect(*desc, In(10s));
+  ASSERT_TRUE(peer) << peer.error().ToString();
+  Status wrote = write_once(**last, *peer);
+  EXPECT_TRUE(wrote.ok()) << wrote.ToString();
+}
+
 TEST(UcxEngineTest, RegisteredCallerMemoryAndMalformedDescriptors) {
   UcxOptions options;
   options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
