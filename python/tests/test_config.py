@@ -1,20 +1,13 @@
 """kvferry's kv_connector_extra_config keys: names and bounds as kvferry serve reads them.
 Needs no vLLM (kvferry.vllm.config imports nothing from it)."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-# Load the module by path: importing the package kvferry.vllm would import vLLM.
-_spec = importlib.util.spec_from_file_location(
-    "kvferry_vllm_config", Path(__file__).resolve().parents[1] / "kvferry/vllm/config.py"
-)
-config = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = config
-_spec.loader.exec_module(config)
+from standalone import load_kvferry_vllm_module
+
+config = load_kvferry_vllm_module("config")
 
 
 def test_defaults_are_mooncakes():

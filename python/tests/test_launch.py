@@ -1,19 +1,12 @@
 """kvferry.vllm.launch.free_port: the ports the launcher's users hand to engines and proxies
 minutes before those bind them. Needs no vLLM (launch.py imports nothing from it)."""
 
-import importlib.util
 import random
 import socket
-import sys
-from pathlib import Path
 
-# Load the module by path: importing the package kvferry.vllm would import vLLM.
-_spec = importlib.util.spec_from_file_location(
-    "kvferry_vllm_launch", Path(__file__).resolve().parents[1] / "kvferry/vllm/launch.py"
-)
-launch = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = launch
-_spec.loader.exec_module(launch)
+from standalone import load_kvferry_vllm_module
+
+launch = load_kvferry_vllm_module("launch")
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice():

@@ -632,6 +632,14 @@ void ServingEngine::Impl::Loop() {
         spdlog::info("[{}] stopping with {} loads in flight and {} quarantined",
                      options.engine_id, left.loading, left.quarantined);
       }
+      if (p_driver) {
+        std::lock_guard<std::mutex> lock(p_driver_mu);
+        if (const std::size_t held = p_driver->Stop(); held > 0) {
+          // The workers' stop drains their writes, then the KV goes with the process.
+          spdlog::info("[{}] stopping with {} transfers still held for decoders",
+                       options.engine_id, held);
+        }
+      }
       Publish();
       return;
     }

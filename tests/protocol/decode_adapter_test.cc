@@ -160,6 +160,7 @@ TEST(DecodeAdapterTest, PsAbortNoticeIsToldOnceAndItsLoadFailsAtOnceWithoutARank
   const auto dropped = Only<TransferDropped>(adapter.TakeEvents());
   ASSERT_EQ(dropped.size(), 1u);
   EXPECT_EQ(dropped[0].why.message(), "no decoder renewed it");
+  EXPECT_EQ(adapter.stats().dropped, 1u);
   // An engine that cannot end a queued request (vLLM) schedules it: it fails unpulled.
   ASSERT_TRUE(adapter.StartLoad("r", kSource, {3}).ok());
   EXPECT_TRUE(adapter.TakeCommands().empty());
