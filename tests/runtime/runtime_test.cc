@@ -480,11 +480,16 @@ TEST(RuntimeEndToEnd, LeaseMismatchFailsNamingBothValues) {
 TEST(RuntimeEndToEnd, SecondLoadOfALoadingRequestIsRefused) {
   Cluster c;
   ASSERT_NO_FATAL_FAILURE(c.Start(1, 30, 30));
-  c.Prefill("xfer-d");
+  // Not prefilled yet: P parks the pull, so the first load is provably still loading when the
+  // second comes (a prefilled one may land in a few milliseconds, and a landed request may load
+  // again at this layer).
+  ASSERT_TRUE(c.p[0]->Admit("xfer-d", 1).get().ok());
   ASSERT_TRUE(c.d->StartLoad("req-d", c.Source("xfer-d"), kDestBlocks).ok());
   EXPECT_EQ(c.d->StartLoad("req-d", c.Source("xfer-d"), kDestBlocks).code(),
             ErrorCode::kAlreadyExists);
-  EXPECT_TRUE(c.Receive("req-d", core::Clock::now() + 5s).ok);
+  ASSERT_TRUE(c.p[0]->PrefillDone("xfer-d", 3).get().ok());
+  ReceiveResult r = c.Receive("req-d", core::Clock::now() + 5s);
+  EXPECT_TRUE(r.ok) << r.error.ToString();
 }
 
 // Hole 3: D's deadline passed before P answered (D misconfigured with a shorter
