@@ -19,6 +19,7 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
@@ -158,6 +159,10 @@ class UcxEngine final : public Engine {
 
   Status Init();
 
+  // A phase of the progress loop this long is logged (WarnIfBlocked): far above any healthy
+  // phase (a forced close, the longest, takes milliseconds), far below the 30 s write bound.
+  static constexpr Duration kBlockedWarning = std::chrono::seconds(1);
+
   std::string_view backend() const override { return "ucx"; }
   Result<Region> RegisterMemory(void* base, std::size_t length, MemoryKind kind) override;
   Result<Region> AllocateRegion(std::size_t length) override;
@@ -271,6 +276,7 @@ class UcxEngine final : public Engine {
   T RunSync(std::function<T()> fn);
 
   void Loop();
+  void WarnIfBlocked(const char* phase, Duration took);
   void Shutdown();
 
   // --- progress-thread work ---
@@ -345,6 +351,7 @@ class UcxEngine final : public Engine {
   std::vector<ucp_ep_h> eps_to_close_;
   std::vector<void*> close_requests_;
   int ucx_work_ = 0;             // UCX requests in flight that need progress (spin while > 0)
+  std::uint64_t blocked_warnings_ = 0;  // phases of the loop that took kBlockedWarning or more
   bool pack_small_ops_ = false;  // am path: WRITEV for runs of small ops (see Init)
 };
 
@@ -545,6 +552,16 @@ T UcxEngine::RunSync(std::function<T()> fn) {
   return std::move(**done);
 }
 
+void UcxEngine::WarnIfBlocked(const char* phase, Duration took) {
+  // Everything this engine does (connects, writes, acks, closes) waits on this thread, so a long
+  // phase stalls every peer at once; it is logged where it happened, on either side of a pair,
+  // to tell a stalled progress thread from a message UCX lost.
+  if (took < kBlockedWarning) return;
+  ++blocked_warnings_;
+  spdlog::warn("kvferry UCX engine {}: the progress thread was blocked {} ms in {}", options_.name,
+               std::chrono::duration_cast<std::chrono::milliseconds>(took).count(), phase);
+}
+
 void UcxEngine::Loop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -559,11 +576,17 @@ void UcxEngine::Loop() {
       std::lock_guard<std::mutex> lock(mu_);
       cmds.swap(commands_);
     }
+    const TimePoint t0 = Clock::now();
     for (auto& c : cmds) c();
     cmds.clear();
+    const TimePoint t1 = Clock::now();
     unsigned progressed = ucp_worker_progress(worker_);
+    const TimePoint t2 = Clock::now();
     DriveCloses();
     TimePoint now = Clock::now();
+    WarnIfBlocked("commands", t1 - t0);
+    WarnIfBlocked("ucp_worker_progress", t2 - t1);
+    WarnIfBlocked("closing endpoints", now - t2);
     if (stop_.load()) {
       if (stop_at == TimePoint::max()) stop_at = now + std::chrono::seconds(2);
       if ((closing_.empty() && close_requests_.empty() && ucx_work_ == 0) || now > stop_at) break;

@@ -13,6 +13,9 @@
 #include <string>
 #include <vector>
 
+#include <spdlog/sinks/ringbuffer_sink.h>
+#include <spdlog/spdlog.h>
+
 #include "descriptor.h"
 #include "peer_process.h"
 
@@ -140,22 +143,53 @@ TEST_P(UcxTest, ScatteredBlocksAndOneRunArriveIntact) {
   EXPECT_TRUE(engine_->ClosePeer(peer_id_, In(10s)).ok());
 }
 
-TEST_P(UcxTest, ClosingADuplicateConnectionLeavesTheOtherOneAcknowledged) {
+TEST_P(UcxTest, ClosingEitherOfTwoConnectionsLeavesTheOtherOneAcknowledged) {
   // Two senders of one engine that connect to the same receiver at once keep one connection
-  // and close the other (TransportKvWriter::PeerFor). Writes on the one kept must still be
-  // acknowledged: the receiver acks through one endpoint back per sending engine.
+  // and close the other (TransportKvWriter::PeerFor), and a sender reconnects after a close.
+  // Writes on the one kept must still be acknowledged: the receiver acks through one endpoint
+  // back per sending engine, which UCX may pair with any of the sender's endpoints (it matches
+  // endpoints the two sides create to each other by sequence number).
+  auto write_on = [&](ConnectionId c) {
+    for (int i = 0; i < 4; ++i) {
+      BatchWaiter w;
+      auto op = Op(i * kBlock, i * kBlock, kBlock);
+      ASSERT_TRUE(engine_->SubmitWrites(c, std::span(&op, 1), kNoWriteKey, w.Callback()));
+      Status s = w.Wait(In(10s));
+      ASSERT_TRUE(s.ok()) << "write " << i << ": " << s.ToString();
+      ExpectLanded(op);
+    }
+  };
   auto first = engine_->Connect(peer_.descriptor(), In(10s));
   auto second = engine_->Connect(peer_.descriptor(), In(10s));
   ASSERT_TRUE(first && second);
-  ASSERT_TRUE(engine_->ClosePeer(*second, In(2s)).ok());
+  ASSERT_TRUE(engine_->ClosePeer(*second, In(2s)).ok());  // the later one
   std::this_thread::sleep_for(200ms);  // the close reaches the receiver first
-  for (int i = 0; i < 4; ++i) {
+  ASSERT_NO_FATAL_FAILURE(write_on(*first));
+  auto third = engine_->Connect(peer_.descriptor(), In(10s));
+  ASSERT_TRUE(third) << third.error().ToString();
+  ASSERT_TRUE(engine_->ClosePeer(*first, In(2s)).ok());  // the earlier one
+  std::this_thread::sleep_for(200ms);
+  ASSERT_NO_FATAL_FAILURE(write_on(*third));
+}
+
+TEST_P(UcxTest, ConnectionChurnLeavesEveryWriteAcknowledged) {
+  // Connect, write, close in quick succession, with up to three connections open at once: no
+  // close may cost a later connection its answer or its acknowledgements.
+  std::vector<ConnectionId> open;
+  for (int i = 0; i < 40; ++i) {
+    auto c = engine_->Connect(peer_.descriptor(), In(10s));
+    ASSERT_TRUE(c) << "connection " << i << ": " << c.error().ToString();
+    open.push_back(*c);
     BatchWaiter w;
-    auto op = Op(i * kBlock, i * kBlock, kBlock);
-    ASSERT_TRUE(engine_->SubmitWrites(*first, std::span(&op, 1), kNoWriteKey, w.Callback()));
+    auto op = Op((i % 4) * kBlock, (i % 4) * kBlock, kBlock);
+    ASSERT_TRUE(engine_->SubmitWrites(*c, std::span(&op, 1), kNoWriteKey, w.Callback()));
     Status s = w.Wait(In(10s));
     ASSERT_TRUE(s.ok()) << "write " << i << ": " << s.ToString();
-    ExpectLanded(op);
+    if (open.size() > 2 || i % 3 == 0) {
+      const std::size_t k = static_cast<std::size_t>(i) % open.size();
+      ASSERT_TRUE(engine_->ClosePeer(open[k], In(2s)).ok());
+      open.erase(open.begin() + static_cast<std::ptrdiff_t>(k));
+    }
   }
 }
 
@@ -360,6 +394,48 @@ TEST(UcxReceiverTest, ASenderThatLeftAndDiedLeavesTheReceiverAcknowledgingOthers
   ASSERT_TRUE(peer) << peer.error().ToString();
   Status wrote = write_once(**last, *peer);
   EXPECT_TRUE(wrote.ok()) << wrote.ToString();
+}
+
+TEST(UcxEngineTest, AProgressThreadBlockedASecondIsLoggedNamingWhere) {
+  // A completion that holds the progress thread (here: sleeps in the callback) stalls every
+  // peer of the engine; the engine says so in its log, once per blocked phase.
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("ucx-test", sink));
+  UcxOptions options;
+  options.name = "blocked-engine";
+  options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
+  auto engine = MakeUcxEngine(options);
+  ASSERT_TRUE(engine) << engine.error().ToString();
+  auto src = (*engine)->AllocateRegion(4096);
+  auto dst = (*engine)->AllocateRegion(4096);
+  ASSERT_TRUE(src && dst);
+  auto desc = (*engine)->ExportDescriptor(std::vector<RegionId>{dst->id});
+  ASSERT_TRUE(desc);
+  auto peer = (*engine)->Connect(*desc, In(10s));
+  ASSERT_TRUE(peer) << peer.error().ToString();
+  auto quick = [&](bool sleep) {
+    BatchWaiter w;
+    auto inner = w.Callback();
+    const WriteOp op{src->id, dst->id, 0, 0, 4096};
+    auto id = (*engine)->SubmitWrites(*peer, std::span(&op, 1), kNoWriteKey,
+                                      [&, inner, sleep](BatchId b, Status st) {
+                                        if (sleep) std::this_thread::sleep_for(1200ms);
+                                        inner(b, std::move(st));
+                                      });
+    ASSERT_TRUE(id);
+    ASSERT_TRUE(w.Wait(In(10s)).ok());
+  };
+  ASSERT_NO_FATAL_FAILURE(quick(false));
+  EXPECT_TRUE(sink->last_formatted().empty());  // a healthy write logs nothing
+  ASSERT_NO_FATAL_FAILURE(quick(true));
+  engine->reset();
+  spdlog::set_default_logger(previous);
+  auto lines = sink->last_formatted();
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("blocked-engine"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("blocked 1"), std::string::npos) << lines[0];  // 1200-1299 ms
+  EXPECT_NE(lines[0].find("ucp_worker_progress"), std::string::npos) << lines[0];
 }
 
 TEST(UcxEngineTest, RegisteredCallerMemoryAndMalformedDescriptors) {
