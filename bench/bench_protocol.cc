@@ -77,10 +77,11 @@ BENCHMARK(BM_RenewalInline);
 void BM_RenewalSession(benchmark::State& state) {
   protocol::PrefillSessionOptions o;
   o.hold = Hold(30s);
+  o.block_len = 2 << 20;  // as the pulls say
   protocol::PrefillSession session(o);
   AdmitReady(128, [&](const std::string& x) {
     (void)session.Admit(x, 1, kT0);
-    (void)session.PrefillDone(x, 4, kT0);
+    (void)session.PrefillDone(x, {0, 1, 2, 3}, kT0);
   });
   const std::vector<std::uint8_t> bytes = RenewalBytes(128, state.range(0) != 0);
   const protocol::PeerAddress peer = "d0";
@@ -143,6 +144,7 @@ BENCHMARK(BM_PullInline);
 void BM_PullSession(benchmark::State& state) {
   protocol::PrefillSessionOptions o;
   o.hold = Hold(0s);
+  o.block_len = 2 << 20;  // as the pulls say
   o.remembered_pull_ids = kRing / 2;  // ids come back after kRing pulls
   protocol::PrefillSession session(o);
   const auto ring = PullRing();
@@ -151,7 +153,7 @@ void BM_PullSession(benchmark::State& state) {
   for (auto _ : state) {
     const std::string xfer = Xfer(i);
     (void)session.Admit(xfer, 1, kT0);
-    (void)session.PrefillDone(xfer, 4, kT0);
+    (void)session.PrefillDone(xfer, {0, 1, 2, 3}, kT0);
     session.OnMessage(peer, ring[static_cast<std::size_t>(i)], kT0);
     for (protocol::WriteJob& job : session.TakeWrites()) {
       session.OnWriteDone(job.ticket, protocol::WriteOutcome::Landed(), kT0);
@@ -207,6 +209,7 @@ BENCHMARK(BM_ReleaseInline);
 void BM_ReleaseSession(benchmark::State& state) {
   protocol::PrefillSessionOptions o;
   o.hold = Hold(30s);
+  o.block_len = 2 << 20;  // as the pulls say
   protocol::PrefillSession session(o);
   const auto ring = ReleaseRing();
   const protocol::PeerAddress peer = "d0";
@@ -214,7 +217,7 @@ void BM_ReleaseSession(benchmark::State& state) {
   for (auto _ : state) {
     const std::string xfer = Xfer(i);
     (void)session.Admit(xfer, 1, kT0);
-    (void)session.PrefillDone(xfer, 4, kT0);
+    (void)session.PrefillDone(xfer, {0, 1, 2, 3}, kT0);
     session.OnMessage(peer, ring[static_cast<std::size_t>(i)], kT0);
     benchmark::DoNotOptimize(session.TakeEngineEvents());
     for (protocol::Outgoing& out : session.TakeOutgoing()) {

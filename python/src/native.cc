@@ -198,14 +198,6 @@ class PyPrefillWorker {
     o.side_channel_endpoint = "tcp://" + c.side_channel_host + ":0";
     o.incarnation = c.incarnation;
     std::shared_ptr<State> state = state_;
-    auto source = [state](std::uint64_t handle) -> Result<std::vector<core::BlockId>> {
-      std::lock_guard<std::mutex> lock(state->mu);
-      auto it = state->blocks.find(handle);
-      if (it == state->blocks.end()) {
-        return Err(ErrorCode::kNotFound, "the engine holds no KV for this request any more");
-      }
-      return it->second;
-    };
     auto on_hold = [state](const core::HoldEvent& event) {
       // The listener thread: queue for take_events, never call into Python.
       if (event.kind != core::HoldEvent::Kind::kFreeBlocks &&
@@ -214,12 +206,9 @@ class PyPrefillWorker {
       }
       std::lock_guard<std::mutex> lock(state->mu);
       state->holds.push_back(event);
-      // This rank's senders read the blocks no more (kFreeBlocks comes after every write).
-      if (event.kind == core::HoldEvent::Kind::kFreeBlocks) state->blocks.erase(event.handle);
     };
     worker_ = StartWithoutGil(c, "-p", [&](std::shared_ptr<transport::Engine> engine) {
-      return runtime::PrefillWorker::Start(std::move(o), std::move(engine), std::move(source),
-                                           std::move(on_hold));
+      return runtime::PrefillWorker::Start(std::move(o), std::move(engine), std::move(on_hold));
     });
     driver_ = std::make_unique<runtime::PrefillDriver>(std::vector{worker_.get()});
   }
@@ -263,10 +252,6 @@ class PyPrefillWorker {
       if (expected_handle && *expected_handle != *handle) {
         return Status(ErrorCode::kAlreadyExists,
                       "transfer " + transfer_id + " is admitted for another request");
-      }
-      {
-        std::lock_guard<std::mutex> lock(state_->mu);
-        state_->blocks[*handle] = block_ids;  // readable by the senders from now on
       }
       return d.PrefillDone(transfer_id, std::move(block_ids));
     }));
@@ -364,7 +349,6 @@ class PyPrefillWorker {
  private:
   struct State {
     std::mutex mu;
-    std::unordered_map<std::uint64_t, std::vector<core::BlockId>> blocks;  // by handle
     std::deque<core::HoldEvent> holds;  // from the listener thread, for take_events
   };
   std::shared_ptr<runtime::PrefillWorker> Live() {
@@ -384,10 +368,6 @@ class PyPrefillWorker {
       for (const protocol::PrefillAdapterEvent& e : got) {
         seen(e);
         if (const auto* freed = std::get_if<protocol::FreeBlocks>(&e)) {
-          {
-            std::lock_guard<std::mutex> state_lock(state_->mu);
-            state_->blocks.erase(freed->handle);
-          }
           events_.emplace_back("free", freed->transfer, std::string(core::ToString(freed->reason)));
         } else if (const auto* abort = std::get_if<protocol::AbortPrefill>(&e)) {
           events_.emplace_back("abort", abort->transfer, std::string(core::ToString(abort->reason)));

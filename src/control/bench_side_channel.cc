@@ -21,6 +21,13 @@ using core::Clock;
 using namespace std::chrono_literals;
 
 constexpr std::uint32_t kBlocksPerPull = 16;
+
+// Block ids 0..n-1: the source blocks of a held transfer (the writer here never reads them).
+std::vector<core::BlockId> SourceBlocks(std::uint32_t n) {
+  std::vector<core::BlockId> blocks(n);
+  for (std::uint32_t i = 0; i < n; ++i) blocks[i] = i;
+  return blocks;
+}
 constexpr std::uint64_t kLeaseMs = 30000;
 
 // Lands every write at once: the benchmark measures the control path, not the data plane.
@@ -82,7 +89,9 @@ Status Renew(Mode& mode, const wire::Renewal& renewal) {
 Status TimedPull(Mode& mode, Samples& samples) {
   const std::string id = fmt::format("{}-xfer-{}", mode.name, mode.next_transfer++);
   if (Status s = mode.listener->Admit(id, 1).get(); !s.ok()) return s;
-  if (Status s = mode.listener->PrefillDone(id, kBlocksPerPull).get(); !s.ok()) return s;
+  if (Status s = mode.listener->PrefillDone(id, SourceBlocks(kBlocksPerPull)).get(); !s.ok()) {
+    return s;
+  }
   wire::Pull pull;
   pull.d_engine_id = "bench-d";
   pull.d_lease_ms = kLeaseMs;
@@ -112,6 +121,7 @@ Status StartMode(Mode& mode, const std::shared_ptr<SideChannelContext>& context)
   ListenerOptions options;
   options.hold.lease = std::chrono::milliseconds(kLeaseMs);
   options.num_senders = 2;
+  options.block_len = 4096;  // as the pulls say: one plane, no slicing
   options.engine_id = "bench-p-" + mode.name;
   options.cluster_secret = mode.secret;
   auto listener = PrefillListener::Start(options, std::make_shared<InstantWriter>(), nullptr);
@@ -126,7 +136,7 @@ Status StartMode(Mode& mode, const std::shared_ptr<SideChannelContext>& context)
   for (std::size_t i = 0; i < 128; ++i) {
     const std::string id = fmt::format("{}-held-{}", mode.name, i);
     if (Status s = mode.listener->Admit(id, 1).get(); !s.ok()) return s;
-    if (Status s = mode.listener->PrefillDone(id, 1).get(); !s.ok()) return s;
+    if (Status s = mode.listener->PrefillDone(id, SourceBlocks(1)).get(); !s.ok()) return s;
   }
   // Warm up: connection, handshake, caches.
   const wire::Renewal renewal = MakeRenewal(mode, 1);

@@ -58,6 +58,9 @@ protocol::PrefillSessionOptions SessionOptions(const ListenerOptions& o) {
   s.hold = o.hold;
   s.p_tp_size = o.p_tp_size;
   s.p_tp_rank = o.p_tp_rank;
+  s.kv_heads = o.kv_heads;
+  s.block_len = o.block_len;
+  s.head_slices = o.head_slices;
   s.max_cached_descriptors = o.max_cached_descriptors;
   s.max_pulls_in_progress = o.max_pulls_in_progress;
   s.max_parked_requests = o.max_parked_requests;
@@ -81,7 +84,7 @@ class PrefillListener::Impl {
     Kind kind = Kind::kStop;
     core::TransferId id;
     std::uint64_t handle = 0;
-    std::uint32_t num_blocks = 0;
+    std::vector<core::BlockId> blocks;  // kPrefillDone
     std::optional<std::promise<Status>> done;
     std::optional<std::promise<ListenerStats>> stats;
     // kWriteDone
@@ -173,7 +176,8 @@ class PrefillListener::Impl {
   }
 
   std::future<Status> PostEngineCommand(Command::Kind kind, const core::TransferId& id,
-                                        std::uint64_t handle, std::uint32_t num_blocks,
+                                        std::uint64_t handle,
+                                        std::vector<core::BlockId> blocks = {},
                                         Status why = {});
   ListenerStats Stats(std::chrono::milliseconds wait);
   Status Stop();
@@ -263,13 +267,14 @@ void PrefillListener::Impl::Post(Command command) {
 std::future<Status> PrefillListener::Impl::PostEngineCommand(Command::Kind kind,
                                                              const core::TransferId& id,
                                                              std::uint64_t handle,
-                                                             std::uint32_t num_blocks, Status why) {
+                                                             std::vector<core::BlockId> blocks,
+                                                             Status why) {
   Command command;
   command.kind = kind;
   command.why = std::move(why);
   command.id = id;
   command.handle = handle;
-  command.num_blocks = num_blocks;
+  command.blocks = std::move(blocks);
   command.done.emplace();
   std::future<Status> result = command.done->get_future();
   bool was_empty = false;
@@ -579,7 +584,7 @@ bool PrefillListener::Impl::ProcessCommands() {
         status = session_.Admit(c.id, c.handle, now);
         break;
       case Command::Kind::kPrefillDone:
-        status = session_.PrefillDone(c.id, c.num_blocks, now);
+        status = session_.PrefillDone(c.id, std::move(c.blocks), now);
         break;
       case Command::Kind::kEngineFinished:
         session_.EngineFinished(c.id, now);
@@ -714,17 +719,17 @@ PrefillListener::~PrefillListener() = default;  // Impl's destructor stops and j
 const std::string& PrefillListener::endpoint() const { return impl_->endpoint(); }
 
 std::future<Status> PrefillListener::Admit(const core::TransferId& id, std::uint64_t handle) {
-  return impl_->PostEngineCommand(Impl::Command::Kind::kAdmit, id, handle, 0);
+  return impl_->PostEngineCommand(Impl::Command::Kind::kAdmit, id, handle);
 }
 std::future<Status> PrefillListener::PrefillDone(const core::TransferId& id,
-                                                 std::uint32_t num_blocks) {
-  return impl_->PostEngineCommand(Impl::Command::Kind::kPrefillDone, id, 0, num_blocks);
+                                                 std::vector<core::BlockId> blocks) {
+  return impl_->PostEngineCommand(Impl::Command::Kind::kPrefillDone, id, 0, std::move(blocks));
 }
 std::future<Status> PrefillListener::EngineFinished(const core::TransferId& id) {
-  return impl_->PostEngineCommand(Impl::Command::Kind::kEngineFinished, id, 0, 0);
+  return impl_->PostEngineCommand(Impl::Command::Kind::kEngineFinished, id, 0);
 }
 std::future<Status> PrefillListener::Refuse(const core::TransferId& id, Status why) {
-  return impl_->PostEngineCommand(Impl::Command::Kind::kRefuse, id, 0, 0, std::move(why));
+  return impl_->PostEngineCommand(Impl::Command::Kind::kRefuse, id, 0, {}, std::move(why));
 }
 ListenerStats PrefillListener::Stats(std::chrono::milliseconds wait) { return impl_->Stats(wait); }
 Status PrefillListener::Stop() { return impl_->Stop(); }

@@ -82,6 +82,10 @@ struct ListenerOptions {
   core::HoldConfig hold;
   std::uint32_t p_tp_size = 1;
   std::uint32_t p_tp_rank = 0;
+  // This rank's KV layout, from which the session plans every write (PrefillSessionOptions).
+  std::uint32_t kv_heads = 0;
+  std::uint64_t block_len = 0;  // > 0
+  bool head_slices = true;
   std::size_t num_senders = 4;  // >= 1
   // Stop(): how long in-flight writes may take to finish, then how long after CancelWrites().
   std::chrono::milliseconds drain_timeout{5000};
@@ -130,8 +134,9 @@ class PrefillListener {
   // listener thread in call order. The future holds the HoldTable's Status (kCancelled once
   // Stop() began). Never block on it from `on_hold_event`.
   [[nodiscard]] std::future<Status> Admit(const core::TransferId& id, std::uint64_t handle);
+  // `blocks`: the transfer's KV on this rank (PrefillSession::PrefillDone).
   [[nodiscard]] std::future<Status> PrefillDone(const core::TransferId& id,
-                                                std::uint32_t num_blocks);
+                                                std::vector<core::BlockId> blocks);
   [[nodiscard]] std::future<Status> EngineFinished(const core::TransferId& id);
   // The engine refused the request without admitting it: core::HoldTable::Refuse (D's pull
   // of it fails at once with `why`).

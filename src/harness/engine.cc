@@ -173,10 +173,6 @@ struct ServingEngine::Impl {
   std::atomic<std::uint64_t> next_handle{1};
   std::size_t queued = 0;  // requests submitted and not yet finished (under mu)
 
-  // P: the source blocks of held requests, read by sender threads through SourceBlocksFn.
-  std::mutex source_mu;
-  std::unordered_map<std::uint64_t, std::vector<BlockId>> source_blocks;
-
   std::mutex stats_mu;
   Stats stats;
 
@@ -347,14 +343,6 @@ Status ServingEngine::Impl::StartRanks() {
         if (phase == runtime::WritePhase::kEnd) line["status"] = status.ToString();
         trace->Line(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
       };
-      auto source = [this](std::uint64_t handle) -> Result<std::vector<BlockId>> {
-        std::lock_guard<std::mutex> lock(source_mu);
-        auto it = source_blocks.find(handle);
-        if (it == source_blocks.end()) {
-          return Err(ErrorCode::kNotFound, fmt::format("request handle {} holds no KV", handle));
-        }
-        return it->second;
-      };
       auto on_hold = [this, rank](const core::HoldEvent& event) {
         // Listener thread: must not block. The engine thread acts on it.
         if (event.kind != core::HoldEvent::Kind::kFreeBlocks &&
@@ -367,7 +355,7 @@ Status ServingEngine::Impl::StartRanks() {
         }
         cv.notify_all();
       };
-      auto worker = runtime::PrefillWorker::Start(o, transports[rank], source, on_hold);
+      auto worker = runtime::PrefillWorker::Start(o, transports[rank], on_hold);
       if (!worker) {
         return Status(worker.error().code(),
                       fmt::format("prefill rank {}: {}", rank, worker.error().message()));
@@ -975,10 +963,6 @@ void ServingEngine::Impl::HandOver(Request& r) {
   const std::vector<BlockId> kv(
       r.blocks.begin(),
       r.blocks.begin() + BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens));
-  {
-    std::lock_guard<std::mutex> lock(source_mu);
-    source_blocks[r.handle] = r.blocks;
-  }
   r.phase = Phase::kHeld;
   r.answered = true;
   // Every rank holds it for the decoder, or the adapter says why not (HandOffFailed) and lets
@@ -1063,8 +1047,6 @@ void ServingEngine::Impl::FreeBlocks(Request& r) {
   if (r.blocks.empty()) return;
   (void)pool->Free(r.blocks, r.handle);  // a block it does not hold is counted, not freed
   r.blocks.clear();
-  std::lock_guard<std::mutex> lock(source_mu);
-  source_blocks.erase(r.handle);
 }
 
 void ServingEngine::Impl::Erase(std::uint64_t handle) {

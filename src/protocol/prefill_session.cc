@@ -30,6 +30,9 @@ Status PrefillSession::ValidateOptions(const PrefillSessionOptions& options) {
                   fmt::format("p_tp_rank {} of tp {}: tp must be 1..{} and the rank below it",
                               options.p_tp_rank, options.p_tp_size, core::kMaxTpSize));
   }
+  if (options.block_len == 0) {
+    return Status(ErrorCode::kInvalidArgument, "block_len must be > 0 (bytes of one block)");
+  }
   if (options.engine_id.empty() || options.engine_id.size() > wire::kMaxIdBytes) {
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("engine_id must be 1..{} bytes", wire::kMaxIdBytes));
@@ -405,19 +408,63 @@ void PrefillSession::Dispatch(std::uint64_t key, std::uint32_t index, TimePoint 
     AddErr(key, wave, index, begin);
     return;
   }
+  auto writes = PlanRequest(pull, request);
+  if (!writes || writes->empty()) {
+    // Nothing leaves this rank: a plan that fails wrote nothing, and replicated KV is another
+    // P rank's to write (SPEC §5); either way the request is answered now.
+    (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, writes.has_value(), now);
+    if (writes) {
+      AddOk(key, wave, index);
+    } else {
+      ++counters_.writes_failed;
+      AddErr(key, wave, index, writes.error());
+    }
+    return;
+  }
   WriteJob job;
   job.ticket = next_ticket_++;
   job.pull_id = pull.id;
   job.context = pull.context;
   job.transfer_id = request.transfer_id;
-  auto handle = handles_.find(request.transfer_id);
-  job.handle = handle == handles_.end() ? 0 : handle->second;
   job.d_req_id = request.d_req_id;
   job.dst_block_ids = std::move(request.block_ids);  // not needed here any more
+  job.writes = std::move(*writes);
   ++wave.outstanding;
   ++counters_.writes_started;
   writes_.emplace(job.ticket, Ticket{{key, index}, wave_index});
   new_writes_.push_back(std::move(job));
+}
+
+Result<std::vector<core::BlockWrite>> PrefillSession::PlanRequest(
+    const PendingPull& pull, const wire::PullRequest& request) const {
+  auto source = sources_.find(request.transfer_id);
+  if (source == sources_.end()) {
+    // BeginSend succeeded, so the table holds the transfer prefilled: its blocks are here.
+    return Err(ErrorCode::kInternal,
+               fmt::format("transfer {}: no source blocks", request.transfer_id));
+  }
+  const PullContext& context = *pull.context;
+  std::span<const core::BlockId> src(source->second);
+  if (src.size() < request.block_ids.size()) {
+    return Err(ErrorCode::kOutOfRange,
+               fmt::format("transfer {}: prefill holds {} blocks, decoder asked for {}",
+                           request.transfer_id, src.size(), request.block_ids.size()));
+  }
+  // D may already hold a prefix (a cache hit): it asks only for the last blocks.
+  src = src.subspan(src.size() - request.block_ids.size());
+  const core::TpLayout p_layout{options_.p_tp_size, options_.kv_heads, options_.block_len};
+  const core::TpLayout d_layout{context.d_tp_size, options_.kv_heads, context.block_len};
+  auto slice = core::PlanSlice(options_.p_tp_rank, p_layout, context.d_tp_rank, d_layout);
+  if (!slice) return tl::unexpected(slice.error());
+  if (!slice->should_write) return std::vector<core::BlockWrite>{};
+  if (!options_.head_slices && (slice->src_offset != 0 || slice->length != options_.block_len)) {
+    return Err(ErrorCode::kInvalidArgument,
+               fmt::format("transfer {}: decoder rank {} of TP {} needs a head slice of each "
+                           "block, and this prefill rank's KV layout does not keep a head's "
+                           "bytes together",
+                           request.transfer_id, context.d_tp_rank, context.d_tp_size));
+  }
+  return core::PlanWrites(src, request.block_ids, *slice, options_.block_len, context.block_len);
 }
 
 PrefillSession::Wave& PrefillSession::OpenWave(PendingPull& pull, std::uint64_t key,
@@ -463,11 +510,21 @@ void PrefillSession::AddErr(std::uint64_t key, Wave& wave, std::uint32_t index,
 }
 
 void PrefillSession::DrainHoldEvents(TimePoint now) {
-  for (core::HoldEvent& event : table_->TakeEvents()) {
+  // Handling an event can make more (a request answered while it is dispatched ends its send),
+  // so drain until the table has none.
+  for (std::vector<core::HoldEvent> events = table_->TakeEvents(); !events.empty();
+       events = table_->TakeEvents()) {
+    DrainHoldEventBatch(events, now);
+  }
+  NotePassDue(now);
+}
+
+void PrefillSession::DrainHoldEventBatch(std::vector<core::HoldEvent>& events, TimePoint now) {
+  for (core::HoldEvent& event : events) {
     switch (event.kind) {
       case core::HoldEvent::Kind::kFreeBlocks:
       case core::HoldEvent::Kind::kAbortPrefill:
-        handles_.erase(event.id);
+        sources_.erase(event.id);
         ++counters_.hold_events_delivered;
         engine_events_.push_back(std::move(event));
         break;
@@ -520,7 +577,6 @@ void PrefillSession::DrainHoldEvents(TimePoint now) {
       }
     }
   }
-  NotePassDue(now);
 }
 
 void PrefillSession::NotePassDue(TimePoint now) {
@@ -540,15 +596,24 @@ void PrefillSession::NotePassDue(TimePoint now) {
 
 Status PrefillSession::Admit(const core::TransferId& id, std::uint64_t handle, TimePoint now) {
   Status status = table_->Admit(id, handle, now);
-  if (status.ok()) handles_[id] = handle;
   DrainHoldEvents(now);
   Flush();
   return status;
 }
 
-Status PrefillSession::PrefillDone(const core::TransferId& id, std::uint32_t num_blocks,
+Status PrefillSession::PrefillDone(const core::TransferId& id, std::vector<core::BlockId> blocks,
                                    TimePoint now) {
+  if (blocks.size() > wire::kMaxBlocksPerRequest) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("transfer {}: {} blocks, at most {}", id, blocks.size(),
+                              wire::kMaxBlocksPerRequest));
+  }
+  const auto num_blocks = static_cast<std::uint32_t>(blocks.size());
+  // Kept first: the table may make the transfer ready now, and the parked pulls it wakes are
+  // planned from these blocks in this call.
+  auto [kept, fresh] = sources_.try_emplace(id, std::move(blocks));
   Status status = table_->PrefillDone(id, num_blocks, now);
+  if (!status.ok() && fresh) sources_.erase(kept);
   DrainHoldEvents(now);
   Flush();
   return status;
@@ -563,7 +628,6 @@ Status PrefillSession::Refuse(const core::TransferId& id, Status why, TimePoint 
 
 void PrefillSession::EngineFinished(const core::TransferId& id, TimePoint now) {
   table_->EngineFinished(id, now);
-  handles_.erase(id);
   DrainHoldEvents(now);
   Flush();
 }
@@ -752,6 +816,7 @@ PrefillStats PrefillSession::stats() const {
   s.pulls_in_progress = pulls_.size();
   s.requests_parked = parked_count_;
   s.writes_in_flight = writes_.size();
+  s.source_transfers = sources_.size();
   s.hold = table_->stats();
   s.hold_entries = table_->size();
   return s;

@@ -1,8 +1,9 @@
 // PrefillSession: the P side of the side-channel protocol for one P worker (SPEC §1–§5), sans-IO.
 //
 // It owns everything P decides: the core::HoldTable (lease, renewals, tombstones, expiry), the
-// pairing checks of each pull, the pulls that wait for a prefill (parked), the waves of writes
-// and the replies they produce, the cache of D's region descriptors, and every limit a peer can
+// pairing checks of each pull, the pulls that wait for a prefill (parked), the plan of every
+// write (from the source blocks PrefillDone gave it: see WriteJob), the waves of writes and the
+// replies they produce, the cache of D's region descriptors, and every limit a peer can
 // push against. It owns no socket, thread or clock: every call takes `now`, and what it decides
 // comes out of the Take*() queues —
 //   TakeOutgoing()      replies (wire structs) and the peer they go to,
@@ -51,6 +52,7 @@
 #include "kvferry/core/hold_table.h"
 #include "kvferry/core/ids.h"
 #include "kvferry/core/time.h"
+#include "kvferry/core/tp_plan.h"
 #include "kvferry/status.h"
 #include "protocol/hold.h"
 #include "wire/messages.h"
@@ -79,14 +81,18 @@ struct PullContext {
 };
 
 // One request of a pull, ready to be written: the transfer's KV goes into `dst_block_ids`.
+// The session planned it (core/tp_plan.h): `writes` are the byte ranges this P rank owes the
+// pulling D rank, the same in every KV plane (planes share block ids and block_len), with
+// contiguous runs merged. Never empty: a request with nothing to write (replicated KV a lower
+// P rank writes) or that cannot be planned is answered by the session without a job.
 struct WriteJob {
   std::uint64_t ticket = 0;   // give it back to OnWriteDone
   std::uint64_t pull_id = 0;  // the Pull's wire id (for traces)
   std::shared_ptr<const PullContext> context;
   core::TransferId transfer_id;
-  std::uint64_t handle = 0;  // the engine's cookie given to Admit (finds the source blocks)
   core::RequestId d_req_id;
   std::vector<core::BlockId> dst_block_ids;
+  std::vector<core::BlockWrite> writes;
 };
 
 // How a write ended, as far as D's blocks are concerned.
@@ -117,6 +123,14 @@ struct PrefillSessionOptions {
   core::HoldConfig hold;
   std::uint32_t p_tp_size = 1;
   std::uint32_t p_tp_rank = 0;
+  // This rank's KV layout, for planning writes (core::TpLayout): the model's KV heads (0:
+  // unknown, as many as the larger TP of a pair) and the bytes of one block in one plane (> 0).
+  std::uint32_t kv_heads = 0;
+  std::uint64_t block_len = 0;
+  // False: a block does not keep a KV head's bytes together (a token-major layout), so a pull
+  // that needs part of a block (a decoder of a larger TP size) fails with the reason instead of
+  // moving the wrong bytes.
+  bool head_slices = true;
   // Region descriptors remembered per (d_engine_id, d_tp_rank); beyond this one is evicted (its
   // D gets ERROR kNotFound on its next descriptor-less pull and resends it).
   std::size_t max_cached_descriptors = 4096;
@@ -175,6 +189,7 @@ struct PrefillStats {
   std::uint64_t pulls_in_progress = 0;
   std::uint64_t requests_parked = 0;   // waiting for a prefill
   std::uint64_t writes_in_flight = 0;  // handed out by TakeWrites, not yet answered
+  std::uint64_t source_transfers = 0;  // transfers whose source blocks the session keeps
   // The HoldTable's own view.
   core::HoldStats hold;
   std::size_t hold_entries = 0;
@@ -208,7 +223,11 @@ class PrefillSession {
 
   // ---- Input from P's engine: core::HoldTable's contracts ----
   [[nodiscard]] Status Admit(const core::TransferId& id, std::uint64_t handle, core::TimePoint now);
-  [[nodiscard]] Status PrefillDone(const core::TransferId& id, std::uint32_t num_blocks,
+  // `blocks` hold the transfer's KV on this rank, in order (at most wire::kMaxBlocksPerRequest,
+  // kInvalidArgument beyond); the session keeps them until it tells the engine to free them
+  // (kFreeBlocks, kAbortPrefill) and plans every write from them. D may ask for fewer (a prefix
+  // hit on D): it gets the last ones.
+  [[nodiscard]] Status PrefillDone(const core::TransferId& id, std::vector<core::BlockId> blocks,
                                    core::TimePoint now);
   void EngineFinished(const core::TransferId& id, core::TimePoint now);
   // The engine refused the request without admitting it: core::HoldTable::Refuse.
@@ -290,6 +309,10 @@ class PrefillSession {
                                                               wire::Pull& pull);
   void AdmitRequest(std::uint64_t key, std::uint32_t index, core::TimePoint now);
   void Dispatch(std::uint64_t key, std::uint32_t index, core::TimePoint now);
+  // What this rank writes for `request` of `pull` (see WriteJob): the tail of the transfer's
+  // source blocks into D's, sliced to the heads the two ranks share.
+  Result<std::vector<core::BlockWrite>> PlanRequest(const PendingPull& pull,
+                                                    const wire::PullRequest& request) const;
   Wave& OpenWave(PendingPull& pull, std::uint64_t key, std::uint32_t* index = nullptr);
   void AddOk(std::uint64_t key, Wave& wave, std::uint32_t index);
   void AddErr(std::uint64_t key, Wave& wave, std::uint32_t index, const Status& status,
@@ -299,6 +322,7 @@ class PrefillSession {
   // Also notes when the next expiry pass is due (NotePassDue): every call that changes the
   // table drains its events.
   void DrainHoldEvents(core::TimePoint now);
+  void DrainHoldEventBatch(std::vector<core::HoldEvent>& events, core::TimePoint now);
   void NotePassDue(core::TimePoint now);
   // Sends the waves that are complete, forgets finished pulls, closes the step.
   void Flush();
@@ -324,7 +348,8 @@ class PrefillSession {
   std::unordered_map<core::TransferId, std::vector<RequestRef>> parked_;
   std::size_t parked_count_ = 0;
   std::size_t retained_blocks_ = 0;
-  std::unordered_map<core::TransferId, std::uint64_t> handles_;  // Admit's cookie
+  // Source blocks of each transfer prefilled and not yet freed (PrefillDone .. kFreeBlocks).
+  std::unordered_map<core::TransferId, std::vector<core::BlockId>> sources_;
   std::unordered_map<std::string, std::shared_ptr<const std::vector<std::uint8_t>>> descriptors_;
   std::unordered_map<std::uint64_t, Ticket> writes_;
   std::uint64_t next_ticket_ = 1;

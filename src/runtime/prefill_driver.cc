@@ -54,8 +54,7 @@ std::vector<protocol::PrefillAdapterEvent> PrefillDriver::Pump() {
           acks.push_back(worker.Admit(call.transfer, call.handle));
           break;
         case Kind::kPrefillDone:
-          acks.push_back(
-              worker.PrefillDone(call.transfer, static_cast<std::uint32_t>(call.blocks.size())));
+          acks.push_back(worker.PrefillDone(call.transfer, call.blocks));
           break;
         case Kind::kEngineFinished:
           acks.push_back(worker.EngineFinished(call.transfer));

@@ -4,8 +4,8 @@
 // over sessions.
 //
 // Contract: not thread-safe (one caller at a time). The workers must outlive the driver. The
-// engine keeps the source blocks of a transfer readable by the workers' senders (their
-// SourceBlocksFn) from before PrefillDone until FreeBlocks. Pump() waits for each rank call's
+// engine leaves a transfer's blocks untouched from PrefillDone until FreeBlocks (each rank's
+// session plans its writes from the block ids it was given). Pump() waits for each rank call's
 // acknowledgement, at most `ack_timeout` (the worker's listener thread answers it): an Admit
 // that does not answer counts as refused (and is rolled back); a PrefillDone that does not
 // answer counts as held — its blocks are kept until that rank frees them, since reusing them

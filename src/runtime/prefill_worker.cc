@@ -31,9 +31,8 @@ constexpr std::chrono::milliseconds kDeregisterTimeout{5000};
 
 }  // namespace
 
-TransportKvWriter::TransportKvWriter(std::shared_ptr<transport::Engine> engine, Options options,
-                                     SourceBlocksFn source)
-    : engine_(std::move(engine)), options_(std::move(options)), source_(std::move(source)) {}
+TransportKvWriter::TransportKvWriter(std::shared_ptr<transport::Engine> engine, Options options)
+    : engine_(std::move(engine)), options_(std::move(options)) {}
 
 TransportKvWriter::~TransportKvWriter() { CancelWrites(); }
 
@@ -97,41 +96,15 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
   using protocol::WriteOutcome;
   // Every failure before SubmitWrites wrote nothing.
   auto failed = [](Status why) { return WriteOutcome::Failed(std::move(why)); };
-  auto source = source_(job.handle);
-  if (!source) return failed(source.error());
-  if (source->size() < job.dst_block_ids.size()) {
-    return failed(Status(ErrorCode::kOutOfRange,
-                         fmt::format("transfer {}: prefill holds {} blocks, decoder asked for {}",
-                                     job.transfer_id, source->size(), job.dst_block_ids.size())));
-  }
-  // D may already hold a prefix (a cache hit): it asks only for the last blocks.
-  std::span<const core::BlockId> src(*source);
-  src = src.subspan(src.size() - job.dst_block_ids.size());
-
-  const core::TpLayout d_layout{context.d_tp_size, options_.layout.kv_heads, context.block_len};
-  auto slice = core::PlanSlice(options_.p_tp_rank, options_.layout, context.d_tp_rank, d_layout);
-  if (!slice) return failed(slice.error());
-  if (!options_.head_slices && slice->should_write &&
-      (slice->src_offset != 0 || slice->length != options_.layout.block_len)) {
-    return failed(Status(ErrorCode::kInvalidArgument,
-                         fmt::format("transfer {}: decoder rank {} of TP {} needs a head slice of "
-                                     "each block, and this prefill rank's KV layout does not "
-                                     "keep a head's bytes together",
-                                     job.transfer_id, context.d_tp_rank, context.d_tp_size)));
-  }
-  auto ops = core::PlanWrites(src, job.dst_block_ids, *slice, options_.layout.block_len,
-                              context.block_len);
-  if (!ops) return failed(ops.error());
-  if (ops->empty()) return WriteOutcome::Landed();  // replicated KV another P rank writes
-
+  if (job.writes.empty()) return WriteOutcome::Landed();  // the session hands out none such
   auto peer = PeerFor(*context.region_descriptor);
   if (!peer) return failed(peer.error());
   // The same offsets in every plane: planes share block ids and block_len.
   std::vector<transport::WriteOp> batch;
-  batch.reserve(ops->size() * options_.regions.size());
+  batch.reserve(job.writes.size() * options_.regions.size());
   std::uint64_t bytes = 0;
   for (std::size_t plane = 0; plane < options_.regions.size(); ++plane) {
-    for (const core::BlockWrite& op : *ops) {
+    for (const core::BlockWrite& op : job.writes) {
       batch.push_back({options_.regions[plane], peer->remote_regions[plane], op.src_offset,
                        op.dst_offset, op.length});
       bytes += op.length;
@@ -198,7 +171,7 @@ void TransportKvWriter::CancelWrites() {
 }
 
 Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
-    PrefillWorkerOptions options, std::shared_ptr<transport::Engine> engine, SourceBlocksFn source,
+    PrefillWorkerOptions options, std::shared_ptr<transport::Engine> engine,
     control::HoldEventCallback on_hold_event) {
   if (options.block_len == 0 || options.num_blocks == 0 || options.tp_rank >= options.tp_size) {
     return Err(
@@ -215,14 +188,10 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   worker->memory_ = std::move(*memory);
 
   TransportKvWriter::Options writer_options;
-  writer_options.p_tp_rank = options.tp_rank;
-  writer_options.layout = {options.tp_size, options.kv_heads, options.block_len};
   writer_options.regions = worker->memory_.ids();
-  writer_options.head_slices = options.head_slices;
   writer_options.write_timeout = options.write_timeout;
   writer_options.trace = options.trace;
-  worker->writer_ =
-      std::make_shared<TransportKvWriter>(worker->engine_, writer_options, std::move(source));
+  worker->writer_ = std::make_shared<TransportKvWriter>(worker->engine_, writer_options);
 
   control::ListenerOptions listener_options;
   listener_options.endpoint = options.side_channel_endpoint;
@@ -230,6 +199,9 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   listener_options.hold = options.hold;
   listener_options.p_tp_size = options.tp_size;
   listener_options.p_tp_rank = options.tp_rank;
+  listener_options.kv_heads = options.kv_heads;
+  listener_options.block_len = options.block_len;
+  listener_options.head_slices = options.head_slices;
   listener_options.num_senders = options.num_senders;
   listener_options.cluster_secret = options.cluster_secret;
   std::shared_ptr<control::KvWriter> writer = worker->writer_;

@@ -29,37 +29,27 @@
 
 namespace kvferry::runtime {
 
-// Source blocks of a request, by the handle the engine gave to Admit. kNotFound when the engine
-// no longer has them (the write then fails with that reason).
-using SourceBlocksFn = std::function<Result<std::vector<core::BlockId>>(std::uint64_t handle)>;
-
 // What a trace hook sees: the moment a write of `job` starts or ends (steady clock, which is
 // system-wide on Linux, so traces of several processes on one host can be merged).
 enum class WritePhase : std::uint8_t { kStart, kEnd };
 using WriteTraceFn = std::function<void(WritePhase, const protocol::PullContext&,
                                         const protocol::WriteJob&, core::TimePoint, const Status&)>;
 
-// KvWriter over a transport::Engine: plans the slice of every block this P rank owes the pulling
-// D rank (core/tp_plan.h), coalesces contiguous runs, and writes them, for every KV plane, as
-// one batch. A failed batch is kFailed only when nothing of it was posted or the receiver
+// KvWriter over a transport::Engine: writes the byte ranges the session planned for a job
+// (protocol::WriteJob::writes), for every KV plane, as one batch. A failed batch is kFailed only when nothing of it was posted or the receiver
 // itself refused it (kOutOfRange, kRejected: its ack came after every op was applied or
 // refused); any other failure (timeout, cancel, a dead or unreachable peer) is kUnsettled,
 // because bytes already sent may still be applied at the receiver.
 class TransportKvWriter : public control::KvWriter {
  public:
   struct Options {
-    std::uint32_t p_tp_rank = 0;
-    core::TpLayout layout;  // this P engine: tp, kv_heads, block_len (per plane)
     // This rank's KV planes (runtime/kv_memory.h), in plane order; D's descriptor must list as
     // many regions, in the same order.
     std::vector<transport::RegionId> regions;
-    // False: a block does not keep a KV head's bytes together (PrefillWorkerOptions).
-    bool head_slices = true;
     std::chrono::milliseconds write_timeout{30000};
     WriteTraceFn trace;  // optional
   };
-  TransportKvWriter(std::shared_ptr<transport::Engine> engine, Options options,
-                    SourceBlocksFn source);
+  TransportKvWriter(std::shared_ptr<transport::Engine> engine, Options options);
   ~TransportKvWriter() override;
 
   protocol::WriteOutcome Write(const protocol::PullContext& context,
@@ -80,7 +70,6 @@ class TransportKvWriter : public control::KvWriter {
 
   std::shared_ptr<transport::Engine> engine_;
   Options options_;
-  SourceBlocksFn source_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, Peer> peers_;  // by descriptor bytes
   std::uint64_t bytes_written_ = 0;
@@ -126,7 +115,7 @@ class PrefillWorker {
   // listener, and registers with the bootstrap service when an address is given.
   [[nodiscard]] static Result<std::unique_ptr<PrefillWorker>> Start(
       PrefillWorkerOptions options, std::shared_ptr<transport::Engine> engine,
-      SourceBlocksFn source, control::HoldEventCallback on_hold_event);
+      control::HoldEventCallback on_hold_event);
   // Stops the listener (drains in-flight writes) before the region is deregistered.
   ~PrefillWorker();
 
@@ -142,9 +131,10 @@ class PrefillWorker {
   [[nodiscard]] std::future<Status> Admit(const core::TransferId& id, std::uint64_t handle) {
     return listener_->Admit(id, handle);
   }
+  // `blocks`: the transfer's KV on this rank, kept until kFreeBlocks / kAbortPrefill.
   [[nodiscard]] std::future<Status> PrefillDone(const core::TransferId& id,
-                                                std::uint32_t num_blocks) {
-    return listener_->PrefillDone(id, num_blocks);
+                                                std::vector<core::BlockId> blocks) {
+    return listener_->PrefillDone(id, std::move(blocks));
   }
   [[nodiscard]] std::future<Status> EngineFinished(const core::TransferId& id) {
     return listener_->EngineFinished(id);

@@ -215,19 +215,21 @@ class Sim {
     dreqs_.resize(n);
     res_.writes_after_free.assign(c.p.tp, 0);
     res_.writes_after_realloc.assign(c.p.tp, 0);
+    p_layout_ = {c.p.tp, c.model.kv_heads, BlockLen(c.p.tp)};
+    d_layout_ = {c.d.tp, c.model.kv_heads, BlockLen(c.d.tp)};
     for (std::uint32_t r = 0; r < c.p.tp; ++r) {
       protocol::PrefillSessionOptions options;
       options.engine_id = "P";  // what D's requests name (SourceOf)
       options.hold = c.p.hold;
       options.p_tp_size = c.p.tp;
       options.p_tp_rank = r;
+      options.kv_heads = p_layout_.kv_heads;
+      options.block_len = p_layout_.block_len;
       PRank rank;
       rank.session = std::make_unique<protocol::PrefillSession>(
           options, [&c](const core::HoldConfig& hc) { return c.variants.NewHold(hc); });
       p_ranks_.push_back(std::move(rank));
     }
-    p_layout_ = {c.p.tp, c.model.kv_heads, BlockLen(c.p.tp)};
-    d_layout_ = {c.d.tp, c.model.kv_heads, BlockLen(c.d.tp)};
     for (std::uint32_t r = 0; r < c.d.tp; ++r) {
       protocol::DecodeSessionOptions options;
       options.engine_id = "D";
@@ -524,8 +526,7 @@ class Sim {
             break;
           }
           case protocol::PrefillRankCall::Kind::kPrefillDone: {
-            const auto num_blocks = static_cast<std::uint32_t>(call.blocks.size());
-            const Status s = session.PrefillDone(call.transfer, num_blocks, now());
+            const Status s = session.PrefillDone(call.transfer, call.blocks, now());
             if (s.ok() && id >= 0) {
               Mirror& m = p_ranks_[r].mirror[id];
               m.ready = true;
@@ -912,19 +913,9 @@ class Sim {
     }
     ++rank.mirror[pull.req].sending;
     const std::uint32_t d_rank = job.context->d_tp_rank;
-    auto slice = core::PlanSlice(r, p_layout_, d_rank, d_layout_);
+    // The session planned the write (WriteJob::writes); the data plane only moves the bytes.
     std::uint64_t bytes = 0;
-    if (slice) {
-      auto ops = core::PlanWrites(p.blocks, job.dst_block_ids, *slice, p_layout_.block_len,
-                                  d_layout_.block_len);
-      if (ops) {
-        for (const core::BlockWrite& op : *ops) bytes += op.length;
-      } else {
-        Violation("PlanWrites: " + ops.error().ToString());
-      }
-    } else {
-      Violation("PlanSlice: " + slice.error().ToString());
-    }
+    for (const core::BlockWrite& op : job.writes) bytes += op.length;
     Write w{pull.req,
             r,
             d_rank,
@@ -935,7 +926,7 @@ class Sim {
             false,
             job.ticket};
     if (r == 0 && rng_.Chance(c_.faults.p0_err_after_write)) w.err_after = true;
-    if (slice && slice->should_write && rng_.Chance(c_.faults.unsettled_write)) w.give_up = true;
+    if (rng_.Chance(c_.faults.unsettled_write)) w.give_up = true;
     Duration delay{0};
     if (r == 1 && c_.faults.p1_write_delay.count() > 0) {
       delay += rng_.Span(Duration{0}, c_.faults.p1_write_delay);
@@ -943,12 +934,6 @@ class Sim {
     if (rng_.Chance(c_.faults.slow_write)) delay += rng_.Span(Duration{0}, c_.faults.slow_max);
     const std::uint64_t wid = next_write_++;
     ++p.inflight[r];
-    if (slice && !slice->should_write) {
-      // Replicated KV written by a lower P rank: answer ok without a WRITE (SPEC §5).
-      writes_[wid] = std::move(w);
-      loop_.After(delay, kWriteEnd, wid, [this, wid] { WriteEnd(wid, false); });
-      return;
-    }
     const Duration duration = c_.dp.latency + TransmitTime(bytes, c_.dp.bytes_per_s);
     writes_[wid] = std::move(w);
     loop_.After(delay, kWriteStart, wid, [this, wid, duration] {

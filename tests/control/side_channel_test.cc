@@ -176,6 +176,7 @@ class SideChannelTest : public ::testing::Test {
     options.num_senders = senders;
     options.p_tp_size = p_tp;
     options.p_tp_rank = p_rank;
+    options.block_len = 4096;  // as MakePull says
     options.drain_timeout = 300ms;
     options.cancel_grace = 300ms;
     options.linger = 200ms;
@@ -205,7 +206,9 @@ class SideChannelTest : public ::testing::Test {
 
   void Ready(const std::string& id, std::uint64_t handle = 7, std::uint32_t blocks = 2) {
     ASSERT_TRUE(Get(listener_->Admit(id, handle)).ok());
-    ASSERT_TRUE(Get(listener_->PrefillDone(id, blocks)).ok());
+    std::vector<core::BlockId> source(blocks);
+    for (std::uint32_t i = 0; i < blocks; ++i) source[i] = i;
+    ASSERT_TRUE(Get(listener_->PrefillDone(id, std::move(source))).ok());
   }
 
   PullOutcome DoPull(DecodeChannel& channel, const wire::Pull& pull,
@@ -268,7 +271,7 @@ TEST_F(SideChannelTest, RenewalAndPullOnOneChannel) {
   EXPECT_EQ(out.responses[0].status, wire::PullStatus::kFinish);
   EXPECT_EQ(out.responses[0].ok, std::vector<core::RequestId>{"d-1"});
   ASSERT_EQ(writer_->jobs().size(), 1u);
-  EXPECT_EQ(writer_->jobs()[0].handle, 42u);
+  EXPECT_EQ(writer_->jobs()[0].writes, (std::vector<core::BlockWrite>{{0, 0, 8192}}));
   EXPECT_EQ(writer_->jobs()[0].dst_block_ids, (std::vector<core::BlockId>{0, 1}));
   EXPECT_EQ(writer_->contexts()[0].d_engine_id, "d-engine");
   ASSERT_NE(writer_->contexts()[0].region_descriptor, nullptr);
@@ -321,7 +324,7 @@ TEST_F(SideChannelTest, RenewalsAnsweredWhileEverySenderIsBlocked) {
 
   writer_->SetOpen(true);
   ASSERT_TRUE(Get(listener_->Admit("xfer-c", 3)).ok());
-  ASSERT_TRUE(Get(listener_->PrefillDone("xfer-c", 2)).ok());
+  ASSERT_TRUE(Get(listener_->PrefillDone("xfer-c", {0, 1})).ok());
   for (auto* f : {&pull_a, &pull_b, &pull_c}) {
     ASSERT_EQ(f->wait_for(3s), std::future_status::ready);
     PullOutcome out = f->get();
@@ -521,6 +524,7 @@ TEST_F(SideChannelTest, UnpairedDecoderRankIsAWholeMessageError) {
   wire::Pull pull = MakePull({{"d-1", "xfer-1"}}, 30000);
   pull.d_tp_size = 4;
   pull.d_tp_rank = 3;  // pulls from P rank 1, not 0
+  pull.block_len = 2048;  // one of the four heads; P's 4096-byte blocks hold two
   PullOutcome out = DoPull(*channel, pull);
   ASSERT_EQ(out.responses.size(), 1u);
   EXPECT_EQ(out.responses[0].status, wire::PullStatus::kError);
@@ -620,7 +624,7 @@ TEST_F(SideChannelTest, EngineCallsReportHoldTableRefusals) {
   StartP(30s);
   ASSERT_TRUE(Get(listener_->Admit("xfer-1", 1)).ok());
   EXPECT_EQ(Get(listener_->Admit("xfer-1", 1)).code(), ErrorCode::kAlreadyExists);
-  EXPECT_EQ(Get(listener_->PrefillDone("xfer-unknown", 1)).code(), ErrorCode::kNotFound);
+  EXPECT_EQ(Get(listener_->PrefillDone("xfer-unknown", {0})).code(), ErrorCode::kNotFound);
   ASSERT_TRUE(Get(listener_->EngineFinished("xfer-1")).ok());
   EXPECT_EQ(Get(listener_->Admit("xfer-1", 1)).code(), ErrorCode::kTombstoned);
 }

@@ -940,7 +940,9 @@ TEST_F(DecodeSessionTest, ARenewalThatLeftRestartsTheCountOfUnsentOnes) {
                          at + 3s);
       }
     }
-    if (i < 12) EXPECT_TRUE(Done().empty()) << "pass " << i;
+    if (i < 12) {
+      EXPECT_TRUE(Done().empty()) << "pass " << i;
+    }
   }
   // Unsent since the pass at 35 s; the one sent at 60 s failed at 63 s: 28 s, not a lease.
   EXPECT_TRUE(Done().empty());
@@ -1633,9 +1635,10 @@ TEST(DecodeSessionWithPrefill, ReleaseFreesPsKvAndANoticeFailsAQueuedRequest) {
   PrefillSessionOptions po;
   po.engine_id = "p";
   po.hold.lease = 30s;
+  po.block_len = o.block_len;
   PrefillSession p(po);
   ASSERT_TRUE(p.Admit("x1", 1, kT0).ok());
-  ASSERT_TRUE(p.PrefillDone("x1", 4, kT0).ok());
+  ASSERT_TRUE(p.PrefillDone("x1", {0, 1, 2, 3}, kT0).ok());
   ASSERT_TRUE(p.Admit("x2", 2, kT0).ok());
   d.OnNewRequest("r1", Source("x1"), kT0);
   d.OnNewRequest("r2", Source("x2"), kT0);
@@ -1703,9 +1706,10 @@ TEST(DecodeSessionWithPrefill, TwentySilentEnginesCannotCostALiveDecoderItsKv) {
   DecodeSession d(o);
   PrefillSessionOptions po;
   po.hold.lease = lease;
+  po.block_len = o.block_len;
   PrefillSession p(po);
   ASSERT_TRUE(p.Admit("x-live", 1, kT0).ok());
-  ASSERT_TRUE(p.PrefillDone("x-live", 4, kT0).ok());
+  ASSERT_TRUE(p.PrefillDone("x-live", {0, 1, 2, 3}, kT0).ok());
   d.OnNewRequest("r-live", {"x-live", "live", "live:1"}, kT0);
   for (int i = 0; i < 20; ++i) {
     const std::string name = "silent-" + std::to_string(i);

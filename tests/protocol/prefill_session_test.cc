@@ -44,7 +44,11 @@ wire::Pull MakePull(std::uint64_t id, std::vector<std::pair<std::string, std::st
 
 class PrefillSessionTest : public ::testing::Test {
  protected:
-  void Make(PrefillSessionOptions options = {}) { session_.emplace(std::move(options)); }
+  // P's blocks are as long as D's in MakePull unless a test says otherwise.
+  void Make(PrefillSessionOptions options = {}) {
+    if (options.block_len == 0) options.block_len = 4096;
+    session_.emplace(std::move(options));
+  }
   PrefillSession& s() { return *session_; }
 
   std::vector<wire::PullResponse> Responses(const std::string& peer = "") {
@@ -59,7 +63,7 @@ class PrefillSessionTest : public ::testing::Test {
   }
   void Ready(const std::string& xfer, std::uint64_t handle = 7) {
     ASSERT_TRUE(s().Admit(xfer, handle, kT0).ok());
-    ASSERT_TRUE(s().PrefillDone(xfer, 2, kT0).ok());
+    ASSERT_TRUE(s().PrefillDone(xfer, {0, 1}, kT0).ok());
   }
 
   std::optional<PrefillSession> session_;
@@ -72,7 +76,8 @@ TEST_F(PrefillSessionTest, ReadyPullWritesThenFinishes) {
   EXPECT_TRUE(Responses().empty());  // the write is still running
   std::vector<WriteJob> writes = s().TakeWrites();
   ASSERT_EQ(writes.size(), 1u);
-  EXPECT_EQ(writes[0].handle, 7u);
+  // Source blocks 0, 1 into D's 0, 1: one contiguous run, whole blocks.
+  EXPECT_EQ(writes[0].writes, (std::vector<core::BlockWrite>{{0, 0, 8192}}));
   EXPECT_EQ(writes[0].d_req_id, "r1");
   EXPECT_EQ(writes[0].pull_id, 5u);
   s().OnWriteDone(writes[0].ticket, WriteOutcome::Landed(), kT0 + 1ms);
@@ -86,6 +91,77 @@ TEST_F(PrefillSessionTest, ReadyPullWritesThenFinishes) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].kind, core::HoldEvent::Kind::kFreeBlocks);
   EXPECT_EQ(s().stats().pulls_in_progress, 0u);
+}
+
+// The session plans every write from the blocks PrefillDone gave it (issue 20): the tail of
+// them when D holds a prefix, sliced to the heads the two ranks share.
+TEST_F(PrefillSessionTest, APrefixHitOnDGetsTheTailOfTheSourceBlocks) {
+  Make();
+  ASSERT_TRUE(s().Admit("x1", 7, kT0).ok());
+  ASSERT_TRUE(s().PrefillDone("x1", {5, 6, 7}, kT0).ok());
+  EXPECT_EQ(s().stats().source_transfers, 1u);
+  wire::Pull pull = MakePull(1, {{"r1", "x1"}});
+  pull.requests[0].block_ids = {9};  // D holds the first two blocks already
+  s().OnPull("d0", pull, kT0);
+  std::vector<WriteJob> writes = s().TakeWrites();
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0].writes, (std::vector<core::BlockWrite>{{7 * 4096, 9 * 4096, 4096}}));
+  s().OnWriteDone(writes[0].ticket, WriteOutcome::Landed(), kT0 + 1ms);
+  // Every paired rank has it: the blocks go back to the engine, and the session forgets them.
+  std::vector<core::HoldEvent> events = s().TakeEngineEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, core::HoldEvent::Kind::kFreeBlocks);
+  EXPECT_EQ(s().stats().source_transfers, 0u);
+}
+
+TEST_F(PrefillSessionTest, ADecoderRankThatNeedsAHeadSliceOfATokenMajorBlockFailsWithoutAWrite) {
+  PrefillSessionOptions options;
+  options.head_slices = false;
+  Make(options);
+  Ready("x1");
+  wire::Pull pull = MakePull(1, {{"r1", "x1"}});
+  pull.d_tp_size = 2;  // each D rank holds half of P's heads
+  pull.d_tp_rank = 1;
+  pull.block_len = 2048;
+  s().OnPull("d1", pull, kT0);
+  EXPECT_TRUE(s().TakeWrites().empty());
+  std::vector<wire::PullResponse> replies = Responses("d1");
+  ASSERT_EQ(replies.size(), 1u);
+  ASSERT_EQ(replies[0].err.size(), 1u);
+  EXPECT_EQ(replies[0].err[0].code, ErrorCode::kInvalidArgument);
+  EXPECT_NE(replies[0].err[0].reason.find("head slice"), std::string::npos)
+      << replies[0].err[0].reason;
+  EXPECT_FALSE(replies[0].err[0].unsettled);
+  EXPECT_EQ(s().stats().writes_in_flight, 0u);
+}
+
+TEST_F(PrefillSessionTest, ReplicatedKvThatALowerPRankWritesIsAnsweredOkWithoutAWrite) {
+  PrefillSessionOptions options;
+  options.p_tp_size = 2;
+  options.p_tp_rank = 1;
+  options.kv_heads = 1;  // MLA: every P rank holds the one head
+  Make(options);
+  Ready("x1");
+  s().OnPull("d0", MakePull(1, {{"r1", "x1"}}), kT0);  // D TP 1 pulls from P ranks 0 and 1
+  EXPECT_TRUE(s().TakeWrites().empty());
+  std::vector<wire::PullResponse> replies = Responses("d0");
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(replies[0].ok, std::vector<core::RequestId>{"r1"});
+  // This rank's part is done: it frees its blocks.
+  std::vector<core::HoldEvent> events = s().TakeEngineEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, core::HoldEvent::Kind::kFreeBlocks);
+  EXPECT_EQ(s().stats().source_transfers, 0u);
+}
+
+TEST_F(PrefillSessionTest, APrefillDoneWithMoreBlocksThanARequestMayHaveIsRefusedAndKeepsNothing) {
+  Make();
+  ASSERT_TRUE(s().Admit("x1", 7, kT0).ok());
+  std::vector<core::BlockId> blocks(wire::kMaxBlocksPerRequest + 1, 0);
+  EXPECT_EQ(s().PrefillDone("x1", std::move(blocks), kT0).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(s().stats().source_transfers, 0u);
+  ASSERT_TRUE(s().PrefillDone("x1", {0, 1}, kT0).ok());  // the engine may try again
+  EXPECT_EQ(s().stats().source_transfers, 1u);
 }
 
 // Hole 1: d_tp_size is bounded before any per-rank work, by the codec and by the session.
@@ -915,9 +991,11 @@ TEST_F(PrefillSessionTest, ReleaseFailsOnlyTheReleasingRanksParkedPull) {
   wire::Pull rank0 = MakePull(1, {{"r-a", "x1"}});
   rank0.d_tp_size = 2;
   rank0.d_tp_rank = 0;
+  rank0.block_len = 2048;  // one of P's two heads per D rank
   wire::Pull rank1 = MakePull(1, {{"r-b", "x1"}});
   rank1.d_tp_size = 2;
   rank1.d_tp_rank = 1;
+  rank1.block_len = 2048;
   s().OnPull("d0", rank0, kT0);
   s().OnPull("d1", rank1, kT0);
   EXPECT_TRUE(Responses().empty());
@@ -937,7 +1015,7 @@ TEST_F(PrefillSessionTest, ReleaseFailsOnlyTheReleasingRanksParkedPull) {
   EXPECT_EQ(s().stats().requests_parked, 1u) << "rank 1's pull keeps waiting";
   // The prefill ends: rank 1 gets its KV, and the entry goes.
   ASSERT_TRUE(s().Admit("x1", 9, kT0 + 2s).ok());
-  ASSERT_TRUE(s().PrefillDone("x1", 2, kT0 + 3s).ok());
+  ASSERT_TRUE(s().PrefillDone("x1", {0, 1}, kT0 + 3s).ok());
   std::vector<WriteJob> writes = s().TakeWrites();
   ASSERT_EQ(writes.size(), 1u);
   EXPECT_EQ(writes[0].d_req_id, "r-b");
@@ -961,6 +1039,9 @@ TEST(PrefillSessionOptionsTest, TpBeyondTheLimitIsRefused) {
   options.p_tp_rank = 2;
   EXPECT_EQ(PrefillSession::ValidateOptions(options).code(), ErrorCode::kInvalidArgument);
   options.p_tp_rank = 1;
+  EXPECT_EQ(PrefillSession::ValidateOptions(options).code(), ErrorCode::kInvalidArgument)
+      << "no block_len";
+  options.block_len = 4096;
   EXPECT_TRUE(PrefillSession::ValidateOptions(options).ok());
 }
 

@@ -107,7 +107,6 @@ struct Cluster {
       o.head_slices = p_head_slices;
       auto worker = PrefillWorker::Start(
           o, std::shared_ptr<transport::Engine>(std::move(*engine)),
-          [](std::uint64_t) -> Result<std::vector<core::BlockId>> { return kSourceBlocks; },
           [this](const core::HoldEvent& e) {
             std::lock_guard<std::mutex> lock(mu);
             hold_events.push_back(e);
@@ -153,7 +152,7 @@ struct Cluster {
   void Prefill(const core::TransferId& id) {
     for (auto& worker : p) {
       ASSERT_TRUE(worker->Admit(id, 1).get().ok());
-      ASSERT_TRUE(worker->PrefillDone(id, 3).get().ok());
+      ASSERT_TRUE(worker->PrefillDone(id, kSourceBlocks).get().ok());
     }
   }
 
@@ -384,7 +383,7 @@ TEST(RuntimeEndToEnd, AFenceOfAnEngineDeclaredDownLiftsTheQuarantineAndRefusesIt
   EXPECT_EQ(stats.fences_failed, 0u);
 
   // The P declared down was alive after all: it finishes the prefill and writes for the pull.
-  ASSERT_TRUE(c.p[0]->PrefillDone("xfer-2", 3).get().ok());
+  ASSERT_TRUE(c.p[0]->PrefillDone("xfer-2", kSourceBlocks).get().ok());
   std::this_thread::sleep_for(500ms);
   for (core::BlockId b : blocks) {
     const std::byte* block = c.d->kv() + b * block_len;
@@ -487,7 +486,7 @@ TEST(RuntimeEndToEnd, SecondLoadOfALoadingRequestIsRefused) {
   ASSERT_TRUE(c.d->StartLoad("req-d", c.Source("xfer-d"), kDestBlocks).ok());
   EXPECT_EQ(c.d->StartLoad("req-d", c.Source("xfer-d"), kDestBlocks).code(),
             ErrorCode::kAlreadyExists);
-  ASSERT_TRUE(c.p[0]->PrefillDone("xfer-d", 3).get().ok());
+  ASSERT_TRUE(c.p[0]->PrefillDone("xfer-d", kSourceBlocks).get().ok());
   ReceiveResult r = c.Receive("req-d", core::Clock::now() + 5s);
   EXPECT_TRUE(r.ok) << r.error.ToString();
 }
@@ -545,7 +544,7 @@ TEST(RuntimeEndToEnd, SecondRegistrationOfALiveEngineReleasesNothing) {
   // Another process registers the same engine id with a new incarnation; D's next load sees it.
   ASSERT_NO_FATAL_FAILURE(c.StartPrefill(1, 30, "inc-2"));
   ASSERT_TRUE(c.p[1]->Admit("xfer-next", 1).get().ok());
-  ASSERT_TRUE(c.p[1]->PrefillDone("xfer-next", 3).get().ok());
+  ASSERT_TRUE(c.p[1]->PrefillDone("xfer-next", kSourceBlocks).get().ok());
   ASSERT_TRUE(c.d->StartLoad("req-next", c.Source("xfer-next"), {8, 9, 10}).ok());
   ReceiveResult next = c.Receive("req-next", core::Clock::now() + 5s);
   EXPECT_TRUE(next.ok) << next.error.ToString();

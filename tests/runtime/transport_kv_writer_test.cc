@@ -4,6 +4,7 @@
 // injected faults.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -33,6 +34,8 @@ class TransportKvWriterTest : public ::testing::Test {
     auto src = p_->AllocateRegion(kBlocks * kBlockLen);
     auto dst = d_->AllocateRegion(kBlocks * kBlockLen);
     ASSERT_TRUE(src && dst);
+    src_ = *src;
+    dst_ = *dst;
     auto descriptor = d_->ExportDescriptor({});
     ASSERT_TRUE(descriptor);
     auto context = std::make_shared<protocol::PullContext>();
@@ -44,15 +47,11 @@ class TransportKvWriterTest : public ::testing::Test {
     context->num_blocks = kBlocks;
     context_ = context;
     TransportKvWriter::Options o;
-    o.layout = core::TpLayout{1, 1, kBlockLen};
     o.regions = {src->id};
     o.write_timeout = 200ms;
     // The in-process engine is shared by the test (faults) and the writer.
     engine_ = std::shared_ptr<transport::InProcessEngine>(p_.get(), [](auto*) {});
-    writer_ = std::make_unique<TransportKvWriter>(
-        engine_, o, [](std::uint64_t) -> Result<std::vector<core::BlockId>> {
-          return std::vector<core::BlockId>{0, 1};
-        });
+    writer_ = std::make_unique<TransportKvWriter>(engine_, o);
   }
 
   void TearDown() override {
@@ -65,17 +64,24 @@ class TransportKvWriterTest : public ::testing::Test {
     job.context = context_;
     job.transfer_id = "xfer";
     job.dst_block_ids = {4, 5};
+    job.writes = {{0, 4 * kBlockLen, 2 * kBlockLen}};  // source blocks 0, 1 (as planned)
     return writer_->Write(*context_, job);
   }
 
   std::unique_ptr<transport::InProcessEngine> p_, d_;
+  transport::Region src_, dst_;
   std::shared_ptr<transport::InProcessEngine> engine_;
   std::shared_ptr<const protocol::PullContext> context_;
   std::unique_ptr<TransportKvWriter> writer_;
 };
 
-TEST_F(TransportKvWriterTest, AWriteThatLandsIsLanded) {
+TEST_F(TransportKvWriterTest, AWriteThatLandsIsLandedWhereTheSessionPlannedIt) {
+  std::memset(src_.base, 0x5a, 2 * kBlockLen);
   EXPECT_EQ(Write().end, WriteEnd::kLanded);
+  for (std::uint64_t i = 0; i < kBlocks * kBlockLen; ++i) {
+    const bool planned = i >= 4 * kBlockLen && i < 6 * kBlockLen;
+    ASSERT_EQ(dst_.base[i], std::byte{planned ? std::uint8_t{0x5a} : std::uint8_t{0}}) << i;
+  }
 }
 
 TEST_F(TransportKvWriterTest, TheReceiversOwnRefusalIsAPlainFailure) {
