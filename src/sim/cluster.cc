@@ -1546,10 +1546,21 @@ class Sim {
   // Invariants once the run is over: every request ended exactly once, and (if the system went
   // quiet) nothing is still held anywhere.
   void FinalChecks() {
+    // Once D starts loading a request, it ends — loaded, or failed with the reason the user
+    // hears — within D's own deadlines, whatever P does and even when its blocks must stay
+    // quarantined: a lookup (lookup_timeout), a message that cannot leave (connect_wait), then
+    // the pull's deadline (pull_timeout), plus a second for the messages in between.
+    const Duration load_bound = d_sessions_.front()->options().lookup_timeout +
+                                c_.d.connect_wait + c_.d.pull_timeout + std::chrono::seconds(1);
     for (std::size_t i = 0; i < res_.requests.size(); ++i) {
-      if (res_.requests[i].ends == 0) {
+      const RequestResult& r = res_.requests[i];
+      if (r.ends == 0) {
         Violation(
             fmt::format("req-{} never ended (D state {})", i, static_cast<int>(dreqs_[i].st)));
+      } else if (r.d_admitted != core::kNever && r.end - r.d_admitted > load_bound) {
+        Violation(fmt::format("req-{} ended {:.1f} s after D began loading it, beyond the {:.1f} s "
+                              "bound",
+                              i, core::ToSeconds(r.end - r.d_admitted), core::ToSeconds(load_bound)));
       }
     }
     if (c_.sample_every.count() > 0) return;  // scenario runs stop at a horizon, not at quiet
@@ -1568,6 +1579,10 @@ class Sim {
               fmt::format("leak: P rank {} still holds {} entries", r, session.hold().size()));
         }
         const protocol::PrefillStats stats = session.stats();
+        if (stats.source_transfers != 0) {
+          Violation(fmt::format("leak: P rank {} still keeps the source blocks of {} transfers", r,
+                                stats.source_transfers));
+        }
         if (stats.pulls_in_progress != 0 || stats.requests_parked != 0) {
           Violation(fmt::format("leak: P rank {} still has {} pulls in progress ({} parked)", r,
                                 stats.pulls_in_progress, stats.requests_parked));
