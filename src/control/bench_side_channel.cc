@@ -119,10 +119,10 @@ Status TimedPull(Mode& mode, Samples& samples) {
 
 Status StartMode(Mode& mode, const std::shared_ptr<SideChannelContext>& context) {
   ListenerOptions options;
-  options.hold.lease = std::chrono::milliseconds(kLeaseMs);
+  options.session.hold.lease = std::chrono::milliseconds(kLeaseMs);
   options.num_senders = 2;
-  options.block_len = 4096;  // as the pulls say: one plane, no slicing
-  options.engine_id = "bench-p-" + mode.name;
+  options.session.block_len = 4096;  // as the pulls say: one plane, no slicing
+  options.session.engine_id = "bench-p-" + mode.name;
   options.cluster_secret = mode.secret;
   auto listener = PrefillListener::Start(options, std::make_shared<InstantWriter>(), nullptr);
   if (!listener) return listener.error();

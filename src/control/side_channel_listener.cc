@@ -52,21 +52,6 @@ std::string RefusalReason(std::uint16_t event, std::uint32_t value) {
   }
 }
 
-protocol::PrefillSessionOptions SessionOptions(const ListenerOptions& o) {
-  protocol::PrefillSessionOptions s;
-  s.engine_id = o.engine_id;
-  s.hold = o.hold;
-  s.p_tp_size = o.p_tp_size;
-  s.p_tp_rank = o.p_tp_rank;
-  s.kv_heads = o.kv_heads;
-  s.block_len = o.block_len;
-  s.head_slices = o.head_slices;
-  s.max_cached_descriptors = o.max_cached_descriptors;
-  s.max_pulls_in_progress = o.max_pulls_in_progress;
-  s.max_parked_requests = o.max_parked_requests;
-  return s;
-}
-
 }  // namespace
 
 class PrefillListener::Impl {
@@ -96,7 +81,7 @@ class PrefillListener::Impl {
       : options_(std::move(options)),
         writer_(std::move(writer)),
         on_hold_event_(std::move(on_hold_event)),
-        session_(SessionOptions(options_)) {}
+        session_(options_.session) {}
 
   ~Impl() {
     (void)Stop();
@@ -702,7 +687,7 @@ Result<std::unique_ptr<PrefillListener>> PrefillListener::Start(ListenerOptions 
                                                                 HoldEventCallback on_hold_event) {
   if (writer == nullptr) return Err(ErrorCode::kInvalidArgument, "KvWriter is null");
   if (options.num_senders == 0) return Err(ErrorCode::kInvalidArgument, "num_senders is 0");
-  if (Status valid = protocol::PrefillSession::ValidateOptions(SessionOptions(options));
+  if (Status valid = protocol::PrefillSession::ValidateOptions(options.session);
       !valid.ok()) {
     return tl::unexpected<Status>(std::move(valid));
   }

@@ -78,24 +78,15 @@ using HoldEventCallback = std::function<void(const core::HoldEvent&)>;
 struct ListenerOptions {
   // Where the ROUTER binds. Port 0 picks a free port; endpoint() says which.
   std::string endpoint = "tcp://127.0.0.1:0";
-  core::EngineId engine_id = "prefill-0";  // named in the AbortNotices this listener sends
-  core::HoldConfig hold;
-  std::uint32_t p_tp_size = 1;
-  std::uint32_t p_tp_rank = 0;
-  // This rank's KV layout, from which the session plans every write (PrefillSessionOptions).
-  std::uint32_t kv_heads = 0;
-  std::uint64_t block_len = 0;  // > 0
-  bool head_slices = true;
+  // Everything the session decides with (engine id, hold config, TP rank, KV layout, limits),
+  // handed to it as is: PrefillSession::ValidateOptions checks it at Start.
+  protocol::PrefillSessionOptions session;
   std::size_t num_senders = 4;  // >= 1
   // Stop(): how long in-flight writes may take to finish, then how long after CancelWrites().
   std::chrono::milliseconds drain_timeout{5000};
   std::chrono::milliseconds cancel_grace{1000};
   // How long the socket may take to flush the last replies when it closes.
   std::chrono::milliseconds linger{1000};
-  // PrefillSessionOptions' limits (protocol/prefill_session.h).
-  std::size_t max_cached_descriptors = 4096;
-  std::size_t max_pulls_in_progress = 16384;
-  std::size_t max_parked_requests = 65536;
   // Null: an open side channel (anyone who reaches the port is served). Otherwise only D
   // peers holding the same secret can connect (CURVE + ZAP, see above); Start fails with
   // kInvalidArgument if this libzmq lacks CURVE.

@@ -195,13 +195,14 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
 
   control::ListenerOptions listener_options;
   listener_options.endpoint = options.side_channel_endpoint;
-  listener_options.engine_id = options.engine_id;
-  listener_options.hold = options.hold;
-  listener_options.p_tp_size = options.tp_size;
-  listener_options.p_tp_rank = options.tp_rank;
-  listener_options.kv_heads = options.kv_heads;
-  listener_options.block_len = options.block_len;
-  listener_options.head_slices = options.head_slices;
+  protocol::PrefillSessionOptions& session = listener_options.session;
+  session.engine_id = options.engine_id;
+  session.hold = options.hold;
+  session.p_tp_size = options.tp_size;
+  session.p_tp_rank = options.tp_rank;
+  session.kv_heads = options.kv_heads;
+  session.block_len = options.block_len;
+  session.head_slices = options.head_slices;
   listener_options.num_senders = options.num_senders;
   listener_options.cluster_secret = options.cluster_secret;
   std::shared_ptr<control::KvWriter> writer = worker->writer_;

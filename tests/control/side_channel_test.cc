@@ -172,11 +172,11 @@ class SideChannelTest : public ::testing::Test {
   void StartP(core::Duration lease, std::size_t senders = 2, std::uint32_t p_tp = 1,
               std::uint32_t p_rank = 0) {
     ListenerOptions options;
-    options.hold.lease = lease;
+    options.session.hold.lease = lease;
     options.num_senders = senders;
-    options.p_tp_size = p_tp;
-    options.p_tp_rank = p_rank;
-    options.block_len = 4096;  // as MakePull says
+    options.session.p_tp_size = p_tp;
+    options.session.p_tp_rank = p_rank;
+    options.session.block_len = 4096;  // as MakePull says
     options.drain_timeout = 300ms;
     options.cancel_grace = 300ms;
     options.linger = 200ms;
