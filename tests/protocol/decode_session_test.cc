@@ -260,6 +260,25 @@ TEST_F(DecodeSessionTest, UnansweredLookupFailsAtItsDeadline) {
   EXPECT_EQ(done[0].error.code(), ErrorCode::kTimeout);
 }
 
+// A lookup answered after its deadline (a slow bootstrap): its loads failed at the deadline,
+// but the answer is still the freshest word about the engine, so D pairs with it and the next
+// load pulls at once instead of believing the timeout for lookup_failure_ttl.
+TEST_F(DecodeSessionTest, ALookupAnsweredAfterItsDeadlineStillPairsTheEngine) {
+  Make();
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  s().OnTimeout(kT0 + 5s);
+  ASSERT_EQ(Done().size(), 1u);  // r1 failed at the lookup's deadline
+  s().OnLookup(Engine("p"), kT0 + 6s, lookups[0].id);
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 6s).ok());
+  EXPECT_TRUE(s().TakeLookups().empty());
+  std::vector<wire::Pull> pulls = Pulls();
+  ASSERT_EQ(pulls.size(), 1u);
+  EXPECT_EQ(pulls[0].requests[0].d_req_id, "r2");
+  EXPECT_TRUE(Done().empty());
+}
+
 // Hole 6: pulls are messages, not threads: a P that never answers delays nothing else.
 TEST_F(DecodeSessionTest, SilentPrefillDelaysNoPullToALiveOne) {
   Make();
@@ -1162,6 +1181,45 @@ TEST_F(DecodeSessionTest, ReleaseAllSendsEveryTrackedTransfersReleaseAtOnceAndOn
   s().RequestFinished("r1", kT0 + 1ms);
   s().OnTimeout(kT0 + 10ms);
   EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty()) << "nothing is tracked any more";
+}
+
+// A pull that timed out makes D doubt its view of the engine (it may have restarted on a new
+// side channel): a release due then waits for a fresh lookup and goes where it finds the
+// engine — the successor, which may hold the KV — or, if the lookup fails, to the old view.
+TEST_F(DecodeSessionTest, AReleaseDueWhileTheViewIsStaleGoesWhereAFreshLookupFindsTheEngine) {
+  for (const bool lookup_answers : {true, false}) {
+    SCOPED_TRACE(lookup_answers ? "the lookup finds a successor" : "the lookup fails");
+    Make();
+    s().OnLookup(Engine("p"), kT0);
+    ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0).ok());
+    ASSERT_EQ(Pulls().size(), 1u);
+    const TimePoint timed_out = kT0 + s().options().pull_timeout;
+    s().OnTimeout(timed_out);
+    ASSERT_EQ(Done().size(), 1u);  // r1 failed at its deadline: the view is stale now
+    s().OnNewRequest("r2", Source("x2"), timed_out);
+    s().RequestFinished("r2", timed_out);
+    s().OnTimeout(timed_out + 2ms);
+    EXPECT_TRUE(ReleasesIn(s().TakeMessages()).empty()) << "it waits for the lookup";
+    std::vector<LookupRequest> lookups = s().TakeLookups();
+    ASSERT_EQ(lookups.size(), 1u);
+    if (lookup_answers) {
+      s().OnLookup(PeerEngine{"p", "2", 1, {"p-new/0"}, wire::kProtocolFeatures},
+                   timed_out + 3ms, lookups[0].id);
+    } else {
+      s().OnLookupFailed("p", Status(ErrorCode::kUnavailable, "bootstrap down"), timed_out + 3ms,
+                         lookups[0].id);
+    }
+    std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].address, lookup_answers ? "p-new/0" : "p/0");
+    // x2, and x1, whose load D gave up on at its deadline.
+    std::vector<core::Fingerprint> released = ReleaseOf(out[0]).fingerprints;
+    std::sort(released.begin(), released.end());
+    std::vector<core::Fingerprint> expected = {core::FingerprintOf("x1"),
+                                               core::FingerprintOf("x2")};
+    std::sort(expected.begin(), expected.end());
+    EXPECT_EQ(released, expected);
+  }
 }
 
 TEST_F(DecodeSessionTest, ReleaseBeforeAnyLookupWaitsForTheLookup) {
