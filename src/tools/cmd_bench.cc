@@ -1,4 +1,5 @@
 // `kvferry bench transfer`: data-plane bandwidth beside ucx_perftest, memcpy and iperf3;
+// `kvferry bench handoff`: one request's KV from P to D through the runtime, beside memcpy;
 // `kvferry bench http`: the front doors beside idle connections, old server and new;
 // `kvferry bench sidechannel`: side-channel round trips with and without cluster authentication
 // (docs/performance.md). The core's micro-benchmarks are Google Benchmark binaries
@@ -14,6 +15,9 @@
 #endif
 #ifdef KVFERRY_HAVE_SIDECHANNEL_BENCH
 #include "control/bench_side_channel.h"
+#endif
+#ifdef KVFERRY_HAVE_HANDOFF_BENCH
+#include "runtime/bench_handoff.h"
 #endif
 
 namespace kvferry::tools {
@@ -38,6 +42,27 @@ void AddBenchCommand(CLI::App& app, int& exit_code) {
     options->baselines = !*no_baselines;
     exit_code = transport::RunTransferBench(*options);
   });
+#endif
+#ifdef KVFERRY_HAVE_HANDOFF_BENCH
+  auto handoff = std::make_shared<runtime::HandoffBenchOptions>();
+  CLI::App* hand = bench->add_subcommand(
+      "handoff", "One request's KV from P to D through the runtime, beside memcpy (issue 22)");
+  hand->add_option("--layers", handoff->layers, "Model layers (planes: K and V of each)")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1024u));
+  hand->add_option("--blocks", handoff->blocks, "Blocks of the request")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 65536u));
+  hand->add_option("--block-bytes", handoff->block_bytes, "Bytes of one block in one plane")
+      ->capture_default_str()
+      ->check(CLI::Range(std::uint64_t{64}, std::uint64_t{16} << 20));
+  hand->add_option("--transport", handoff->transports, "shm and/or tcp")
+      ->delimiter(',')
+      ->capture_default_str();
+  hand->add_option("--runs", handoff->runs, "Measured handoffs per layout")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1000u));
+  hand->callback([handoff, &exit_code] { exit_code = runtime::RunHandoffBench(*handoff); });
 #endif
   AddHttpBenchCommand(*bench, exit_code);
 #ifdef KVFERRY_HAVE_SIDECHANNEL_BENCH
