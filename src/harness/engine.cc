@@ -53,8 +53,6 @@ namespace {
 // How long the engine thread waits for a hold-table command to be acknowledged. The listener
 // answers commands between messages, so this is only hit when a listener is wedged.
 constexpr auto kListenerAckTimeout = std::chrono::seconds(5);
-// Kept in case a kAbortPrefill overtakes the request it aborts (see ApplyHold).
-constexpr std::size_t kMaxEarlyAborts = 4096;
 
 // The pool's trace lines (demo_trace.h reads them): one per allocation and free, with the
 // block's new generation. Owners are request handles; the request id is "req-<handle>".
@@ -182,8 +180,6 @@ struct ServingEngine::Impl {
   std::deque<std::uint64_t> waiting;
   std::vector<std::uint64_t> running;  // kPrefill / kDecode, in admission order
   std::deque<std::uint64_t> ready;     // kKvReady
-  std::set<std::uint64_t> early_aborts;
-  std::deque<std::uint64_t> early_abort_order;
   std::thread thread;
 
   // ----- lifecycle
@@ -663,10 +659,20 @@ void ServingEngine::Impl::AddRequest(std::unique_ptr<Request> r) {
       spdlog::error("[{}] request {}: {}", options.engine_id, req.id, tracked.ToString());
     }
   }
-  if (early_aborts.erase(handle) > 0) {
-    Request& req = *requests[handle];
-    CountFailure("prefill_abort");
-    Finish(req, Status(ErrorCode::kCancelled, "the prefill hold aborted the request"), 503);
+  Request& req = *requests[handle];
+  if (req.spec.kind == RequestKind::kRemoteDecode) {
+    // P's adapter may have aborted it before it reached this thread (Submit admits on the HTTP
+    // thread, and the hold event that aborts it can overtake it here).
+    bool aborted = false;
+    {
+      std::lock_guard<std::mutex> lock(p_driver_mu);
+      aborted = p_driver != nullptr && p_driver->handle_of(req.spec.transfer_id) == handle &&
+                p_driver->abort_told(req.spec.transfer_id);
+    }
+    if (aborted) {
+      CountFailure("prefill_abort");
+      Finish(req, Status(ErrorCode::kCancelled, "the prefill hold aborted the request"), 503);
+    }
   }
 }
 
@@ -705,18 +711,9 @@ void ServingEngine::Impl::OnPrefillEvent(const protocol::PrefillAdapterEvent& ev
   // A rank will not send the transfer (dead decoder, wait timeout): stop the request.
   CountFailure("prefill_abort");
   Request* r = Find(abort->handle);
-  if (r == nullptr) {
-    // The event overtook its request on the way into the engine (Submit admits before it
-    // queues): remember it for AddRequest. Bounded; stale entries age out.
-    if (abort->handle != 0 && early_aborts.insert(abort->handle).second) {
-      early_abort_order.push_back(abort->handle);
-      if (early_abort_order.size() > kMaxEarlyAborts) {
-        early_aborts.erase(early_abort_order.front());
-        early_abort_order.pop_front();
-      }
-    }
-    return;
-  }
+  // Not here yet: the event overtook its request on the way into the engine (Submit admits
+  // before it queues); AddRequest asks the adapter. Or finished already: nothing to stop.
+  if (r == nullptr) return;
   if (r->phase == Phase::kHeld) return;  // handed off meanwhile: its hand-off failed instead
   Finish(*r,
          Status(ErrorCode::kCancelled, fmt::format("transfer {} aborted by the prefill hold ({})",

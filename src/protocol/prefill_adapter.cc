@@ -197,6 +197,11 @@ std::optional<std::uint64_t> PrefillAdapter::handle_of(const core::TransferId& t
   return it->second.handle;
 }
 
+bool PrefillAdapter::abort_told(const core::TransferId& transfer) const {
+  auto it = entries_.find(transfer);
+  return it != entries_.end() && it->second.abort_told;
+}
+
 void PrefillAdapter::Call(PrefillRankCall::Kind kind, const core::TransferId& transfer,
                           const Entry& entry, RankState only,
                           const std::vector<core::BlockId>* blocks) {

@@ -136,6 +136,10 @@ class PrefillAdapter {
   PrefillAdapterStats stats() const;
   // The handle `transfer` was admitted with, while the adapter knows it.
   std::optional<std::uint64_t> handle_of(const core::TransferId& transfer) const;
+  // Whether the adapter told the engine to stop `transfer` (AbortPrefill), while it knows it:
+  // for an engine that can learn of a request after the adapter did (`kvferry serve` admits on
+  // its HTTP thread, and a hold event may reach its engine thread before the request does).
+  bool abort_told(const core::TransferId& transfer) const;
 
  private:
   enum class Phase : std::uint8_t {

@@ -46,6 +46,7 @@ class PrefillDriver {
   std::optional<std::uint64_t> handle_of(const core::TransferId& transfer) const {
     return adapter_.handle_of(transfer);
   }
+  bool abort_told(const core::TransferId& transfer) const { return adapter_.abort_told(transfer); }
 
  private:
   Status Ack(std::future<Status> f, const char* what);

@@ -134,12 +134,17 @@ TEST(PrefillAdapterTest, ARankAbortingThePrefillStopsTheRequestOnceAndItsHandOff
   const auto aborted = Only<AbortPrefill>(a.TakeEvents());
   ASSERT_EQ(aborted.size(), 1u);
   EXPECT_EQ(aborted[0].reason, core::ReleaseReason::kDeadDecoder);
+  // An engine that learns of the request only now (`kvferry serve` admits on another thread)
+  // can still ask whether it was told to stop it.
+  EXPECT_TRUE(a.abort_told("x"));
+  EXPECT_FALSE(a.abort_told("other"));
   // An engine that finishes the prefill all the same: nothing is held, the blocks come back.
   ASSERT_TRUE(a.PrefillDone("x", {3}).ok());
   EXPECT_TRUE(a.TakeCommands().empty());
   const std::vector<PrefillAdapterEvent> events = a.TakeEvents();
   EXPECT_EQ(Only<HandOffFailed>(events).size(), 1u);
   EXPECT_EQ(Only<FreeBlocks>(events).size(), 1u);
+  EXPECT_FALSE(a.abort_told("x")) << "forgotten with the transfer";
 }
 
 TEST(PrefillAdapterTest, FinishBeforeTheHandOffReleasesEveryRankAndTheEngineKeepsItsBlocks) {
