@@ -416,6 +416,8 @@ void PrefillSession::Dispatch(std::uint64_t key, std::uint32_t index, TimePoint 
     if (writes) {
       AddOk(key, wave, index);
     } else {
+      // Counted as a write that failed before its first byte, as when the writer planned it.
+      ++counters_.writes_started;
       ++counters_.writes_failed;
       AddErr(key, wave, index, writes.error());
     }
