@@ -366,13 +366,6 @@ def test_clients_leaving_d_while_queued_let_p_free_their_kv_at_once(cluster):
     wait_for("D idle", lambda: idle(b.decode), 30)
 
 
-@pytest.mark.skip(reason="the first request after a P restart fails: measured 2026-12-02, 6 of 6 "
-                         "restarts (group B alone), it fails after 3.1 s with 'pull to <the old "
-                         "side channel> not sent: no connection', and the next one is served in "
-                         "0.15-0.7 s. D learns the new side channel only from that failure; a "
-                         "load whose pulls never left should be looked up again and retried "
-                         "(docs/vllm.md). The restart rules are covered by ServeTest's restart "
-                         "tests and test_native")
 def test_a_restarted_p_fails_the_old_processs_loads_and_serves_new_ones(cluster):
     # P is killed while D's load waits on it (a transfer P never prefills: its pull parks there)
     # and started again on its ports. D's renewals to the dead process fail unsent; after a

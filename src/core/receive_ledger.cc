@@ -36,6 +36,20 @@ Status ReceiveLedger::Begin(const RequestId& request, std::vector<BlockId> block
   return Status::Ok();
 }
 
+Status ReceiveLedger::Forget(const RequestId& request) {
+  auto it = requests_.find(request);
+  if (it == requests_.end()) {
+    return Status(ErrorCode::kNotFound, fmt::format("request {} is not receiving", request));
+  }
+  const Receive& r = it->second;
+  if (r.pending != r.peers.size() || r.peers.empty()) {
+    return Status(ErrorCode::kAlreadyExists,
+                  fmt::format("request {}: a peer already answered or was given up on", request));
+  }
+  requests_.erase(it);
+  return Status::Ok();
+}
+
 SettleOutcome ReceiveLedger::Settle(const RequestId& request, PeerId peer, core::Settle how,
                                     Status reason) {
   auto it = requests_.find(request);

@@ -568,7 +568,9 @@ void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
     pull.write_key = WriteKeyOf(peers[i]);
     pull.requests.push_back({load.request, load.source.transfer_id, load.blocks});
     const TimePoint deadline = now + options_.pull_timeout;
-    ep.pulls.emplace(pull.id, PullOp{load.request, peers[i], deadline, false});
+    PullOp op{load.request, peers[i], deadline, false, false, std::nullopt};
+    if (endpoints.size() == 1 && !load.retried) op.retry = load;
+    ep.pulls.emplace(pull.id, std::move(op));
     pull_deadlines_.insert({deadline, endpoints[i], pull.id});
     ++counters_.pulls_sent;
     messages_out_.push_back({endpoints[i], ep.address, std::move(pull)});
@@ -670,14 +672,18 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
 }
 
 void DecodeSession::OnSent(EndpointId endpoint, std::uint64_t wire_id, TimePoint now) {
-  (void)wire_id;
   (void)now;
-  if (Endpoint* ep = FindEndpoint(endpoint)) ep->unsent_since = core::kNever;
+  Endpoint* ep = FindEndpoint(endpoint);
+  if (ep == nullptr) return;
+  ep->unsent_since = core::kNever;
+  if (auto op = ep->pulls.find(wire_id); op != ep->pulls.end()) {
+    op->second.sent = true;
+    op->second.retry.reset();  // it left: P may be writing for it
+  }
 }
 
 void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
                                  TimePoint now) {
-  (void)now;
   Endpoint* found = FindEndpoint(endpoint);
   if (found == nullptr) return;
   Endpoint& ep = *found;
@@ -689,7 +695,21 @@ void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, con
   // view stale, and a pull to a dead address fails unsent instead).
   MarkViewsStale(ep.address);
   if (auto op = ep.pulls.find(wire_id); op != ep.pulls.end()) {
-    // Never left: P cannot be writing for it. A plain failure, no quarantine.
+    // Never left: P cannot be writing for it. A load whose only pull this was is looked up
+    // again and sent once more — the engine may live on at a new side channel (a P restarted
+    // without a registry: measured, every first request after such a restart failed here) —
+    // and otherwise it is a plain failure, no quarantine.
+    if (op->second.retry && !op->second.sent && ledger_->Forget(op->second.request).ok()) {
+      Load load = std::move(*op->second.retry);
+      load.retried = true;
+      ForgetPull(endpoint, op);
+      ++counters_.loads_retried;
+      const core::EngineId engine = load.source.engine_id;
+      EngineState& state = Engine(engine, load.source.bootstrap_address);
+      state.waiting_loads.push_back(std::move(load));
+      RequestLookup(engine, state, now);  // the view is stale now (MarkViewsStale above)
+      return;
+    }
     (void)ledger_->Settle(
         op->second.request, op->second.peer, core::Settle::kErr,
         Status(why.ok() ? ErrorCode::kUnavailable : why.code(),

@@ -218,6 +218,7 @@ using DecodeEvent = std::variant<ReceiveDone, BlocksReleased, TransferAborted, W
 
 struct DecodeStats {
   std::uint64_t pulls_sent = 0;
+  std::uint64_t loads_retried = 0;  // loads whose only pull never left, sent again after a lookup
   std::uint64_t pull_timeouts = 0;      // pulls whose deadline passed with entries pending
   std::uint64_t pulls_abandoned = 0;    // pulls given up on because their engine went down
   std::uint64_t processes_replaced = 0;  // lookups that found a restart (OnLookup)
@@ -355,11 +356,20 @@ class DecodeSession {
   }
 
  private:
+  struct Load {
+    core::RequestId request;
+    RemoteSource source;
+    std::vector<core::BlockId> blocks;
+    bool retried = false;  // sent again once after its only pull never left (OnSendFailed)
+  };
   struct PullOp {
     core::RequestId request;
     core::PeerId peer;
     core::TimePoint deadline;
     bool timed_out = false;
+    bool sent = false;  // the pump handed it to a connection (OnSent)
+    // The load, while it may still be retried: its only pull, never retried before.
+    std::optional<Load> retry;
   };
   // A renewal or release awaiting its reply.
   struct ReplyOp {
@@ -381,11 +391,6 @@ class DecodeSession {
     std::map<std::uint64_t, ReplyOp> renewals;  // by wire id
     std::map<std::uint64_t, ReplyOp> releases;  // by wire id
     std::uint32_t epoch = 0;  // bumped when a fence is asked for: later pulls are a new peer
-  };
-  struct Load {
-    core::RequestId request;
-    RemoteSource source;
-    std::vector<core::BlockId> blocks;
   };
   struct InFlightLookup {
     std::uint64_t id = 0;

@@ -22,6 +22,7 @@ class Ledger {
   virtual core::SettleOutcome Settle(const core::RequestId& request, core::PeerId peer,
                                      core::Settle how, Status reason) = 0;
   virtual void PeerQuiesced(core::PeerId peer) = 0;
+  virtual Status Forget(const core::RequestId& request) = 0;
   virtual bool IsPending(const core::RequestId& request, core::PeerId peer) const = 0;
   virtual std::vector<core::LedgerEvent> TakeEvents() = 0;
   virtual std::size_t active() const = 0;
@@ -40,6 +41,7 @@ class CoreLedger : public Ledger {
     return ledger_.Settle(request, peer, how, std::move(reason));
   }
   void PeerQuiesced(core::PeerId peer) override { ledger_.PeerQuiesced(peer); }
+  Status Forget(const core::RequestId& request) override { return ledger_.Forget(request); }
   bool IsPending(const core::RequestId& request, core::PeerId peer) const override {
     return ledger_.IsPending(request, peer);
   }

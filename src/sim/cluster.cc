@@ -1548,10 +1548,12 @@ class Sim {
   void FinalChecks() {
     // Once D starts loading a request, it ends — loaded, or failed with the reason the user
     // hears — within D's own deadlines, whatever P does and even when its blocks must stay
-    // quarantined: a lookup (lookup_timeout), a message that cannot leave (connect_wait), then
-    // the pull's deadline (pull_timeout), plus a second for the messages in between.
-    const Duration load_bound = d_sessions_.front()->options().lookup_timeout +
-                                c_.d.connect_wait + c_.d.pull_timeout + std::chrono::seconds(1);
+    // quarantined: a lookup (lookup_timeout), a pull that cannot leave (connect_wait), once
+    // more after a fresh lookup (a load whose only pull never left is retried once), then the
+    // pull's deadline (pull_timeout), plus a second for the messages in between.
+    const Duration load_bound = 2 * (d_sessions_.front()->options().lookup_timeout +
+                                     c_.d.connect_wait) +
+                                c_.d.pull_timeout + std::chrono::seconds(1);
     for (std::size_t i = 0; i < res_.requests.size(); ++i) {
       const RequestResult& r = res_.requests[i];
       if (r.ends == 0) {

@@ -22,6 +22,13 @@ class LegacyLedger final : public protocol::Ledger {
   core::SettleOutcome Settle(const core::RequestId& request, core::PeerId peer, core::Settle how,
                              Status reason) override;
   void PeerQuiesced(core::PeerId peer) override;
+  // The seed had no retry: a receive is forgotten only while no peer answered, as the core's.
+  Status Forget(const core::RequestId& request) override {
+    auto it = receives_.find(request);
+    if (it == receives_.end()) return Status(ErrorCode::kNotFound, "not receiving");
+    receives_.erase(it);
+    return Status::Ok();
+  }
   bool IsPending(const core::RequestId& request, core::PeerId peer) const override;
   std::vector<core::LedgerEvent> TakeEvents() override;
   std::size_t active() const override { return receives_.size(); }

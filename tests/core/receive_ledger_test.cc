@@ -26,6 +26,20 @@ TEST(ReceiveLedgerRules, SuccessCompletesAfterEveryPeerOk) {
   EXPECT_EQ(l.active(), 0u);
 }
 
+TEST(ReceiveLedgerRules, OnlyAReceiveNoPeerSettledCanBeForgottenAndItLeavesNoTrace) {
+  ReceiveLedger l;
+  ASSERT_TRUE(l.Begin("r", {1, 2}, kTwoPeers).ok());
+  EXPECT_TRUE(l.Forget("r").ok());
+  EXPECT_TRUE(l.TakeEvents().empty());
+  EXPECT_EQ(l.active(), 0u);
+  EXPECT_EQ(l.Forget("r").code(), ErrorCode::kNotFound);
+  ASSERT_TRUE(l.Begin("r", {1, 2}, kTwoPeers).ok()) << "the id is free again";
+  // Once a peer answered or was given up on, its writer state matters: no forgetting.
+  EXPECT_EQ(l.Settle("r", kP0, Settle::kTimeout, Reason("late")), SettleOutcome::kSettled);
+  EXPECT_EQ(l.Forget("r").code(), ErrorCode::kAlreadyExists);
+  EXPECT_EQ(l.active(), 1u);
+}
+
 TEST(ReceiveLedgerRules, FailureWaitsForOtherPeersBeforeCompleting) {
   // The seed's write-after-free: P0 fails while P1 still holds the destination addresses.
   ReceiveLedger l;

@@ -69,6 +69,11 @@ class ReceiveLedger {
   Status Begin(const RequestId& request, std::vector<BlockId> blocks, std::span<const PeerId> peers,
                Status no_peer_error = Status(ErrorCode::kUnavailable, "no prefill peer"));
 
+  // Forgets a receive none of whose entries settled, for a caller that knows nothing of it was
+  // ever sent (every pull failed unsent), so no peer can write: no event, nothing quarantined.
+  // kNotFound for an unknown request, kAlreadyExists once any entry settled.
+  Status Forget(const RequestId& request);
+
   // Settles the entry (request, peer). `reason` is used for failures.
   SettleOutcome Settle(const RequestId& request, PeerId peer, core::Settle how, Status reason = {});
 
