@@ -471,6 +471,7 @@ class PyDecodeWorker {
     const runtime::DecodeWorkerStats s = Live()->Stats();
     py::dict d;
     d["pulls_sent"] = s.pulls_sent;
+    d["loads_retried"] = s.loads_retried;
     d["pull_timeouts"] = s.pull_timeouts;
     d["receives_ok"] = s.receives_ok;
     d["receives_failed"] = s.receives_failed;
