@@ -50,7 +50,7 @@ def run_python(native, torch, transport: str, ops: int, op_kib: int, seconds: fl
                       "bootstrap_address": f"127.0.0.1:{bootstrap.port}"}
             d.start_load(f"r{i}", source, dst_blocks)
             while True:
-                got = d.wait_finished(10.0)["received"]
+                got = d.wait_finished(10.0)["loaded"]
                 if got:
                     assert got[0][1], got[0][2]
                     break

@@ -20,7 +20,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -28,6 +30,7 @@
 #include "control/bootstrap_server.h"
 #include "control/cluster_auth.h"
 #include "control/load_failure_service.h"
+#include "kvferry/core/stat_fields.h"
 #include "kvferry/status.h"
 #include "kvferry/transport/inprocess.h"
 #include "kvferry/transport/ucx.h"
@@ -101,6 +104,21 @@ Result<std::shared_ptr<transport::Engine>> MakeEngine(const std::string& data_pl
   }
   return Err(ErrorCode::kInvalidArgument,
              "data_plane must be 'ucx' or 'inprocess', not '" + data_plane + "'");
+}
+
+// A stats table's rows as a dict's entries (kvferry/core/stat_fields.h: one declaration per
+// counter, the same that /metrics reads).
+template <class Stats>
+void AddToDict(py::dict& d, const Stats& stats, std::span<const core::StatField<Stats>> fields) {
+  core::ForEachStat<Stats>(stats, fields, [&](std::string_view key, std::uint64_t value) {
+    d[py::str(key.data(), key.size())] = value;
+  });
+}
+template <class Stats>
+py::dict StatsDict(const Stats& stats, std::span<const core::StatField<Stats>> fields) {
+  py::dict d;
+  AddToDict<Stats>(d, stats, fields);
+  return d;
 }
 
 std::chrono::milliseconds Millis(double seconds, const char* what) {
@@ -297,15 +315,8 @@ class PyPrefillWorker {
       py::gil_scoped_release release;
       s = worker.listener().Stats();
     }
-    py::dict d;
-    d["pulls_received"] = s.pulls_received;
-    d["renewals_accepted"] = s.renewals_accepted;
-    d["renewals_rejected"] = s.renewals_rejected;
-    d["late_pulls_rejected"] = s.late_pulls_rejected;
-    d["writes_started"] = s.writes_started;
-    d["writes_failed"] = s.writes_failed;
-    d["writes_in_flight"] = s.writes_in_flight;
-    d["lease_mismatches"] = s.lease_mismatches;
+    py::dict d = StatsDict<protocol::PrefillStats>(s, protocol::kPrefillStatFields);
+    AddToDict<control::ListenerStats>(d, s, control::kListenerStatFields);
     d["bytes_written"] = worker.writer().bytes_written();
     std::uint64_t held = 0;
     for (core::HoldPhase phase : core::kAllHoldPhases) held += s.hold.entries[phase];
@@ -469,21 +480,7 @@ class PyDecodeWorker {
 
   py::dict Stats() {
     const runtime::DecodeWorkerStats s = Live()->Stats();
-    py::dict d;
-    d["pulls_sent"] = s.pulls_sent;
-    d["loads_retried"] = s.loads_retried;
-    d["pull_timeouts"] = s.pull_timeouts;
-    d["receives_ok"] = s.receives_ok;
-    d["receives_failed"] = s.receives_failed;
-    d["renewal_messages"] = s.renewal_messages;
-    d["renewals_accepted"] = s.renewals_accepted;
-    d["releases_sent"] = s.releases_sent;
-    d["quarantined_blocks"] = s.quarantined_blocks;
-    d["pulls_in_flight"] = s.pulls_in_flight;
-    d["lookups"] = s.lookups;
-    d["endpoints"] = s.endpoints;
-    d["endpoints_closed"] = s.endpoints_closed;
-    return d;
+    return StatsDict<protocol::DecodeStats>(s, protocol::kDecodeStatFields);
   }
 
   // Releases what it tracks to P, stops the threads, then deregisters the planes (a

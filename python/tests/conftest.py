@@ -33,3 +33,12 @@ def model_dir(tmp_path_factory):
     from vllm_harness import write_model_dir  # imports vLLM: only for the tests that use it
 
     return write_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps each phase's report on the test item (``item.report_call``), so a fixture's
+    teardown can tell whether its test failed (test_vllm_serve.py prints the engines' logs)."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report

@@ -1,7 +1,9 @@
 """kvferry's kv_connector_extra_config keys: names and bounds as kvferry serve reads them.
 Needs no vLLM (kvferry.vllm.config imports nothing from it)."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +110,41 @@ def test_load_failure_port_is_off_unless_given_and_must_be_a_port():
     for bad in (-1, 65536, "8999", True, 1.5):
         with pytest.raises(config.ConfigError, match="load_failure_port"):
             config.parse_settings({"load_failure_port": bad}, env={})
+
+
+def test_staging_is_auto_unless_set_and_its_budget_is_bounded():
+    settings = config.parse_settings({}, env={})
+    assert (settings.kv_staging, settings.kv_staging_blocks) == ("auto", None)
+    for mode in ("auto", "host", "off"):
+        assert config.parse_settings({"kv_staging": mode}, env={}).kv_staging == mode
+    for bad in ("cuda", "", True, None, 1):
+        with pytest.raises(config.ConfigError, match="kv_staging must be one of"):
+            config.parse_settings({"kv_staging": bad}, env={})
+    assert config.parse_settings({"kv_staging_blocks": 1}, env={}).kv_staging_blocks == 1
+    assert config.parse_settings({"kv_staging_blocks": 1 << 24}, env={}).kv_staging_blocks == 1 << 24
+    for bad in (0, -3, (1 << 24) + 1, 2.0, "64", True):
+        with pytest.raises(config.ConfigError, match="kv_staging_blocks"):
+            config.parse_settings({"kv_staging_blocks": bad}, env={})
+    assert config.parse_settings({"kv_staging": "host"}, env={}).ignored_keys == ()
+
+
+CASES = json.loads(
+    (Path(__file__).resolve().parents[2] / "tests/data/kv_connector_extra_config_cases.json")
+    .read_text()
+)["cases"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: json.dumps(c["extra"]))
+def test_agrees_with_kvferry_serve_on_every_shared_case(case):
+    # The same cases as harness_unit_test.cc's KvTransferConfig test: the keys both parsers
+    # read are accepted, refused and read alike.
+    if case.get("error"):
+        with pytest.raises(config.ConfigError):
+            config.parse_settings(case["extra"], env={})
+        return
+    s = config.parse_settings(case["extra"], env={})
+    for key, want in case["want"].items():
+        got = getattr(s, key)
+        if key == "cluster_secret_file" and got is None:
+            got = ""  # absent: kvferry serve's empty path
+        assert got == want, key

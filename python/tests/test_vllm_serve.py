@@ -18,6 +18,7 @@ import concurrent.futures
 import re
 import time
 import uuid
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -27,6 +28,7 @@ pytest.importorskip("kvferry._native", reason="kvferry._native is not built (scr
 from tiny_model import make_model  # noqa: E402
 from vllm_serve import (  # noqa: E402
     Cluster,
+    Completion,
     complete,
     d_params,
     engine_env,
@@ -48,6 +50,12 @@ from kvferry.vllm.launch import kvferry_transfer_config, metric  # noqa: E402
 LEASE_S = 4.0
 ABORT_S = 30.0
 LENGTHS = (1, 2, 31, 32, 33, 100, 200, 400)
+# Pair A's D stages loads through this many host slots (of 32 tokens): far fewer than its 16
+# concurrent requests take together (about 110), more than the largest one (12 for 362 tokens).
+STAGED_D_SLOTS = 24
+# Tokens each of fill_d_then_queue's fillers decodes on group B's D (whose max model length is
+# this plus its prompt): far longer than a test holds them.
+FILLER_TOKENS = 4000
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +66,15 @@ def cluster(tmp_path_factory):
     mla = str(make_model(root / "mla", "mla"))
     c = Cluster(root, engine_env(root))
     c.engine("single", llama, args=["--block-size", "32", "--num-gpu-blocks-override", "64"])
+    # Pair A moves its KV through host staging (kv_staging host: the path of a GPU's KV cache,
+    # with the CPU engines' host cache standing in), D's with fewer slots than the 16 concurrent
+    # requests need, so that loads wait for slots; its TP-2 P below does not stage.
     c.pair("a", llama, args=["--block-size", "32", "--num-gpu-blocks-override", "64"],
            # P prefills in chunks of 64 tokens: chunked prefill on the handing side.
            prefill_args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
-           decode_args=["--max-num-seqs", "16"])
+           decode_args=["--max-num-seqs", "16"],
+           prefill_extra={"kv_staging": "host"},
+           decode_extra={"kv_staging": "host", "kv_staging_blocks": STAGED_D_SLOTS})
     # A D configured with a lease its P does not have: every load fails (a lease mismatch),
     # and the client hears why through the proxy (D's load-failure service).
     leased, leased_failures = c.decode("a-decode-leased", llama, extra={"kv_lease_duration": 4},
@@ -78,19 +91,35 @@ def cluster(tmp_path_factory):
     c.pair("b", llama8, extra={"kv_lease_duration": LEASE_S, "abort_request_timeout": ABORT_S,
                                "fence_writes": True},
            args=["--block-size", "64", "--num-gpu-blocks-override", "48", "--max-num-seqs", "4"],
+           # D takes long requests (fill_d_then_queue's fillers) and has the blocks for them.
+           decode_args=["--max-model-len", str(FILLER_TOKENS + 64), "--num-gpu-blocks-override",
+                        "320"],
            env={"UCX_TLS": "tcp"})
-    c.pair("m", mla, args=["--num-gpu-blocks-override", "128"])
+    c.pair("m", mla, args=["--num-gpu-blocks-override", "128"],
+           prefill_extra={"kv_staging": "host"})  # a staged P to a D that does not stage
     try:
         c.start()
         # Each pair's first write sets up its UCX connection, which has stalled for 30 s on
         # these machines (docs/vllm.md, known issue): pay for it here, not in a test's budget.
         for n, pair in enumerate(c.pairs.values()):
             warm_up(pair, 900 + 10 * n)
+        # And the one route that is not a pair's: P at TP 2 to pair A's D.
+        until_served("P at TP 2 to pair A's D",
+                     lambda attempt: through_tp2(c, prompts(990 + attempt, [8])[0], 40))
     except BaseException:
         print(c.logs())
         raise
     yield c
     c.stop()
+
+
+@pytest.fixture(autouse=True)
+def engine_lines_on_failure(request, cluster):
+    """A failed test prints what the engines and proxies logged of kvferry."""
+    yield
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(cluster.kvferry_lines())
 
 
 def test_outputs_through_p_and_d_equal_a_single_instance_token_for_token(cluster):
@@ -164,22 +193,27 @@ def test_d_decodes_from_ps_bytes_not_from_its_own_prompt(cluster):
     assert d_half.tokens != complete(single.url, a.model, y).tokens
 
 
+def through_tp2(cluster, prompt: Sequence[int], timeout_s: float = 120.0) -> Completion:
+    """One request prefilled by P at TP 2 and decoded by pair A's D (the test plays the proxy);
+    D's answer (a P half that failed is an assertion)."""
+    a, p2 = cluster.pairs["a"], cluster.engines["a-prefill-tp2"]
+    port = cluster.tp2_bootstrap
+    transfer = f"xfer-tp2-{uuid.uuid4().hex}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        p_half = pool.submit(complete, p2.url, a.model, prompt, 1, params=p_params(transfer))
+        d_half = complete(a.decode.url, a.model, prompt, timeout_s=timeout_s,
+                          params=d_params(transfer, engine_id_of(port), port))
+    assert p_half.result().status == 200
+    return d_half
+
+
 def test_p_at_tp2_hands_its_kv_to_d_at_tp1(cluster):
     single, a = cluster.engines["single"], cluster.pairs["a"]
-    p2 = cluster.engines["a-prefill-tp2"]
-    port = cluster.tp2_bootstrap
-    engine_id = engine_id_of(port)
     for prompt in prompts(7, (33, 200)):
-        transfer = f"xfer-tp2-{uuid.uuid4().hex}"
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            p_half = pool.submit(complete, p2.url, a.model, prompt, 1,
-                                 params=p_params(transfer))
-            d_half = complete(a.decode.url, a.model, prompt,
-                              params=d_params(transfer, engine_id, port))
-        assert p_half.result().status == 200
+        d_half = through_tp2(cluster, prompt)
         assert d_half.status == 200, d_half.body
         assert d_half.tokens == complete(single.url, a.model, prompt).tokens
-    wait_for("P at TP 2 idle", lambda: idle(p2), 10)
+    wait_for("P at TP 2 idle", lambda: idle(cluster.engines["a-prefill-tp2"]), 10)
 
 
 def test_one_post_register_cannot_take_ps_traffic_over(cluster):
@@ -205,6 +239,20 @@ def test_kvferrys_lines_go_through_vllms_logging(cluster):
     log = cluster.pairs["a"].decode.log.read_text(errors="replace")
     assert re.search(r"\((Worker|EngineCore)[^)]* pid=\d+\) INFO \S+ \S+ \[worker\.py:\d+\] "
                      r"kvferry registered \d+ KV regions", log), log[-3000:]
+
+
+def test_pair_a_moves_its_kv_through_host_staging_and_its_tp2_p_does_not(cluster):
+    # The tests of group A above ran through staging: a staged P handing to a staged D (whose
+    # 16 concurrent loads waited for slots), the TP-2 P handing without staging to it, and the
+    # partial prefix hit loading only the rest through it.
+    a = cluster.pairs["a"]
+    staged = "kvferry stages KV through host memory: {} slots per KV-cache group"
+    assert staged.format(64) in a.prefill.log.read_text(errors="replace")
+    d_log = a.decode.log.read_text(errors="replace")
+    assert staged.format(STAGED_D_SLOTS) in d_log
+    assert "D staging slots are short" in d_log  # loads waited for slots, and were served
+    assert "stages KV" not in cluster.engines["a-prefill-tp2"].log.read_text(errors="replace")
+    assert staged.format(128) in cluster.pairs["m"].prefill.log.read_text(errors="replace")
 
 
 def test_group_a_ends_with_nothing_in_use(cluster):
@@ -306,40 +354,60 @@ def test_a_client_leaving_p_while_its_request_queues_fails_ds_half_at_once(clust
 
 
 def warm_up(b, seed: int) -> None:
-    """Short requests through the pair until one succeeds (at most 75 s). A P's first write to
-    a D sets up their UCX connection, which on these CPU machines has stalled for up to 30 s
-    (docs/vllm.md, known issue: the write then fails and the next one connects at once); the
-    tests must measure what they test, not that stall. At start-up for every pair, and again
-    before the lease-timing tests (an earlier test's failed write closes the connection)."""
-    deadline = time.monotonic() + 75
+    """Short requests through the pair until one succeeds. A P's first write to a D sets up
+    their UCX connection, which on these CPU machines has stalled for up to 30 s (docs/vllm.md,
+    known issue: the write then fails and the next one connects at once); the tests must
+    measure what they test, not that stall. At start-up for every pair (and the TP-2 route), and
+    again before the lease-timing tests (an earlier test's failed write closes the
+    connection)."""
+    until_served("the pair", lambda attempt: complete(
+        b.proxy.url, b.model, prompts(seed + 200 + attempt, [8])[0], 4))
+
+
+def until_served(what: str, send: Callable[[int], Completion], budget_s: float = 100) -> None:
+    """Calls ``send(attempt)`` until it answers 200, for at most ``budget_s``; prints how many
+    attempts failed first."""
+    deadline = time.monotonic() + budget_s
     attempt = 0
     while True:
-        got = complete(b.proxy.url, b.model, prompts(seed + 200 + attempt, [8])[0], 4)
+        got = send(attempt)
         if got.status == 200:
             if attempt:
-                print(f"[ measured ] the pair served a request after {attempt} failed warm-up(s)")
+                print(f"[ measured ] {what} served a request after {attempt} failed warm-up(s): "
+                      f"{got.seconds:.1f} s for the last")
             return
         attempt += 1
-        assert time.monotonic() < deadline, f"the pair serves no request: {got.body}"
+        assert time.monotonic() < deadline, f"{what} serves no request: {got.body}"
 
 
 def fill_d_then_queue(b, seed: int) -> tuple[list, list]:
     """D runs 4 requests at a time (--max-num-seqs 4), and while 4 run, vLLM's scheduler admits
     no waiting request: so 4 fillers go first, and once D runs them, 6 more queue on D with
     their KV held on P (6 x 5 blocks: 62% of P's KV). A request waiting for its KV does not
-    count against the 4, so the fillers must still run when the 6 arrive: they decode until
-    the test closes them (short prompts, 500 tokens: 10+ s even on a fast machine; CI saw P's
-    share never pass 20% when the fillers were 200-token requests that could finish first).
-    Returns (fillers, queued): client connections, unread. Prompt + max_tokens stays within
-    the engines' 512 tokens."""
+    count against the 4, so the fillers must still run when the 6 arrive and while the test
+    measures: they decode FILLER_TOKENS tokens (a minute and more on these machines) unless
+    the test closes them first. Returns (fillers, queued): client connections, unread.
+
+    Measured on 2026-12-02: 500-token fillers decoded at ~200 tokens/s together, so they were
+    done in 10 s — as long as P took to prefill the 6 queued requests (1,800 tokens at ~190/s):
+    D then pulled them at once and P never held 20%. With 200-token fillers CI saw the same.
+
+    The fillers are D's own requests (sent to D, not through the proxy): they prefill on D and
+    run at once, together. Through the proxy, each waited for its KV from P, and CI twice saw
+    them run one after another instead (a write delayed by the data-plane stall after P's
+    restart, docs/vllm.md): D never ran 4 at once before they finished. What the tests measure
+    is P's hold on the queued requests, which still go through the proxy."""
     warm_up(b, seed)
-    fillers = [start_completion(b.proxy.url, b.model, p, 500) for p in prompts(seed, [8] * 4)]
+    fillers = [start_completion(b.decode.url, b.model, p, FILLER_TOKENS)
+               for p in prompts(seed, [8] * 4)]
     queued = []
     try:
-        wait_for("D runs 4 requests", lambda: running(b.decode) >= 4, 30)
+        wait_for("D runs 4 requests", lambda: running(b.decode) >= 4, 30,
+                 detail=lambda: f"{running(b.decode):g} running")
         queued = [start_completion(b.proxy.url, b.model, p, 200)
                   for p in prompts(seed + 100, [300] * 6)]
-        wait_for("P holds the queued requests' KV", lambda: kv_usage(b.prefill) > 0.2, 30)
+        wait_for("P holds the queued requests' KV", lambda: kv_usage(b.prefill) > 0.2, 30,
+                 detail=lambda: f"P's KV {kv_usage(b.prefill):.0%}")
     except BaseException:
         for client in fillers + queued:
             client.close()
@@ -413,4 +481,34 @@ def test_a_killed_decoder_lets_p_free_its_queued_kv_within_one_lease(cluster):
     finally:
         for client in fillers + queued:
             client.close()
+    wait_for("P idle", lambda: idle(b.prefill), 10)
+
+
+def test_a_decoder_stopped_by_sigterm_drains_its_requests_then_stops_kvferry(cluster):
+    # SIGTERM to D (vllm serve run with --shutdown-timeout, as kvferry's launcher runs it): vLLM
+    # finishes the requests in flight, loads from P included, then shuts its worker down, and
+    # kvferry's decode worker with it: releases sent, threads joined, memory deregistered, before
+    # the process exits. (vLLM's default, 0 s, kills the worker at once: see launch.py.)
+    b = cluster.pairs["b"]
+    cluster.restart(b.decode, kill=False)  # the test before killed it
+    warm_up(b, 19)
+    batch = prompts(19, [120, 240, 60])
+    want = [complete(b.prefill.url, b.model, p, 48) for p in batch]
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        futures = [pool.submit(complete, b.proxy.url, b.model, p, 48, timeout_s=60)
+                   for p in batch]
+        wait_for("D decodes the batch", lambda: running(b.decode) >= 1, 30, poll_s=0.02)
+        sent = time.monotonic()
+        code = b.decode.stop()
+        exited = time.monotonic() - sent
+        got = [f.result() for f in futures]
+    log = b.decode.log.read_text(errors="replace")
+    print(f"[ measured ] SIGTERM to D with {len(batch)} requests in flight: D exited {exited:.2f} s "
+          f"later (status {code}); {sum(g.status == 200 for g in got)} of them completed")
+    for g, w in zip(got, want):
+        assert g.status == 200, g.body
+        assert g.tokens == w.tokens
+    assert "kvferry: stopping the decode worker of rank 0" in log, b.decode.log_tail(40)
+    assert "kvferry: decode worker of rank 0 stopped" in log, b.decode.log_tail(40)
+    assert code == 0, b.decode.log_tail(40)
     wait_for("P idle", lambda: idle(b.prefill), 10)

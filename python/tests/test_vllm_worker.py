@@ -64,6 +64,9 @@ class FakeDecode:
         out, self.pending = self.pending, DecodeFinished([], [], [])
         return out
 
+    def stats(self):
+        return {"tracked": 0, "receiving": 0}
+
     def stop(self):
         self.calls.append(("stop",))
 
@@ -315,6 +318,129 @@ def test_p_worker_tombstones_a_transfer_dropped_before_it_was_admitted(model_dir
     assert ("refuse", "xfer-2") in native.calls
     assert ("engine_finished", "xfer-2") not in native.calls
     assert_scheduler_empty(p)
+
+
+# ---- host staging (kv_staging): host tensors stand in for a GPU's KV cache ----
+
+
+def staged_connector(model_dir, role, monkeypatch, slots):
+    """A worker forced to stage its (host) KV cache, with ``slots`` staging slots; returns the
+    connector and the cache tensor ([2, blocks, 16, 1, 1]: K and V), filled with distinct
+    values."""
+    monkeypatch.setattr(worker_module, "load_native", lambda: FakeNative)
+    config = make_vllm_config(model_dir, role,
+                              extra_config={"kv_staging": "host", "kv_staging_blocks": slots})
+    connector = KvferryConnector(config, KVConnectorRole.WORKER, make_kv_cache_config())
+    cache = torch.arange(2 * 200 * BLOCK_SIZE, dtype=torch.float32).reshape(2, 200, BLOCK_SIZE, 1,
+                                                                              1)
+    connector.register_kv_caches({"layer.0": cache})
+    return connector, cache
+
+
+def block_values(region, slot):
+    return torch.frombuffer(bytearray(layer_bytes(region, slot)), dtype=torch.float32)
+
+
+def test_a_staged_p_hands_slots_to_the_runtime_and_the_blocks_back_to_vllm_at_once(
+        model_dir, monkeypatch):
+    p = make_scheduler(make_vllm_config(model_dir, "kv_producer"))
+    connector, cache = staged_connector(model_dir, "kv_producer", monkeypatch, slots=8)
+    native = connector.connector_worker.prefill
+    # The runtime registered the staging twins (8 blocks each), not the 200-block cache.
+    assert [(r.part, r.num_blocks) for r in native.regions] == [("k", 8), ("v", 8)]
+    assert all(r.data_ptr != cache.data_ptr() for r in native.regions)
+    p.add_request(make_request("p1", 40, p_params("xfer-1"), max_tokens=1))
+    engine_step(p, connector)
+    (blocks,) = p.kv_cache_manager.get_block_ids("p1")
+    _, results = engine_step(p, connector)
+    # One step: staged, handed over as slots, and the request's blocks given back to vLLM.
+    assert ("prefill_done", "xfer-1", [[0, 1, 2]]) in native.calls
+    assert results.finished_sending == {"p1"}
+    assert_scheduler_empty(p)
+    for slot, block in enumerate(blocks):
+        assert torch.equal(block_values(native.regions[0], slot), cache[0, block].flatten())
+        assert torch.equal(block_values(native.regions[1], slot), cache[1, block].flatten())
+    # The runtime frees the transfer: its slots, not a request vLLM has long freed.
+    _, results = engine_step(p, connector, lambda: native.events.append(("free", "xfer-1")))
+    assert not results.finished_sending
+    assert connector.connector_worker._p_staging.slots.pools[0].free == 8
+
+
+def test_a_staged_p_refuses_a_request_larger_than_its_staging(model_dir, monkeypatch, caplog):
+    p = make_scheduler(make_vllm_config(model_dir, "kv_producer"))
+    connector, _ = staged_connector(model_dir, "kv_producer", monkeypatch, slots=2)
+    native = connector.connector_worker.prefill
+    p.add_request(make_request("p1", 40, p_params("xfer-1"), max_tokens=1))  # 3 blocks
+    engine_step(p, connector)
+    with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+        _, results = engine_step(p, connector)
+    assert ("engine_finished", "xfer-1") in native.calls  # D's pull fails, not parks
+    assert not any(c[0] == "prefill_done" for c in native.calls)
+    assert results.finished_sending == {"p1"}
+    assert "kv_staging_blocks" in caplog.text
+    assert_scheduler_empty(p)
+
+
+def test_a_staged_d_reports_a_load_only_once_copied_up_into_its_blocks(model_dir, monkeypatch):
+    d = make_scheduler(make_vllm_config(model_dir, "kv_consumer"))
+    connector, cache = staged_connector(model_dir, "kv_consumer", monkeypatch, slots=4)
+    native = connector.connector_worker.decode
+    d.add_request(make_request("d1", 40, d_params("xfer-1"), max_tokens=2))  # 3 blocks
+    d.add_request(make_request("d2", 40, d_params("xfer-2"), max_tokens=2))  # waits for slots
+    engine_step(d, connector)
+    (blocks,) = d.kv_cache_manager.get_block_ids("d1")
+    loads = [c for c in native.calls if c[0] == "start_load"]
+    assert [(c[1], c[3]) for c in loads] == [("d1", [[0, 1, 2]])]
+    # P "writes" the slots; the runtime reports d1 received: the slots are copied up and only
+    # then is the load finished, and d2's load starts in the slots d1 gave back.
+    for region in native.regions:
+        for slot in range(3):
+            ctypes.memmove(region.data_ptr + slot * region.block_stride,
+                           (ctypes.c_float * BLOCK_SIZE)(*[1000.0 + slot] * BLOCK_SIZE),
+                           region.block_bytes)
+    _, results = engine_step(d, connector, lambda: setattr(
+        native, "pending", DecodeFinished(["d1"], [], [])))
+    assert results.finished_recving == {"d1"}
+    for slot, block in enumerate(blocks):
+        assert torch.equal(cache[:, block].flatten(), torch.full((2 * BLOCK_SIZE,), 1000.0 + slot))
+    loads = [c for c in native.calls if c[0] == "start_load"]
+    assert [(c[1], c[3]) for c in loads][1:] == [("d2", [[0, 1, 2]])]
+    engine_step(d, connector, lambda: setattr(native, "pending", DecodeFinished(["d2"], [], [])))
+    while d.requests:
+        engine_step(d, connector)
+    assert_scheduler_empty(d)
+
+
+def test_a_staged_d_fails_a_held_load_at_once_and_keeps_only_its_slots(model_dir, monkeypatch):
+    # Unstaged, a load that failed while P may still write keeps its request's blocks until
+    # released; staged, P writes the slots only: the request fails at once, its blocks free,
+    # and the slots stay taken until the runtime releases them.
+    d = make_scheduler(make_vllm_config(model_dir, "kv_consumer"))
+    connector, _ = staged_connector(model_dir, "kv_consumer", monkeypatch, slots=4)
+    native = connector.connector_worker.decode
+    staging = connector.connector_worker._d_staging
+    d.add_request(make_request("d1", 40, d_params("xfer-1"), max_tokens=2))
+    engine_step(d, connector)
+    _, results = engine_step(d, connector, lambda: setattr(
+        native, "pending", DecodeFinished([], [("d1", "UNAVAILABLE: P is gone", True)], [])))
+    assert results.finished_recving == {"d1"} and results.failed_recving == {"d1"}
+    assert_scheduler_empty(d)
+    assert staging.slots.pools[0].free == 1
+    _, results = engine_step(d, connector, lambda: setattr(
+        native, "pending", DecodeFinished([], [], ["d1"])))
+    assert not results.finished_recving  # reported once, when it failed
+    assert staging.slots.pools[0].free == 4
+
+
+def test_a_gpu_kv_cache_with_staging_off_is_refused_before_anything_is_registered(
+        model_dir, monkeypatch):
+    monkeypatch.setattr(worker_module, "load_native", lambda: FakeNative)
+    config = make_vllm_config(model_dir, "kv_consumer", extra_config={"kv_staging": "off"})
+    connector = KvferryConnector(config, KVConnectorRole.WORKER, make_kv_cache_config())
+    meta = torch.zeros(2, 200, BLOCK_SIZE, 1, 1, device="meta")  # a cache off the host
+    with pytest.raises(ValueError, match="kv_staging is off"):
+        connector.register_kv_caches({"layer.0": meta})
+    assert connector.connector_worker.decode is None
 
 
 def layer_bytes(region, block):

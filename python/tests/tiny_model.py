@@ -7,7 +7,7 @@ Shapes (2 layers each; vLLM's CPU backend serves all three):
 
 ``llama``  LlamaForCausalLM, hidden 128, 4 heads / 2 KV heads, head_dim 32
 ``llama8`` LlamaForCausalLM, hidden 256, 8 heads / 4 KV heads, head_dim 32 (another head count
-           and block payload)
+           and block payload), 8,192 positions (the others: 1,024)
 ``mla``    DeepseekV2ForCausalLM with MLA (one latent KV "head" replicated over TP ranks).
            vLLM's CPU MLA kernel takes only a 576-wide latent (kv_lora_rank 512 + rope 64):
            smaller ones start, then fail the first request ("Head dimension 48 is not supported
@@ -79,7 +79,10 @@ def _config(shape: str, vocab: int, tok) -> dict:
         return dict(common, model_type="llama", architectures=["LlamaForCausalLM"],
                     hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
                     num_key_value_heads=kv_heads, head_dim=hidden // heads, rope_theta=10000.0,
-                    hidden_act="silu")
+                    hidden_act="silu",
+                    # llama8 takes requests of thousands of tokens (test_vllm_serve.py's fillers);
+                    # RoPE without scaling: the same outputs below 1,024 tokens.
+                    max_position_embeddings=8192 if shape == "llama8" else 1024)
     if shape == "mla":
         return dict(common, model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
                     hidden_size=128, intermediate_size=256, moe_intermediate_size=64,

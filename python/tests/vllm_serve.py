@@ -191,14 +191,16 @@ def kv_usage(engine: VllmEngine) -> float:
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float,
-             poll_s: float = 0.1) -> float:
-    """Seconds until ``check()`` held; AssertionError naming ``what`` after ``timeout_s``."""
+             poll_s: float = 0.1, detail: Callable[[], str] | None = None) -> float:
+    """Seconds until ``check()`` held; AssertionError naming ``what`` after ``timeout_s``, with
+    ``detail()`` (what was seen last) appended when given."""
     start = time.monotonic()
     while True:
         if check():
             return time.monotonic() - start
         if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+            seen = f" ({detail()})" if detail is not None else ""
+            raise AssertionError(f"{what}: not within {timeout_s:g} s{seen}")
         time.sleep(poll_s)
 
 
@@ -246,18 +248,24 @@ class Cluster:
 
     def pair(self, name: str, model: str, *, extra: Mapping[str, Any] | None = None,
              args: Sequence[str] = (), prefill_args: Sequence[str] = (),
-             decode_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Pair:
+             decode_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+             prefill_extra: Mapping[str, Any] | None = None,
+             decode_extra: Mapping[str, Any] | None = None) -> Pair:
+        """P and D with a proxy; ``extra`` goes to both connectors, ``prefill_extra`` and
+        ``decode_extra`` to one."""
         bootstrap = free_port()
         # A fixed engine id: a P restarted on its ports keeps it, as the proxy expects.
         p = self.engine(f"{name}-prefill", model,
                         transfer_config=kvferry_transfer_config(
-                            "prefill", {**(extra or {}), "bootstrap_port": bootstrap},
+                            "prefill", {**(extra or {}), **(prefill_extra or {}),
+                                        "bootstrap_port": bootstrap},
                             engine_id=f"{name}-prefill"),
                         args=[*args, *prefill_args], env=env)
         failures = free_port()
         d = self.engine(f"{name}-decode", model,
                         transfer_config=kvferry_transfer_config(
-                            "decode", {**(extra or {}), "load_failure_port": failures}),
+                            "decode", {**(extra or {}), **(decode_extra or {}),
+                                       "load_failure_port": failures}),
                         args=[*args, *decode_args], env=env)
         proxy = Proxy(self.kvferry, free_port(), p, bootstrap, d, self.dir / f"{name}-proxy.log",
                       load_failure_port=failures)
@@ -323,6 +331,17 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"---- {c.name} ({c.log}) ----\n{c.log_tail(40)}" for c in self.children())
+
+    def kvferry_lines(self, per_child: int = 15) -> str:
+        """The last lines of each log that kvferry wrote or that report an error: what a
+        failed test prints, so a CI log says what the engines saw."""
+        out = []
+        for c in self.children():
+            got = [line for line in c.log_tail(4000).splitlines()
+                   if "kvferry" in line or " ERROR " in line or "proxy" in line
+                   or "Traceback" in line]
+            out.append(f"---- {c.name} ({c.log}) ----\n" + "\n".join(got[-per_child:]))
+        return "\n".join(out)
 
 
 __all__ = [

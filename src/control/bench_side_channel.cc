@@ -122,6 +122,7 @@ Status StartMode(Mode& mode, const std::shared_ptr<SideChannelContext>& context)
   options.session.hold.lease = std::chrono::milliseconds(kLeaseMs);
   options.num_senders = 2;
   options.session.block_len = 4096;  // as the pulls say: one plane, no slicing
+  options.session.num_blocks = kBlocksPerPull;
   options.session.engine_id = "bench-p-" + mode.name;
   options.cluster_secret = mode.secret;
   auto listener = PrefillListener::Start(options, std::make_shared<InstantWriter>(), nullptr);

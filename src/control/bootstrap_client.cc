@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "control/bootstrap_json.h"
+#include "control/call_deadline.h"
 #include "control/bounded_answer.h"
 
 namespace kvferry::control {
@@ -72,37 +73,6 @@ class ScopedSigpipeBlock {
   bool already_pending_ = false;
 };
 
-// Aborts a client call still running at `deadline`. httplib's socket timeouts bound each
-// connect/read/write, not the whole call; this makes the caller's deadline hard.
-class Watchdog {
- public:
-  Watchdog(httplib::ClientImpl& client, Clock::time_point deadline)
-      : thread_([this, &client, deadline] {
-          std::unique_lock<std::mutex> lock(mu_);
-          if (!cv_.wait_until(lock, deadline, [this] { return done_; })) {
-            // ClientImpl::stop() is its documented cross-thread abort: it shuts the socket
-            // down so the blocked call returns an error.
-            client.stop();
-          }
-        }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  Watchdog(const Watchdog&) = delete;
-  Watchdog& operator=(const Watchdog&) = delete;
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
-};
-
 struct HttpReply {
   int status = 0;
   std::string body;
@@ -121,8 +91,8 @@ Result<HttpReply> Call(const BootstrapAddress& address, const char* method, cons
 
   httplib::ClientImpl client(address.host, address.port);
   // httplib truncates socket timeouts to whole milliseconds, so a read could time out just
-  // before the deadline and look like a transport failure. Pad them: the watchdog ends the
-  // call at the deadline itself, and the outcome is then classified as a timeout.
+  // before the deadline and look like a transport failure. Pad them: the CallDeadline ends
+  // the call at the deadline itself, and the outcome is then classified as a timeout.
   const auto socket_timeout = left + std::chrono::milliseconds(20);
   client.set_connection_timeout(socket_timeout);
   client.set_read_timeout(socket_timeout);
@@ -146,7 +116,7 @@ Result<HttpReply> Call(const BootstrapAddress& address, const char* method, cons
   bool sent = false;
   {
     ScopedSigpipeBlock no_sigpipe;
-    Watchdog watchdog(client, deadline);
+    CallDeadline hard_deadline(deadline, [&client] { client.stop(); });
     sent = client.send(req, res, error);
   }
   if (!sent) {

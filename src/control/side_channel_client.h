@@ -1,7 +1,8 @@
 // A blocking client of P's side channel: a DecodeChannel per P worker (a ZeroMQ DEALER), one
 // request at a time. D's runtime does not use it (DecodeWorker multiplexes every pull and
-// renewal of a P worker on one socket, driven by protocol::DecodeSession); it serves tools and
-// the listener's tests, which talk to P the way any D does.
+// renewal of a P worker on one socket, driven by protocol::DecodeSession); it serves tools
+// (`kvferry bench sidechannel`) and the listener's tests, which talk to P the way any D does,
+// so it is a library of its own (kvferry_sidechannel_client) that no runtime links.
 //
 // Framing (docs/protocol.md §1): one frame per message. Each Pull and Renewal gets a fresh
 // non-zero wire `id` (a counter private to the channel) that P copies into its replies; a reply
@@ -18,7 +19,6 @@
 #include <memory>
 #include <span>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "control/cluster_auth.h"
@@ -111,8 +111,5 @@ class DecodeChannel {
   std::string endpoint_;
   std::unique_ptr<Impl> impl_;
 };
-
-// Where warnings go (default: spdlog::warn). Tests count them.
-using WarningSink = std::function<void(std::string_view message)>;
 
 }  // namespace kvferry::control

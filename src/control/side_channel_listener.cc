@@ -19,6 +19,7 @@
 #include <variant>
 #include <zmq.hpp>
 
+#include "kvferry/core/thread_name.h"
 #include "wire/messages.h"
 
 namespace kvferry::control {
@@ -116,9 +117,15 @@ class PrefillListener::Impl {
                     fmt::format("side channel cannot bind {}: {}", options_.endpoint, e.what()));
     }
     for (std::size_t i = 0; i < options_.num_senders; ++i) {
-      senders_.emplace_back([this] { SenderMain(); });
+      senders_.emplace_back([this] {
+        core::NameThisThread("kvf-p-send");
+        SenderMain();
+      });
     }
-    listener_ = std::thread([this] { ListenerMain(); });
+    listener_ = std::thread([this] {
+      core::NameThisThread("kvf-p-listen");
+      ListenerMain();
+    });
     return Status::Ok();
   }
 
@@ -542,7 +549,11 @@ void PrefillListener::Impl::Pump() {
       std::lock_guard<std::mutex> lock(job_mu_);
       for (protocol::WriteJob& job : writes) jobs_.push_back(std::move(job));
     }
-    job_cv_.notify_all();
+    // One sender per job: waking all of them for one write cost a pull ~4 context switches on
+    // its critical path (perf sched, `kvferry bench handoff`, docs/performance.md).
+    for (std::size_t i = 0; i < std::min(writes.size(), senders_.size()); ++i) {
+      job_cv_.notify_one();
+    }
   }
   for (const core::HoldEvent& event : session_.TakeEngineEvents()) {
     if (!on_hold_event_) continue;

@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,6 +44,7 @@
 #include "control/cluster_auth.h"
 #include "kvferry/core/hold_table.h"
 #include "kvferry/core/ids.h"
+#include "kvferry/core/stat_fields.h"
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"
 #include "protocol/prefill_session.h"
@@ -93,18 +95,38 @@ struct ListenerOptions {
   std::shared_ptr<const ClusterSecret> cluster_secret;
 };
 
-// A snapshot of the listener's counters: the session's, and what the socket did with its replies.
+// A snapshot of the listener's counters: the session's (protocol::kPrefillStatFields), and what
+// the socket did with its replies (kListenerStatFields).
 struct ListenerStats : protocol::PrefillStats {
-  std::uint64_t responses_sent = 0;   // replies and notices sent
-  std::uint64_t replies_dropped = 0;  // peer gone or its queue full (ROUTER_MANDATORY)
-  // With a cluster secret: handshakes refused (no CURVE, wrong keys, denied by ZAP). A peer
-  // that keeps reconnecting counts once per attempt. Always 0 without a secret.
+  std::uint64_t responses_sent = 0;
+  std::uint64_t replies_dropped = 0;
   std::uint64_t auth_refusals = 0;
-  // With a cluster secret: connections that ended mid-handshake, before P could tell why (a
-  // port probe; a libzmq NULL client that read P's CURVE greeting and hung up before sending
-  // its own, which happened in about 1 of 3 tries on loopback). Always 0 without a secret.
   std::uint64_t handshakes_abandoned = 0;
 };
+
+// The rows of ListenerStats's own fields (the session's are protocol::kPrefillStatFields).
+inline constexpr core::StatField<ListenerStats> kListenerStatFields[] = {
+    // clang-format off
+    {"responses_sent", &ListenerStats::responses_sent, core::StatKind::kCounter,
+     "Side-channel replies and notices sent", "kvferry_side_channel_sent_total"},
+    {"replies_dropped", &ListenerStats::replies_dropped, core::StatKind::kCounter,
+     "Side-channel replies dropped: the D peer gone or its queue full",
+     "kvferry_side_channel_replies_dropped_total"},
+    // A peer that keeps reconnecting counts once per attempt.
+    {"auth_refusals", &ListenerStats::auth_refusals, core::StatKind::kCounter,
+     "Side-channel handshakes refused: no CURVE, another cluster secret, or denied by ZAP "
+     "(0 in an open cluster)", "kvferry_side_channel_auth_refusals_total"},
+    // A libzmq NULL client that read P's CURVE greeting and hung up before sending its own did
+    // so in about 1 of 3 tries on loopback.
+    {"handshakes_abandoned", &ListenerStats::handshakes_abandoned, core::StatKind::kCounter,
+     "Side-channel connections that ended mid-handshake before P could tell why: a port "
+     "probe, or a peer without CURVE that hung up first (0 in an open cluster)",
+     "kvferry_side_channel_handshakes_abandoned_total"},
+    // clang-format on
+};
+static_assert(sizeof(ListenerStats) == sizeof(protocol::PrefillStats) +
+                                           std::size(kListenerStatFields) * sizeof(std::uint64_t),
+              "every field ListenerStats adds has one row in kListenerStatFields");
 
 class PrefillListener {
  public:

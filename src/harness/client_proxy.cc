@@ -18,6 +18,7 @@
 #include "client_http.h"
 #include "control/bootstrap_client.h"
 #include "control/bootstrap_types.h"
+#include "control/call_deadline.h"
 #include "control/cluster_auth.h"
 #include "control/http_server.h"
 #include "control/json_limits.h"
@@ -85,33 +86,6 @@ bool IsNone(std::string_view text) {
     return std::tolower(static_cast<unsigned char>(a)) == b;
   });
 }
-
-// Stops `client`'s call at `deadline` unless destroyed first: httplib's timeouts bound each
-// read and write, not the call, so a server that trickles bytes could stretch it.
-class CallDeadline {
- public:
-  CallDeadline(httplib::Client& client, SteadyClock::time_point deadline)
-      : thread_([this, &client, deadline] {
-          std::unique_lock<std::mutex> lock(mu_);
-          if (!cv_.wait_until(lock, deadline, [this] { return done_; })) client.stop();
-        }) {}
-  ~CallDeadline() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  CallDeadline(const CallDeadline&) = delete;
-  CallDeadline& operator=(const CallDeadline&) = delete;
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
-};
 
 // One way to reach P: an instance and, when learned from its bootstrap, one of its dp ranks.
 struct Route {
@@ -423,8 +397,9 @@ struct Proxy::Impl {
     httplib::Response res;
     httplib::Error err = httplib::Error::Success;
     {
-      CallDeadline deadline(
-          cli, SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(attempt));
+      control::CallDeadline deadline(
+          SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(attempt),
+          [&cli] { cli.stop(); });
       (void)cli.send(req, res, err);
     }
     cancel.Remove(reg);

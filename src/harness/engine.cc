@@ -1137,56 +1137,30 @@ std::string ServingEngine::RenderMetrics() {
            static_cast<double>(s.double_frees));
 
   if (o.role == Role::kPrefill) {
-    core::EnumArray<core::HoldPhase, std::uint64_t, core::kAllHoldPhases.size()> entries;
-    core::EnumArray<core::ReleaseReason, std::uint64_t, core::kAllReleaseReasons.size()> released;
-    std::uint64_t renew_acc = 0, renew_rej = 0, renew_ext = 0, renew_unknown = 0, late = 0,
-                  hits = 0, tombstones = 0, pulls = 0, pull_errors = 0, writes_failed = 0,
-                  writes_started = 0, malformed = 0, mismatches = 0, bytes = 0, in_flight = 0,
-                  writes_unsettled = 0, notices = 0, auth_refusals = 0,
-                  handshakes_abandoned = 0;
-    std::map<std::string, std::uint64_t> releases;  // released fingerprints by outcome
-    // Refusals of what a peer pushed against P's limits, by kind (hostile or broken D).
-    std::map<std::string, std::uint64_t> refused;
+    control::ListenerStats ls;  // summed over ranks
+    std::uint64_t bytes = 0;
     for (auto& worker : impl.prefill) {
-      control::ListenerStats ls = worker->listener().Stats(std::chrono::milliseconds(200));
-      for (core::HoldPhase phase : core::kAllHoldPhases) entries[phase] += ls.hold.entries[phase];
-      for (core::ReleaseReason reason : core::kAllReleaseReasons) {
-        released[reason] += ls.hold.released[reason];
+      const control::ListenerStats x = worker->listener().Stats(std::chrono::milliseconds(200));
+      core::AddStats<protocol::PrefillStats>(ls, x, protocol::kPrefillStatFields);
+      core::AddStats<control::ListenerStats>(ls, x, control::kListenerStatFields);
+      for (core::HoldPhase phase : core::kAllHoldPhases) {
+        ls.hold.entries[phase] += x.hold.entries[phase];
       }
-      renew_acc += ls.renewals_accepted;
-      renew_rej += ls.renewals_rejected;
-      renew_ext += ls.hold.renewals_extended;
-      renew_unknown += ls.hold.renewals_unknown;
-      late += ls.late_pulls_rejected;
-      hits += ls.hold.tombstone_hits;
-      tombstones += ls.hold.tombstones;
-      pulls += ls.pulls_received;
-      pull_errors += ls.pull_errors;
-      writes_failed += ls.writes_failed;
-      writes_started += ls.writes_started;
-      malformed += ls.messages_malformed;
-      auth_refusals += ls.auth_refusals;
-      handshakes_abandoned += ls.handshakes_abandoned;
-      mismatches += ls.lease_mismatches;
-      in_flight += ls.writes_in_flight;
-      writes_unsettled += ls.writes_unsettled;
-      releases["released"] += ls.released_entries;
-      releases["kept"] += ls.released_kept;
-      releases["unknown"] += ls.released_unknown;
-      notices += ls.notified_transfers;
-      refused["release_refused"] += ls.releases_refused;
-      refused["unpaired_pull"] += ls.pulls_unpaired;
-      refused["pulls_in_progress_limit"] += ls.pulls_over_limit;
-      refused["duplicate_pull"] += ls.pulls_duplicate;
-      refused["parked_requests_limit"] += ls.requests_over_limit;
-      refused["descriptor_evicted"] += ls.descriptors_evicted;
-      refused["descriptor_replaced"] += ls.descriptors_replaced;
+      for (core::ReleaseReason reason : core::kAllReleaseReasons) {
+        ls.hold.released[reason] += x.hold.released[reason];
+      }
+      ls.hold.renewals_extended += x.hold.renewals_extended;
+      ls.hold.renewals_unknown += x.hold.renewals_unknown;
+      ls.hold.tombstone_hits += x.hold.tombstone_hits;
+      ls.hold.tombstones += x.hold.tombstones;
       bytes += worker->writer().bytes_written();
     }
+    w.Fields<protocol::PrefillStats>(ls, protocol::kPrefillStatFields);
+    w.Fields<control::ListenerStats>(ls, control::kListenerStatFields);
     const std::uint64_t rank_bytes = impl.block_len * o.geometry.tp;
     w.Family("kvferry_hold_entries", "gauge", "P hold-table entries by state (all ranks)");
     for (core::HoldPhase phase : core::kAllHoldPhases) {
-      w.Sample("kvferry_hold_entries", static_cast<double>(entries[phase]),
+      w.Sample("kvferry_hold_entries", static_cast<double>(ls.hold.entries[phase]),
                {{"state", core::ToString(phase)}});
     }
     w.Family("kvferry_held_blocks", "gauge", "P blocks of transfers by hold state");
@@ -1199,17 +1173,14 @@ std::string ServingEngine::RenderMetrics() {
       w.Sample("kvferry_held_bytes", static_cast<double>(s.held_blocks[phase] * rank_bytes),
                {{"state", core::ToString(phase)}});
     }
-    w.Single("kvferry_renewals_accepted_total", "counter", "Renewal messages accepted",
-             static_cast<double>(renew_acc));
-    w.Single("kvferry_renewals_rejected_total", "counter", "Renewal messages rejected (no lease)",
-             static_cast<double>(renew_rej));
     w.Single("kvferry_renewals_extended_total", "counter",
-             "Transfers whose lease a renewal extended", static_cast<double>(renew_ext));
+             "Transfers whose lease a renewal extended",
+             static_cast<double>(ls.hold.renewals_extended));
     w.Single("kvferry_renewals_unknown_total", "counter", "Renewed ids this P does not hold",
-             static_cast<double>(renew_unknown));
+             static_cast<double>(ls.hold.renewals_unknown));
     w.Family("kvferry_hold_released_total", "counter", "Hold entries released, by reason");
     for (core::ReleaseReason reason : core::kAllReleaseReasons) {
-      w.Sample("kvferry_hold_released_total", static_cast<double>(released[reason]),
+      w.Sample("kvferry_hold_released_total", static_cast<double>(ls.hold.released[reason]),
                {{"reason", core::ToString(reason)}});
     }
     w.Family("kvferry_hold_expiries_total", "counter",
@@ -1217,150 +1188,29 @@ std::string ServingEngine::RenderMetrics() {
     for (core::ReleaseReason reason :
          {core::ReleaseReason::kExpired, core::ReleaseReason::kDeadDecoder,
           core::ReleaseReason::kWaitTimeout}) {
-      w.Sample("kvferry_hold_expiries_total", static_cast<double>(released[reason]),
+      w.Sample("kvferry_hold_expiries_total", static_cast<double>(ls.hold.released[reason]),
                {{"reason", core::ToString(reason)}});
     }
-    w.Single("kvferry_late_pulls_rejected_total", "counter",
-             "Pulls failed at once: KV already freed", static_cast<double>(late));
-    w.Family("kvferry_releases_received_total", "counter",
-             "Transfers D released, by what P did (freed, left to other D ranks, not held)");
-    for (const auto& [outcome, n] : releases) {
-      w.Sample("kvferry_releases_received_total", static_cast<double>(n), {{"outcome", outcome}});
-    }
-    w.Single("kvferry_abort_notices_sent_total", "counter",
-             "Transfers P dropped and told the renewing D ranks about",
-             static_cast<double>(notices));
     w.Single("kvferry_tombstone_hits_total", "counter", "Calls that found a tombstone",
-             static_cast<double>(hits));
+             static_cast<double>(ls.hold.tombstone_hits));
     w.Single("kvferry_tombstones", "gauge", "Remembered freed transfer ids",
-             static_cast<double>(tombstones));
-    w.Single("kvferry_pulls_received_total", "counter", "Pull messages admitted",
-             static_cast<double>(pulls));
-    w.Single("kvferry_pull_errors_total", "counter", "Pull messages answered with ERROR",
-             static_cast<double>(pull_errors));
-    w.Single("kvferry_side_channel_malformed_total", "counter", "Malformed side-channel messages",
-             static_cast<double>(malformed));
-    w.Single("kvferry_side_channel_auth_refusals_total", "counter",
-             "Side-channel handshakes refused: no CURVE, another cluster secret, or denied by ZAP "
-             "(0 in an open cluster)",
-             static_cast<double>(auth_refusals));
-    w.Single("kvferry_side_channel_handshakes_abandoned_total", "counter",
-             "Side-channel connections that ended mid-handshake before P could tell why: a port "
-             "probe, or a peer without CURVE that hung up first (0 in an open cluster)",
-             static_cast<double>(handshakes_abandoned));
+             static_cast<double>(ls.hold.tombstones));
     if (o.bootstrap_auth_refusals) {
       w.Single("kvferry_bootstrap_auth_refusals_total", "counter",
                "Registrations the embedded bootstrap service refused with 401 (unsigned, forged "
                "or stale)",
                static_cast<double>(o.bootstrap_auth_refusals()));
     }
-    w.Single("kvferry_lease_mismatches_total", "counter", "Requests failed: P and D lease differ",
-             static_cast<double>(mismatches));
-    w.Single("kvferry_writes_started_total", "counter", "KV WRITE batches started",
-             static_cast<double>(writes_started));
-    w.Single("kvferry_writes_failed_total", "counter", "KV WRITE batches failed",
-             static_cast<double>(writes_failed));
-    w.Single("kvferry_writes_unsettled_total", "counter",
-             "Failed writes that could not be fenced: left unanswered so D quarantines",
-             static_cast<double>(writes_unsettled));
-    w.Family("kvferry_side_channel_refusals_total", "counter",
-             "What a D peer pushed against P's limits, by kind (each changed nothing)");
-    for (const auto& [kind, count] : refused) {
-      w.Sample("kvferry_side_channel_refusals_total", static_cast<double>(count), {{"kind", kind}});
-    }
-    w.Single("kvferry_writes_in_flight", "gauge", "KV writes queued or running",
-             static_cast<double>(in_flight));
     w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");
     w.Sample("kvferry_transfer_bytes_total", static_cast<double>(bytes), {{"direction", "sent"}});
     w.Family("kvferry_write_latency_seconds", "histogram", "P: one KV WRITE batch, start to end");
     w.Histo("kvferry_write_latency_seconds", s.write_latency);
   } else {
-    runtime::DecodeWorkerStats d;
+    runtime::DecodeWorkerStats d;  // summed over ranks
     for (auto& worker : impl.decode) {
-      runtime::DecodeWorkerStats x = worker->Stats();
-      d.releases_sent += x.releases_sent;
-      d.releases_dropped += x.releases_dropped;
-      d.release_failures += x.release_failures;
-      d.transfers_aborted += x.transfers_aborted;
-      d.pulls_sent += x.pulls_sent;
-      d.pull_timeouts += x.pull_timeouts;
-      d.late_replies += x.late_replies;
-      d.unsettled_writes += x.unsettled_writes;
-      d.lookups += x.lookups;
-      d.lookup_failures += x.lookup_failures;
-      d.lookups_stale += x.lookups_stale;
-      d.engines_known += x.engines_known;
-      d.receives_ok += x.receives_ok;
-      d.receives_failed += x.receives_failed;
-      d.renewal_messages += x.renewal_messages;
-      d.renewals_accepted += x.renewals_accepted;
-      d.renewals_rejected += x.renewals_rejected;
-      d.renewal_failures += x.renewal_failures;
-      d.quarantined_blocks += x.quarantined_blocks;
-      d.tracked += x.tracked;
-      d.fences_requested += x.fences_requested;
-      d.fences_failed += x.fences_failed;
+      core::AddStats<protocol::DecodeStats>(d, worker->Stats(), protocol::kDecodeStatFields);
     }
-    w.Single("kvferry_pulls_sent_total", "counter", "Pull messages sent (per P peer)",
-             static_cast<double>(d.pulls_sent));
-    w.Single("kvferry_pull_timeouts_total", "counter",
-             "Pulls whose deadline passed unanswered (their blocks quarantined)",
-             static_cast<double>(d.pull_timeouts));
-    w.Single("kvferry_fences_total", "counter",
-             "Fences of P workers D asked its data plane for (pull timeouts, engines down)",
-             static_cast<double>(d.fences_requested));
-    w.Single("kvferry_fences_failed_total", "counter",
-             "Fences not proved (data plane without fence_writes, or writes still landing after "
-             "5 s): their blocks stay quarantined until P answers or a later fence holds",
-             static_cast<double>(d.fences_failed));
-    w.Single("kvferry_late_replies_total", "counter",
-             "Answers to pulls after their deadline (each releases its quarantine)",
-             static_cast<double>(d.late_replies));
-    w.Single("kvferry_unsettled_writes_total", "counter",
-             "Loads failed because P's write failed with bytes that may still land: their blocks "
-             "stay quarantined until a fence holds or P is known stopped",
-             static_cast<double>(d.unsettled_writes));
-    w.Family("kvferry_bootstrap_lookups_total", "counter", "Bootstrap lookups, by outcome");
-    w.Sample("kvferry_bootstrap_lookups_total",
-             static_cast<double>(
-                 d.lookups - std::min(d.lookups, d.lookup_failures + d.lookups_stale)),
-             {{"outcome", "ok"}});
-    w.Sample("kvferry_bootstrap_lookups_total", static_cast<double>(d.lookup_failures),
-             {{"outcome", "failed"}});
-    w.Sample("kvferry_bootstrap_lookups_total", static_cast<double>(d.lookups_stale),
-             {{"outcome", "stale"}});
-    w.Single("kvferry_decode_engines_known", "gauge",
-             "P engines D keeps state for, summed over ranks (engines never reached are "
-             "forgotten once no request names them)",
-             static_cast<double>(d.engines_known));
-    w.Family("kvferry_receives_total", "counter", "Per-rank receives settled, by outcome");
-    w.Sample("kvferry_receives_total", static_cast<double>(d.receives_ok), {{"outcome", "ok"}});
-    w.Sample("kvferry_receives_total", static_cast<double>(d.receives_failed),
-             {{"outcome", "failed"}});
-    w.Single("kvferry_renewals_sent_total", "counter", "Renewal messages sent",
-             static_cast<double>(d.renewal_messages));
-    w.Single("kvferry_renewals_accepted_total", "counter", "Renewal messages accepted by P",
-             static_cast<double>(d.renewals_accepted));
-    w.Single("kvferry_renewals_rejected_total", "counter", "Renewal messages rejected by P",
-             static_cast<double>(d.renewals_rejected));
-    w.Single("kvferry_renewal_failures_total", "counter", "Renewals that got no reply",
-             static_cast<double>(d.renewal_failures));
-    w.Single("kvferry_releases_sent_total", "counter",
-             "Transfers released to P (per P rank) as soon as D no longer needed them",
-             static_cast<double>(d.releases_sent));
-    w.Single("kvferry_releases_dropped_total", "counter",
-             "Releases not sent (P engine unreachable or without support): its lease frees them",
-             static_cast<double>(d.releases_dropped));
-    w.Single("kvferry_release_failures_total", "counter", "Release messages P did not accept",
-             static_cast<double>(d.release_failures));
-    w.Single("kvferry_abort_notices_applied_total", "counter",
-             "Queued requests failed at once because P dropped their transfer",
-             static_cast<double>(d.transfers_aborted));
-    w.Single("kvferry_renewal_tracked", "gauge", "Requests D renews (all ranks)",
-             static_cast<double>(d.tracked));
-    w.Single("kvferry_quarantined_blocks", "gauge",
-             "D blocks whose writer state is unknown (ledger view, all ranks)",
-             static_cast<double>(d.quarantined_blocks));
+    w.Fields<protocol::DecodeStats>(d, protocol::kDecodeStatFields);
     w.Single("kvferry_blocks_awaiting_release", "gauge",
              "D blocks of finished requests not yet back in the pool",
              static_cast<double>(s.quarantined_blocks));

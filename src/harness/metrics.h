@@ -4,10 +4,13 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include "kvferry/core/stat_fields.h"
 
 namespace kvferry::harness {
 
@@ -41,6 +44,22 @@ class PromWriter {
     Sample(name, value);
   }
   void Histo(std::string_view name, const Histogram& h, const Labels& labels = {});
+  // Every row of a stats table (kvferry/core/stat_fields.h): one family per run of rows with
+  // one metric name, one sample per row.
+  template <class Stats>
+  void Fields(const Stats& stats, std::span<const core::StatField<Stats>> fields) {
+    std::string family;
+    for (const core::StatField<Stats>& f : fields) {
+      std::string name = core::MetricName(f);
+      if (name != family) {
+        Family(name, f.kind == core::StatKind::kCounter ? "counter" : "gauge", f.help);
+        family = name;
+      }
+      Labels labels;
+      if (!f.label.first.empty()) labels.emplace_back(f.label.first, f.label.second);
+      Sample(name, static_cast<double>(stats.*(f.member)), labels);
+    }
+  }
   std::string Take() { return std::move(out_); }
 
  private:

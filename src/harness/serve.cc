@@ -6,15 +6,14 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
-#include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
-#include <thread>
 
 #include "control/bootstrap_server.h"
+#include "control/call_deadline.h"
 #include "control/etcd_registry.h"
 #include "harness/http_front.h"
 #include "harness/serve_config.h"
@@ -287,24 +286,20 @@ int RunServe(const ServeOptions& options) {
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   spdlog::info("kvferry serve: signal {}, shutting down", signal_number);
-  // The watchdog bounds the shutdown (see ServeOptions::shutdown_timeout_s).
-  std::mutex watchdog_mu;
-  std::condition_variable watchdog_cv;
-  bool shut_down = false;
-  std::thread watchdog([&] {
-    std::unique_lock<std::mutex> lock(watchdog_mu);
-    const auto deadline =
-        std::chrono::steady_clock::now() +
-        std::chrono::milliseconds(static_cast<std::int64_t>(options.shutdown_timeout_s * 1000));
-    if (!watchdog_cv.wait_until(lock, deadline, [&] { return shut_down; })) {
-      spdlog::warn(
-          "kvferry serve: shutdown still waiting after {} s (pulls in flight); "
-          "exiting without them",
-          options.shutdown_timeout_s);
-      spdlog::default_logger()->flush();
-      std::_Exit(0);
-    }
-  });
+  // The shutdown is bounded (see ServeOptions::shutdown_timeout_s): past it, exit without what
+  // is still in flight.
+  std::optional<control::CallDeadline> bounded_shutdown;
+  bounded_shutdown.emplace(
+      std::chrono::steady_clock::now() +
+          std::chrono::milliseconds(static_cast<std::int64_t>(options.shutdown_timeout_s * 1000)),
+      [&options] {
+        spdlog::warn(
+            "kvferry serve: shutdown still waiting after {} s (pulls in flight); "
+            "exiting without them",
+            options.shutdown_timeout_s);
+        spdlog::default_logger()->flush();
+        std::_Exit(0);
+      });
   // D: no engine-down callback may run into the engine while it shuts down (Stop joins the
   // watcher's thread; lookups never report downs).
   down_target->store(nullptr);
@@ -315,12 +310,7 @@ int RunServe(const ServeOptions& options) {
   // then they see the engine gone at once rather than a TTL later.
   if (registrar) registrar->Stop();
   if (bootstrap) bootstrap->Stop();
-  {
-    std::lock_guard<std::mutex> lock(watchdog_mu);
-    shut_down = true;
-  }
-  watchdog_cv.notify_all();
-  watchdog.join();
+  bounded_shutdown.reset();
   spdlog::info("kvferry serve: stopped");
   return 0;
 }

@@ -56,6 +56,9 @@ struct KvTransferConfig {
   std::vector<std::string> warnings;  // one line per ignored key
 };
 
+// The vLLM connector parses the same kv_connector_extra_config keys in Python
+// (python/kvferry/vllm/config.py); tests/data/kv_connector_extra_config_cases.json holds both
+// to one set of cases.
 // Parses `json`. `env_abort_timeout` is the value of KVFERRY_ABORT_REQUEST_TIMEOUT (null when
 // unset); it applies only when the JSON has no abort_request_timeout. Errors: kInvalidArgument
 // with the offending key in the message.

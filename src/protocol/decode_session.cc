@@ -468,6 +468,18 @@ Status DecodeSession::TooManyEndpoints(const std::string& address) const {
                             address, endpoints_.size()));
 }
 
+void DecodeSession::NoteEndpointsExhausted(const std::string& address, std::string_view what) {
+  const std::uint64_t n = ++counters_.endpoints_exhausted;
+  std::uint64_t leading = n;
+  while (leading % 10 == 0) leading /= 10;
+  if (leading != 1) return;
+  events_out_.push_back(Warning{
+      Warning::Kind::kEndpointsExhausted,
+      fmt::format("{} for prefill worker {} not sent: all {} side channels of this decoder have "
+                  "messages in flight (max_endpoints); {} message(s) so far found none free",
+                  what, address, endpoints_.size(), n)});
+}
+
 DecodeSession::Endpoint* DecodeSession::FindEndpoint(EndpointId endpoint) {
   auto it = endpoints_.find(endpoint);
   return it == endpoints_.end() ? nullptr : &it->second;
@@ -493,6 +505,10 @@ void DecodeSession::CloseEndpoint(EndpointId id) {
   idle_at_.erase(id);
   auto ep = endpoints_.find(id);
   endpoint_of_.erase(ep->second.address);
+  closed_addresses_.emplace(id, std::move(ep->second.address));
+  if (closed_addresses_.size() > kRememberedClosedEndpoints) {
+    closed_addresses_.erase(closed_addresses_.begin());
+  }
   endpoints_.erase(ep);
   // Its ledger peers have nothing pending (no pull is left), so they go with it.
   for (auto peer = peers_.lower_bound(PeerKey{id, "", 0});
@@ -538,6 +554,7 @@ void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
   for (std::uint32_t rank : *targets) {
     std::optional<EndpointId> endpoint = EndpointFor(view.side_channels[rank]);
     if (!endpoint) {
+      NoteEndpointsExhausted(view.side_channels[rank], "a pull (its load failed)");
       for (EndpointId opened : endpoints) NoteMaybeIdle(opened);  // nothing went out on them
       FailLoad(std::move(load), TooManyEndpoints(view.side_channels[rank]), now);
       return;
@@ -685,7 +702,15 @@ void DecodeSession::OnSent(EndpointId endpoint, std::uint64_t wire_id, TimePoint
 void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, const Status& why,
                                  TimePoint now) {
   Endpoint* found = FindEndpoint(endpoint);
-  if (found == nullptr) return;
+  if (found == nullptr) {
+    // Closed since (idle): the message was a renewal or release whose wait ended first. Its
+    // address still has nobody listening (found by the simulator with max_idle_endpoints 0:
+    // the view stayed stale, and the next load went to the dead process).
+    if (auto closed = closed_addresses_.find(endpoint); closed != closed_addresses_.end()) {
+      MarkViewsStale(closed->second);
+    }
+    return;
+  }
   Endpoint& ep = *found;
   NoteMaybeIdle(endpoint);
   // Nothing took the message: no process listens at that address any more (a P restarted on
@@ -813,9 +838,16 @@ void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation
   // writes are still landing holds up no other. An epoch whose pulls were all answered has
   // nothing quarantined: it needs no fence (and without one per timeout forever, fences stay
   // linear in the pulls given up on).
+  // With `incarnation`, that process's epochs — and any epoch whose pulls were given up on
+  // already, of whichever process: one that restarted on the same address got the pulls D
+  // still sent under its view of the process before, so a death D hears of may be the only
+  // proof those pulls will ever get (found by the simulator: with a data plane that cannot
+  // fence a live writer, their blocks stayed quarantined for good). A fence only revokes write
+  // keys of pulls already given up on, so asking one more never lets a block be reused early.
   std::set<core::PeerId> epochs;
   for (const auto& [id, op] : ep.pulls) {
-    if (incarnation == nullptr || peer_keys_.at(op.peer).incarnation == *incarnation) {
+    if (incarnation == nullptr || op.timed_out ||
+        peer_keys_.at(op.peer).incarnation == *incarnation) {
       epochs.insert(op.peer);
     }
   }
@@ -989,15 +1021,15 @@ void DecodeSession::GiveUpOnEndpoint(EndpointId endpoint, const Status& failure)
 
 void DecodeSession::GiveUpOnProcess(const std::string& incarnation, const Status& failure) {
   // Its pulls in flight get no answer: their requests fail now and their blocks stay
-  // quarantined until the fence asked here (of that process's epochs only) or a late answer.
-  std::set<EndpointId> endpoints;
-  for (const auto& [key, peer] : peers_) {
-    if (key.incarnation == incarnation) endpoints.insert(key.endpoint);
-  }
-  for (EndpointId endpoint : endpoints) {
+  // quarantined until the fence asked here (of that process's epochs, and of every epoch given
+  // up on before: AskFence says why) or a late answer.
+  for (auto& [endpoint, ep] : endpoints_) {
     bool any = false;
-    for (auto& [id, op] : endpoints_.at(endpoint).pulls) {
-      if (peer_keys_.at(op.peer).incarnation != incarnation) continue;
+    for (auto& [id, op] : ep.pulls) {
+      if (peer_keys_.at(op.peer).incarnation != incarnation) {
+        any = any || op.timed_out;
+        continue;
+      }
       any = true;
       if (!op.timed_out && ledger_->IsPending(op.request, op.peer)) {
         ++counters_.pulls_abandoned;
@@ -1022,6 +1054,7 @@ void DecodeSession::SendRenewals(const core::EngineId& engine, const PeerEngine&
     const std::optional<EndpointId> found = EndpointFor(view.side_channels[rank]);
     if (!found) {
       ++counters_.renewal_failures;
+      NoteEndpointsExhausted(view.side_channels[rank], "a renewal");
       continue;
     }
     const EndpointId endpoint = *found;
@@ -1168,6 +1201,7 @@ void DecodeSession::SendReleases(const core::EngineId& engine, const PeerEngine&
       const std::optional<EndpointId> found = EndpointFor(view.side_channels[rank]);
       if (!found) {
         counters_.releases_dropped += n;
+        NoteEndpointsExhausted(view.side_channels[rank], "a release");
         continue;
       }
       const EndpointId endpoint = *found;

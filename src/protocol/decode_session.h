@@ -60,6 +60,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iterator>
 #include <deque>
 #include <list>
 #include <map>
@@ -68,6 +69,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -77,6 +79,7 @@
 #include "kvferry/core/ids.h"
 #include "kvferry/core/receive_ledger.h"
 #include "kvferry/core/renewal_scheduler.h"
+#include "kvferry/core/stat_fields.h"
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"
 #include "protocol/ledger.h"
@@ -210,53 +213,153 @@ struct Warning {
     kIncarnation,    // a lookup named another process for a known engine
     kFence,          // the data plane cannot fence a peer: once per session
     kNoRelease,      // a P engine cannot read releases: once per engine
+    kEndpointsExhausted,  // every side channel in use: at the 1st, 10th, 100th... message
   };
   Kind kind;
   std::string text;
 };
 using DecodeEvent = std::variant<ReceiveDone, BlocksReleased, TransferAborted, Warning>;
 
+// What each field means: kDecodeStatFields below (one row per field, which the binding and
+// /metrics read).
 struct DecodeStats {
   std::uint64_t pulls_sent = 0;
-  std::uint64_t loads_retried = 0;  // loads whose only pull never left, sent again after a lookup
-  std::uint64_t pull_timeouts = 0;      // pulls whose deadline passed with entries pending
-  std::uint64_t pulls_abandoned = 0;    // pulls given up on because their engine went down
-  std::uint64_t processes_replaced = 0;  // lookups that found a restart (OnLookup)
-  std::uint64_t late_replies = 0;       // replies to a pull after its deadline
-  std::uint64_t unsettled_writes = 0;   // P's writes failed with bytes that may still land
-  std::uint64_t replies_unmatched = 0;  // replies naming no pull or renewal of that endpoint
+  std::uint64_t loads_retried = 0;
+  std::uint64_t pull_timeouts = 0;
+  std::uint64_t pulls_abandoned = 0;
+  std::uint64_t processes_replaced = 0;
+  std::uint64_t late_replies = 0;
+  std::uint64_t unsettled_writes = 0;
+  std::uint64_t replies_unmatched = 0;
   std::uint64_t receives_ok = 0;
   std::uint64_t receives_failed = 0;
   std::uint64_t renewal_messages = 0;
   std::uint64_t renewals_accepted = 0;
   std::uint64_t renewals_rejected = 0;
-  std::uint64_t renewal_failures = 0;  // no reply in time, or an error reply
+  std::uint64_t renewal_failures = 0;
   std::uint64_t lookups = 0;
   std::uint64_t lookup_failures = 0;
-  std::uint64_t lookups_stale = 0;  // answers asked before the engine was declared down
-  std::uint64_t engines_known = 0;      // P engines D keeps state for (a gauge)
-  std::uint64_t engines_forgotten = 0;  // never reached, no longer named: state dropped
-  std::uint64_t endpoints = 0;          // side channels open (a gauge)
-  std::uint64_t endpoints_closed = 0;   // closed idle (TakeClosedEndpoints)
+  std::uint64_t lookups_stale = 0;
+  std::uint64_t engines_known = 0;
+  std::uint64_t engines_forgotten = 0;
+  std::uint64_t endpoints = 0;
+  std::uint64_t endpoints_closed = 0;
+  std::uint64_t endpoints_exhausted = 0;
   std::uint64_t fences_requested = 0;
   std::uint64_t fences_failed = 0;
-  std::uint64_t release_messages = 0;   // Release messages sent
-  std::uint64_t releases_sent = 0;      // transfers released (per P rank)
-  std::uint64_t releases_dropped = 0;   // not sent: P engine unreachable or without support
-  std::uint64_t release_failures = 0;   // no reply in time, or an error reply
-  std::uint64_t p_released = 0;         // P's replies: entries freed ...
-  std::uint64_t p_kept = 0;             // ... left to other D ranks ...
-  std::uint64_t p_unknown = 0;          // ... and not held any more
-  std::uint64_t notices_received = 0;   // AbortNotice messages
-  std::uint64_t notices_ignored = 0;    // transfers in them not tracked from that engine
-  std::uint64_t transfers_aborted = 0;  // TransferAborted events
-  std::uint64_t undecodable = 0;        // messages OnMessage could not use
-  // Gauges.
-  std::uint64_t pulls_in_flight = 0;  // pulls not fully answered (late ones included)
+  std::uint64_t release_messages = 0;
+  std::uint64_t releases_sent = 0;
+  std::uint64_t releases_dropped = 0;
+  std::uint64_t release_failures = 0;
+  std::uint64_t p_released = 0;
+  std::uint64_t p_kept = 0;
+  std::uint64_t p_unknown = 0;
+  std::uint64_t notices_received = 0;
+  std::uint64_t notices_ignored = 0;
+  std::uint64_t transfers_aborted = 0;
+  std::uint64_t undecodable = 0;
+  std::uint64_t pulls_in_flight = 0;
   std::uint64_t quarantined_blocks = 0;
-  std::uint64_t tracked = 0;  // transfers renewed
+  std::uint64_t tracked = 0;
   std::uint64_t receiving = 0;
 };
+
+inline constexpr core::StatField<DecodeStats> kDecodeStatFields[] = {
+    // clang-format off
+    {"pulls_sent", &DecodeStats::pulls_sent, core::StatKind::kCounter,
+     "Pull messages sent (per P peer)"},
+    {"loads_retried", &DecodeStats::loads_retried, core::StatKind::kCounter,
+     "Loads whose only pull never left, sent again after a lookup"},
+    {"pull_timeouts", &DecodeStats::pull_timeouts, core::StatKind::kCounter,
+     "Pulls whose deadline passed unanswered (their blocks quarantined)"},
+    {"pulls_abandoned", &DecodeStats::pulls_abandoned, core::StatKind::kCounter,
+     "Pulls given up on because their P engine went down"},
+    {"processes_replaced", &DecodeStats::processes_replaced, core::StatKind::kCounter,
+     "Lookups that found a P engine restarted as another process"},
+    {"late_replies", &DecodeStats::late_replies, core::StatKind::kCounter,
+     "Answers to pulls after their deadline (each releases its quarantine)"},
+    {"unsettled_writes", &DecodeStats::unsettled_writes, core::StatKind::kCounter,
+     "Loads failed because P's write failed with bytes that may still land: their blocks stay "
+     "quarantined until a fence holds or P is known stopped"},
+    {"replies_unmatched", &DecodeStats::replies_unmatched, core::StatKind::kCounter,
+     "Replies naming no pull or renewal of their side channel"},
+    {"receives_ok", &DecodeStats::receives_ok, core::StatKind::kCounter,
+     "Per-rank receives settled, by outcome", "kvferry_receives_total", {"outcome", "ok"}},
+    {"receives_failed", &DecodeStats::receives_failed, core::StatKind::kCounter,
+     "Per-rank receives settled, by outcome", "kvferry_receives_total", {"outcome", "failed"}},
+    {"renewal_messages", &DecodeStats::renewal_messages, core::StatKind::kCounter,
+     "Renewal messages sent", "kvferry_renewals_sent_total"},
+    {"renewals_accepted", &DecodeStats::renewals_accepted, core::StatKind::kCounter,
+     "Renewal messages accepted by P"},
+    {"renewals_rejected", &DecodeStats::renewals_rejected, core::StatKind::kCounter,
+     "Renewal messages rejected by P (it runs without a lease)"},
+    {"renewal_failures", &DecodeStats::renewal_failures, core::StatKind::kCounter,
+     "Renewals that got no reply in time, or an error reply"},
+    {"lookups", &DecodeStats::lookups, core::StatKind::kCounter,
+     "Bootstrap lookups started", "kvferry_bootstrap_lookups_total"},
+    {"lookup_failures", &DecodeStats::lookup_failures, core::StatKind::kCounter,
+     "Bootstrap lookups that failed", "kvferry_bootstrap_lookup_failures_total"},
+    {"lookups_stale", &DecodeStats::lookups_stale, core::StatKind::kCounter,
+     "Bootstrap answers asked before their engine was declared down (not used)",
+     "kvferry_bootstrap_lookups_stale_total"},
+    {"engines_known", &DecodeStats::engines_known, core::StatKind::kGauge,
+     "P engines D keeps state for (engines never reached are forgotten once no request names "
+     "them)", "kvferry_decode_engines_known"},
+    {"engines_forgotten", &DecodeStats::engines_forgotten, core::StatKind::kCounter,
+     "P engines never reached and no longer named: their state dropped"},
+    {"endpoints", &DecodeStats::endpoints, core::StatKind::kGauge,
+     "Side channels to P workers open", "kvferry_side_channels_open"},
+    {"endpoints_closed", &DecodeStats::endpoints_closed, core::StatKind::kCounter,
+     "Side channels closed because they were idle", "kvferry_side_channels_closed_total"},
+    {"endpoints_exhausted", &DecodeStats::endpoints_exhausted, core::StatKind::kCounter,
+     "Messages that found every one of max_endpoints side channels in use: a load failed at "
+     "once, a renewal or release not sent (a decoder at its cap cannot keep P's leases)",
+     "kvferry_side_channels_exhausted_total"},
+    {"fences_requested", &DecodeStats::fences_requested, core::StatKind::kCounter,
+     "Fences of P workers D asked its data plane for (pull timeouts, engines down)",
+     "kvferry_fences_total"},
+    {"fences_failed", &DecodeStats::fences_failed, core::StatKind::kCounter,
+     "Fences not proved (data plane without fence_writes, or writes still landing after 5 s): "
+     "their blocks stay quarantined until P answers or a later fence holds"},
+    {"release_messages", &DecodeStats::release_messages, core::StatKind::kCounter,
+     "Release messages sent"},
+    {"releases_sent", &DecodeStats::releases_sent, core::StatKind::kCounter,
+     "Transfers released to P (per P rank) as soon as D no longer needed them"},
+    {"releases_dropped", &DecodeStats::releases_dropped, core::StatKind::kCounter,
+     "Releases not sent (P engine unreachable or without support): its lease frees them"},
+    {"release_failures", &DecodeStats::release_failures, core::StatKind::kCounter,
+     "Release messages P did not accept (no reply in time, or an error reply)"},
+    {"p_released", &DecodeStats::p_released, core::StatKind::kCounter,
+     "Released transfers, by what P's reply said it did", "kvferry_releases_answered_total",
+     {"outcome", "released"}},
+    {"p_kept", &DecodeStats::p_kept, core::StatKind::kCounter,
+     "Released transfers, by what P's reply said it did", "kvferry_releases_answered_total",
+     {"outcome", "kept"}},
+    {"p_unknown", &DecodeStats::p_unknown, core::StatKind::kCounter,
+     "Released transfers, by what P's reply said it did", "kvferry_releases_answered_total",
+     {"outcome", "unknown"}},
+    {"notices_received", &DecodeStats::notices_received, core::StatKind::kCounter,
+     "AbortNotice messages received from P"},
+    {"notices_ignored", &DecodeStats::notices_ignored, core::StatKind::kCounter,
+     "Transfers named in AbortNotices that D does not track from that engine"},
+    {"transfers_aborted", &DecodeStats::transfers_aborted, core::StatKind::kCounter,
+     "Queued requests failed at once because P dropped their transfer",
+     "kvferry_abort_notices_applied_total"},
+    {"undecodable", &DecodeStats::undecodable, core::StatKind::kCounter,
+     "Side-channel messages D could not use", "kvferry_side_channel_undecodable_total"},
+    {"pulls_in_flight", &DecodeStats::pulls_in_flight, core::StatKind::kGauge,
+     "Pulls not fully answered (late ones included)"},
+    {"quarantined_blocks", &DecodeStats::quarantined_blocks, core::StatKind::kGauge,
+     "D blocks whose writer state is unknown (ledger view)"},
+    {"tracked", &DecodeStats::tracked, core::StatKind::kGauge,
+     "Requests D renews", "kvferry_renewal_tracked"},
+    {"receiving", &DecodeStats::receiving, core::StatKind::kGauge,
+     "Requests whose KV D is receiving", "kvferry_requests_receiving"},
+    // clang-format on
+};
+static_assert(sizeof(DecodeStats) ==
+                  std::size(kDecodeStatFields) * sizeof(std::uint64_t),
+              "every field of DecodeStats has one row in kDecodeStatFields");
 
 class DecodeSession {
  public:
@@ -470,6 +573,10 @@ class DecodeSession {
   // max_endpoints are open); nullopt when every open one has something in flight.
   std::optional<EndpointId> EndpointFor(const std::string& address);
   Status TooManyEndpoints(const std::string& address) const;
+  // A message to `address` found every one of max_endpoints side channels in use: counted, and
+  // a Warning at the 1st, 10th, 100th... time (a decoder at its cap cannot keep P's leases,
+  // so an operator must hear of it, but not once per message).
+  void NoteEndpointsExhausted(const std::string& address, std::string_view what);
   Endpoint* FindEndpoint(EndpointId endpoint);
   void CloseEndpoint(EndpointId endpoint);  // an idle one
   // Something in flight on `endpoint` ended: it may be idle now (CloseIdleEndpoints decides).
@@ -541,6 +648,12 @@ class DecodeSession {
   std::list<EndpointId> idle_;  // most recently idle first
   std::unordered_map<EndpointId, std::list<EndpointId>::iterator> idle_at_;
   std::set<EndpointId> maybe_idle_;
+  // The addresses of the last kRememberedClosedEndpoints endpoints closed, by id (ids only
+  // grow: the oldest is begin()). A message's unsent report may come after its endpoint went
+  // idle and closed (a release's reply is awaited 2 s, a send 3 s): it still says that nobody
+  // listens at that address.
+  static constexpr std::size_t kRememberedClosedEndpoints = 1024;
+  std::map<EndpointId, std::string> closed_addresses_;
   std::vector<EndpointId> closed_out_;
   // Wire ids of pulls, renewals and releases: unique across the session (so across the
   // endpoints ever made for one address), which per endpoint is what the protocol needs.

@@ -33,6 +33,9 @@ Status PrefillSession::ValidateOptions(const PrefillSessionOptions& options) {
   if (options.block_len == 0) {
     return Status(ErrorCode::kInvalidArgument, "block_len must be > 0 (bytes of one block)");
   }
+  if (options.num_blocks == 0) {
+    return Status(ErrorCode::kInvalidArgument, "num_blocks must be > 0 (blocks in the region)");
+  }
   if (options.engine_id.empty() || options.engine_id.size() > wire::kMaxIdBytes) {
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("engine_id must be 1..{} bytes", wire::kMaxIdBytes));
@@ -609,6 +612,13 @@ Status PrefillSession::PrefillDone(const core::TransferId& id, std::vector<core:
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("transfer {}: {} blocks, at most {}", id, blocks.size(),
                               wire::kMaxBlocksPerRequest));
+  }
+  for (core::BlockId block : blocks) {
+    if (block >= options_.num_blocks) {
+      return Status(ErrorCode::kOutOfRange,
+                    fmt::format("transfer {}: source block {} is outside this rank's {} blocks",
+                                id, block, options_.num_blocks));
+    }
   }
   const auto num_blocks = static_cast<std::uint32_t>(blocks.size());
   // Kept first: the table may make the transfer ready now, and the parked pulls it wakes are

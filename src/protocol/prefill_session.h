@@ -37,6 +37,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iterator>
 #include <deque>
 #include <map>
 #include <memory>
@@ -51,6 +52,7 @@
 
 #include "kvferry/core/hold_table.h"
 #include "kvferry/core/ids.h"
+#include "kvferry/core/stat_fields.h"
 #include "kvferry/core/time.h"
 #include "kvferry/core/tp_plan.h"
 #include "kvferry/status.h"
@@ -127,6 +129,9 @@ struct PrefillSessionOptions {
   // unknown, as many as the larger TP of a pair) and the bytes of one block in one plane (> 0).
   std::uint32_t kv_heads = 0;
   std::uint64_t block_len = 0;
+  // Blocks in this rank's KV region (> 0): PrefillDone refuses a source block id at or above
+  // it, so no write is ever planned to read outside the region.
+  std::uint32_t num_blocks = 0;
   // False: a block does not keep a KV head's bytes together (a token-major layout), so a pull
   // that needs part of a block (a decoder of a larger TP size) fails with the reason instead of
   // moving the wrong bytes.
@@ -152,48 +157,136 @@ struct PrefillSessionOptions {
 // D needs (its rank's worker); more sockets renewing one transfer are ignored.
 inline constexpr std::size_t kMaxNoticePeersPerTransfer = 64;
 
-// Monotonic totals, then gauges (Prometheus style).
+// What each std::uint64_t field means: kPrefillStatFields below (one row per field, which the
+// binding and /metrics read); `hold` is the HoldTable's own view.
 struct PrefillStats {
   std::uint64_t messages_received = 0;
-  std::uint64_t messages_malformed = 0;  // answered with ERROR / RenewalReply kError
-  std::uint64_t stalls = 0;              // expiry passes put off after a stall (OnTimeout)
-  std::uint64_t renewals_accepted = 0;   // messages, not fingerprints (see hold for those)
-  std::uint64_t renewals_rejected = 0;   // messages answered kRejected (no lease on P)
-  std::uint64_t pulls_received = 0;      // Pull messages admitted (not ERROR)
-  std::uint64_t pull_errors = 0;         // Pull messages answered with ERROR
-  std::uint64_t pulls_unpaired = 0;      // ... of them: D rank not paired with this P rank
-  std::uint64_t pulls_over_limit = 0;    // ... of them: max_pulls_in_progress or
-                                         // max_retained_blocks reached
-  std::uint64_t pulls_duplicate = 0;     // a pull id in progress or recently finished on the
-                                         // same socket: dropped unanswered
+  std::uint64_t messages_malformed = 0;
+  std::uint64_t stalls = 0;
+  std::uint64_t renewals_accepted = 0;
+  std::uint64_t renewals_rejected = 0;
+  std::uint64_t pulls_received = 0;
+  std::uint64_t pull_errors = 0;
+  std::uint64_t pulls_unpaired = 0;
+  std::uint64_t pulls_over_limit = 0;
+  std::uint64_t pulls_duplicate = 0;
   std::uint64_t requests_ok = 0;
   std::uint64_t requests_err = 0;
-  std::uint64_t requests_over_limit = 0;  // max_parked_requests reached
-  std::uint64_t late_pulls_rejected = 0;  // requests failed kTombstoned
-  std::uint64_t lease_mismatches = 0;     // requests failed kLeaseMismatch
+  std::uint64_t requests_over_limit = 0;
+  std::uint64_t late_pulls_rejected = 0;
+  std::uint64_t lease_mismatches = 0;
   std::uint64_t writes_started = 0;
   std::uint64_t writes_failed = 0;
-  std::uint64_t writes_unsettled = 0;  // listed with `unsettled`: D quarantines
+  std::uint64_t writes_unsettled = 0;
   std::uint64_t descriptors_replaced = 0;
   std::uint64_t descriptors_evicted = 0;
-  std::uint64_t replies = 0;                // PullResponse + RenewalReply messages produced
-  std::uint64_t hold_events_delivered = 0;  // kFreeBlocks + kAbortPrefill
-  std::uint64_t releases_received = 0;      // Release messages processed
-  std::uint64_t releases_refused = 0;       // ... answered kError (unpaired, shutting down)
-  std::uint64_t released_entries = 0;       // fingerprints that freed (or doomed) an entry
-  std::uint64_t released_kept = 0;          // ... that left it to other paired ranks
-  std::uint64_t released_unknown = 0;       // ... that changed nothing
-  std::uint64_t notices_sent = 0;           // AbortNotice messages
-  std::uint64_t notified_transfers = 0;     // transfers listed in them
-  // Gauges.
+  std::uint64_t replies = 0;
+  std::uint64_t hold_events_delivered = 0;
+  std::uint64_t releases_received = 0;
+  std::uint64_t releases_refused = 0;
+  std::uint64_t released_entries = 0;
+  std::uint64_t released_kept = 0;
+  std::uint64_t released_unknown = 0;
+  std::uint64_t notices_sent = 0;
+  std::uint64_t notified_transfers = 0;
   std::uint64_t pulls_in_progress = 0;
-  std::uint64_t requests_parked = 0;   // waiting for a prefill
-  std::uint64_t writes_in_flight = 0;  // handed out by TakeWrites, not yet answered
-  std::uint64_t source_transfers = 0;  // transfers whose source blocks the session keeps
-  // The HoldTable's own view.
+  std::uint64_t requests_parked = 0;
+  std::uint64_t writes_in_flight = 0;
+  std::uint64_t source_transfers = 0;
   core::HoldStats hold;
-  std::size_t hold_entries = 0;
+  std::uint64_t hold_entries = 0;
 };
+
+inline constexpr core::StatField<PrefillStats> kPrefillStatFields[] = {
+    // clang-format off
+    {"messages_received", &PrefillStats::messages_received, core::StatKind::kCounter,
+     "Side-channel messages received"},
+    {"messages_malformed", &PrefillStats::messages_malformed, core::StatKind::kCounter,
+     "Malformed side-channel messages (answered with an error)",
+     "kvferry_side_channel_malformed_total"},
+    {"stalls", &PrefillStats::stalls, core::StatKind::kCounter,
+     "Expiry passes put off because P's timer stalled (no lease ends on a late timer)",
+     "kvferry_timer_stalls_total"},
+    {"renewals_accepted", &PrefillStats::renewals_accepted, core::StatKind::kCounter,
+     "Renewal messages accepted"},
+    {"renewals_rejected", &PrefillStats::renewals_rejected, core::StatKind::kCounter,
+     "Renewal messages rejected (no lease)"},
+    {"pulls_received", &PrefillStats::pulls_received, core::StatKind::kCounter,
+     "Pull messages admitted"},
+    {"pull_errors", &PrefillStats::pull_errors, core::StatKind::kCounter,
+     "Pull messages answered with ERROR"},
+    {"releases_refused", &PrefillStats::releases_refused, core::StatKind::kCounter,
+     "What a D peer pushed against P's limits, by kind (each changed nothing)",
+     "kvferry_side_channel_refusals_total", {"kind", "release_refused"}},
+    {"pulls_unpaired", &PrefillStats::pulls_unpaired, core::StatKind::kCounter,
+     "What a D peer pushed against P's limits, by kind (each changed nothing)",
+     "kvferry_side_channel_refusals_total", {"kind", "unpaired_pull"}},
+    {"pulls_over_limit", &PrefillStats::pulls_over_limit, core::StatKind::kCounter,
+     "What a D peer pushed against P's limits, by kind (each changed nothing)",
+     "kvferry_side_channel_refusals_total", {"kind", "pulls_in_progress_limit"}},
+    {"pulls_duplicate", &PrefillStats::pulls_duplicate, core::StatKind::kCounter,
+     "What a D peer pushed against P's limits, by kind (each changed nothing)",
+     "kvferry_side_channel_refusals_total", {"kind", "duplicate_pull"}},
+    {"requests_over_limit", &PrefillStats::requests_over_limit, core::StatKind::kCounter,
+     "What a D peer pushed against P's limits, by kind (each changed nothing)",
+     "kvferry_side_channel_refusals_total", {"kind", "parked_requests_limit"}},
+    {"descriptors_evicted", &PrefillStats::descriptors_evicted, core::StatKind::kCounter,
+     "What a D peer pushed against P's limits, by kind (each changed nothing)",
+     "kvferry_side_channel_refusals_total", {"kind", "descriptor_evicted"}},
+    {"descriptors_replaced", &PrefillStats::descriptors_replaced, core::StatKind::kCounter,
+     "What a D peer pushed against P's limits, by kind (each changed nothing)",
+     "kvferry_side_channel_refusals_total", {"kind", "descriptor_replaced"}},
+    {"requests_ok", &PrefillStats::requests_ok, core::StatKind::kCounter,
+     "Requests of pulls answered, by outcome", "kvferry_pull_requests_total",
+     {"outcome", "ok"}},
+    {"requests_err", &PrefillStats::requests_err, core::StatKind::kCounter,
+     "Requests of pulls answered, by outcome", "kvferry_pull_requests_total",
+     {"outcome", "error"}},
+    {"late_pulls_rejected", &PrefillStats::late_pulls_rejected, core::StatKind::kCounter,
+     "Pulls failed at once: KV already freed"},
+    {"lease_mismatches", &PrefillStats::lease_mismatches, core::StatKind::kCounter,
+     "Requests failed: P and D lease differ"},
+    {"writes_started", &PrefillStats::writes_started, core::StatKind::kCounter,
+     "KV WRITE batches started"},
+    {"writes_failed", &PrefillStats::writes_failed, core::StatKind::kCounter,
+     "KV WRITE batches failed"},
+    {"writes_unsettled", &PrefillStats::writes_unsettled, core::StatKind::kCounter,
+     "Failed writes that could not be fenced: left unanswered so D quarantines"},
+    {"replies", &PrefillStats::replies, core::StatKind::kCounter,
+     "PullResponse and RenewalReply messages produced", "kvferry_side_channel_replies_total"},
+    {"hold_events_delivered", &PrefillStats::hold_events_delivered, core::StatKind::kCounter,
+     "Frees and prefill aborts handed to the engine"},
+    {"releases_received", &PrefillStats::releases_received, core::StatKind::kCounter,
+     "Release messages processed", "kvferry_release_messages_received_total"},
+    {"released_entries", &PrefillStats::released_entries, core::StatKind::kCounter,
+     "Transfers D released, by what P did (freed, left to other D ranks, not held)",
+     "kvferry_releases_received_total", {"outcome", "released"}},
+    {"released_kept", &PrefillStats::released_kept, core::StatKind::kCounter,
+     "Transfers D released, by what P did (freed, left to other D ranks, not held)",
+     "kvferry_releases_received_total", {"outcome", "kept"}},
+    {"released_unknown", &PrefillStats::released_unknown, core::StatKind::kCounter,
+     "Transfers D released, by what P did (freed, left to other D ranks, not held)",
+     "kvferry_releases_received_total", {"outcome", "unknown"}},
+    {"notices_sent", &PrefillStats::notices_sent, core::StatKind::kCounter,
+     "AbortNotice messages sent", "kvferry_abort_notice_messages_sent_total"},
+    {"notified_transfers", &PrefillStats::notified_transfers, core::StatKind::kCounter,
+     "Transfers P dropped and told the renewing D ranks about",
+     "kvferry_abort_notices_sent_total"},
+    {"pulls_in_progress", &PrefillStats::pulls_in_progress, core::StatKind::kGauge,
+     "Pulls admitted and not yet answered"},
+    {"requests_parked", &PrefillStats::requests_parked, core::StatKind::kGauge,
+     "Requests of pulls waiting for their prefill"},
+    {"writes_in_flight", &PrefillStats::writes_in_flight, core::StatKind::kGauge,
+     "KV writes queued or running"},
+    {"source_transfers", &PrefillStats::source_transfers, core::StatKind::kGauge,
+     "Transfers whose source blocks P keeps"},
+    {"hold_entries", &PrefillStats::hold_entries, core::StatKind::kGauge,
+     "Entries of P's hold table", "kvferry_hold_table_size"},
+    // clang-format on
+};
+static_assert(sizeof(PrefillStats) ==
+                  std::size(kPrefillStatFields) * sizeof(std::uint64_t) + sizeof(core::HoldStats),
+              "every counter of PrefillStats has one row in kPrefillStatFields");
 
 class PrefillSession {
  public:

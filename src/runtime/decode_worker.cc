@@ -19,6 +19,7 @@
 #include <zmq.hpp>
 
 #include "control/bootstrap_client.h"
+#include "kvferry/core/thread_name.h"
 #include "wire/messages.h"
 
 namespace kvferry::runtime {
@@ -108,11 +109,20 @@ class DecodeWorker::Impl {
     session_.emplace(std::move(session));
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) return Status(ErrorCode::kInternal, fmt::format("eventfd: errno {}", errno));
-    io_ = std::thread([this] { IoMain(); });
+    io_ = std::thread([this] {
+      core::NameThisThread("kvf-d-io");
+      IoMain();
+    });
     for (std::size_t i = 0; i < std::max<std::size_t>(1, options_.lookup_threads); ++i) {
-      lookups_.emplace_back([this] { LookupMain(); });
+      lookups_.emplace_back([this] {
+        core::NameThisThread("kvf-d-lookup");
+        LookupMain();
+      });
     }
-    if (engine_->fences_writes()) fencer_ = std::thread([this] { FenceMain(); });
+    if (engine_->fences_writes()) fencer_ = std::thread([this] {
+      core::NameThisThread("kvf-d-fence");
+      FenceMain();
+    });
     return Status::Ok();
   }
 

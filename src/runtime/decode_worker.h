@@ -43,7 +43,7 @@
 
 #include "control/bootstrap_types.h"
 #include "control/cluster_auth.h"
-#include "control/side_channel_client.h"
+#include "control/warning_sink.h"
 #include "kvferry/core/ids.h"
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"

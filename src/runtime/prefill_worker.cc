@@ -202,6 +202,7 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   session.p_tp_rank = options.tp_rank;
   session.kv_heads = options.kv_heads;
   session.block_len = options.block_len;
+  session.num_blocks = options.num_blocks;
   session.head_slices = options.head_slices;
   listener_options.num_senders = options.num_senders;
   listener_options.cluster_secret = options.cluster_secret;

@@ -75,6 +75,7 @@ enum Kind : std::uint32_t {
   kPDeclaredDown,
   kUnsent,
   kWriteGiveUp,
+  kPRestart,
 };
 
 // Pools of P and D: core::BlockPool, whose generations tell a WRITE whether its destination
@@ -94,6 +95,8 @@ struct Msg {
                             wire::Release, wire::ReleaseReply, wire::AbortNotice>;
   std::uint32_t d_rank = 0;
   std::uint32_t p_rank = 0;
+  std::uint32_t p_gen = 0;               // the P process at the link's end (Faults::p_restarts)
+  protocol::EndpointId d_endpoint = 0;  // D's socket at the link's end
   Body body;
 
   // Bytes on the wire, estimated (for the link's transmit time).
@@ -151,7 +154,7 @@ struct Mirror {
 struct PRank {
   std::unique_ptr<protocol::PrefillSession> session;
   std::map<int, Mirror> mirror;
-  bool pass_armed = false;
+  TimePoint timer_at = core::kNever;  // the session's wake-up that is armed (kNever: none)
   // Fault model. A P fails a whole message (injected ERROR) only the first time it sees it, as a
   // real P's message handling runs after its duplicate check; and it never serves a copy of a
   // message it failed.
@@ -170,6 +173,8 @@ struct PReq {
   St st = St::kQueued;
   std::vector<int> inflight;  // WRITEs in flight, per P rank
   bool free_pending = false;
+  bool arrived = false;   // P's engine got it (a restarted P lost it: kGone)
+  std::uint32_t p_gen = 0;  // the P process it arrived at
 };
 
 struct DReq {
@@ -184,6 +189,8 @@ struct DReq {
   std::uint32_t decoded = 0;
   bool freed = false;
   std::uint32_t peers_written = 0;
+  // [d_rank]: its pulls that found no live P process (sent to a dead one); empty: none.
+  std::vector<std::uint32_t> unsent_pulls;
 };
 
 struct Write {
@@ -198,6 +205,7 @@ struct Write {
   std::uint64_t ticket = 0;  // the session's write ticket
   bool give_up = false;      // Faults::unsettled_write: the sender gives up before the end
   bool reported = false;     // P's session heard the outcome already (kUnsettled)
+  std::uint32_t p_gen = 0;   // the P process whose write it is
 };
 
 class Sim {
@@ -217,19 +225,8 @@ class Sim {
     res_.writes_after_realloc.assign(c.p.tp, 0);
     p_layout_ = {c.p.tp, c.model.kv_heads, BlockLen(c.p.tp)};
     d_layout_ = {c.d.tp, c.model.kv_heads, BlockLen(c.d.tp)};
-    for (std::uint32_t r = 0; r < c.p.tp; ++r) {
-      protocol::PrefillSessionOptions options;
-      options.engine_id = "P";  // what D's requests name (SourceOf)
-      options.hold = c.p.hold;
-      options.p_tp_size = c.p.tp;
-      options.p_tp_rank = r;
-      options.kv_heads = p_layout_.kv_heads;
-      options.block_len = p_layout_.block_len;
-      PRank rank;
-      rank.session = std::make_unique<protocol::PrefillSession>(
-          options, [&c](const core::HoldConfig& hc) { return c.variants.NewHold(hc); });
-      p_ranks_.push_back(std::move(rank));
-    }
+    for (std::uint32_t r = 0; r < c.p.tp; ++r) p_ranks_.push_back(NewPRank(r));
+    p_up_at_.push_back(kT0);
     for (std::uint32_t r = 0; r < c.d.tp; ++r) {
       protocol::DecodeSessionOptions options;
       options.engine_id = "D";
@@ -243,6 +240,8 @@ class Sim {
       options.write_bound = c.d.write_bound;
       options.pull_timeout = c.d.pull_timeout;
       options.send_releases = c.d.send_releases;
+      options.max_idle_endpoints = c.d.max_idle_endpoints;
+      options.max_endpoints = c.d.max_endpoints;
       // D's data plane fences by write key, as the runtime's does (transport::WriteKey).
       options.write_key_base = (std::uint64_t{r} + 1) << 40;
       if (Status valid = protocol::DecodeSession::ValidateOptions(options); !valid.ok()) {
@@ -252,6 +251,7 @@ class Sim {
       d_sessions_.push_back(std::make_unique<protocol::DecodeSession>(
           options, [&c] { return c.variants.NewLedger(); }));
       d_revoked_.emplace_back();
+      d_sockets_.emplace_back();
       d_timer_at_.push_back(kNever);
     }
   }
@@ -337,6 +337,21 @@ class Sim {
  private:
   // ---------------------------------------------------------------- helpers
 
+  PRank NewPRank(std::uint32_t r) const {
+    protocol::PrefillSessionOptions options;
+    options.engine_id = "P";  // what D's requests name (SourceOf)
+    options.hold = c_.p.hold;
+    options.p_tp_size = c_.p.tp;
+    options.p_tp_rank = r;
+    options.kv_heads = p_layout_.kv_heads;
+    options.block_len = p_layout_.block_len;
+    options.num_blocks = c_.p.blocks;
+    PRank rank;
+    rank.session = std::make_unique<protocol::PrefillSession>(
+        options, [this](const core::HoldConfig& hc) { return c_.variants.NewHold(hc); });
+    return rank;
+  }
+
   TimePoint now() const { return loop_.now(); }
   std::uint64_t BlockLen(std::uint32_t tp) const {
     const std::uint32_t heads = std::max<std::uint32_t>(1, c_.model.kv_heads / tp);
@@ -356,11 +371,24 @@ class Sim {
 
   // ---------------------------------------------------------------- control network
 
-  // Link ids: direction · 2^20 + d_rank · 2^10 + p_rank.
-  void Send(bool to_p, std::uint32_t d_rank, std::uint32_t p_rank, Msg::Body body) {
+  // One connection: D rank `d_rank`'s socket `d_endpoint` to P rank `p_rank` of P process
+  // `p_gen`.
+  struct Link {
+    std::uint32_t d_rank = 0;
+    std::uint32_t p_rank = 0;
+    std::uint32_t p_gen = 0;
+    protocol::EndpointId d_endpoint = 0;
+  };
+
+  // Link ids (FIFO order): P process · 2^21 + direction · 2^20 + d_rank · 2^10 + p_rank.
+  void Send(bool to_p, const Link& to, Msg::Body body) {
+    const std::uint32_t d_rank = to.d_rank;
+    const std::uint32_t p_rank = to.p_rank;
     auto m = std::make_shared<Msg>();
     m->d_rank = d_rank;
     m->p_rank = p_rank;
+    m->p_gen = to.p_gen;
+    m->d_endpoint = to.d_endpoint;
     m->body = std::move(body);
     const NetConfig& n = c_.net;
     const bool best_effort = std::holds_alternative<wire::Release>(m->body) ||
@@ -370,7 +398,8 @@ class Sim {
       return;
     }
     const int copies = 1 + (rng_.Chance(n.duplicate) ? 1 : 0);
-    const std::uint64_t link = (to_p ? 1u << 20 : 0u) | (d_rank << 10) | p_rank;
+    const std::uint64_t link = (std::uint64_t{to.p_gen} << 21) | (to_p ? 1u << 20 : 0u) |
+                               (d_rank << 10) | p_rank;
     for (int i = 0; i < copies; ++i) {
       TimePoint t = now() + n.latency + TransmitTime(m->Bytes(), n.bytes_per_s);
       if (n.jitter.count() > 0) t += rng_.Span(Duration{0}, n.jitter);
@@ -390,7 +419,15 @@ class Sim {
     }
   }
 
-  static protocol::PeerAddress PeerOf(std::uint32_t d_rank) { return fmt::format("d{}", d_rank); }
+  // How P's session names the D socket a message came by ("d<rank>/<endpoint>"), and back.
+  static protocol::PeerAddress PeerOf(const Msg& m) {
+    return fmt::format("d{}/{}", m.d_rank, m.d_endpoint);
+  }
+  static std::pair<std::uint32_t, protocol::EndpointId> SocketOf(const protocol::PeerAddress& peer) {
+    const std::size_t slash = peer.find('/');
+    return {static_cast<std::uint32_t>(std::stoul(peer.substr(1, slash - 1))),
+            static_cast<protocol::EndpointId>(std::stoul(peer.substr(slash + 1)))};
+  }
 
   // ---------------------------------------------------------------- P engine
 
@@ -398,7 +435,12 @@ class Sim {
   // once the scheduler gives it blocks: renewals of a queued request extend it, and a dead
   // decoder's queued requests are dropped before they cost any compute (SPEC §4).
   void ArriveP(int idx) {
-    if (p_dead_) return;
+    preqs_[idx].arrived = true;
+    preqs_[idx].p_gen = p_gen_;
+    if (p_dead_) {
+      preqs_[idx].st = PReq::St::kGone;  // lost: nobody listens
+      return;
+    }
     if (preqs_[idx].st != PReq::St::kQueued) {
       // The engine already dropped it. Admitted now, it would never be prefilled nor finished:
       // an admitted id ends only by PrefillDone or EngineFinished (a prefilling entry that no D
@@ -430,12 +472,13 @@ class Sim {
   void KickP() {
     if (p_dead_ || p_step_armed_) return;
     p_step_armed_ = true;
-    loop_.After(Duration{0}, kPStep, 0, [this] { PStep(); });
+    loop_.After(Duration{0}, kPStep, 0, [this, gen = p_gen_] {
+      if (PAlive(gen)) PStep();
+    });
   }
 
   void PStep() {
     p_step_armed_ = false;
-    if (p_dead_) return;
     // Admission, FIFO with head-of-line blocking (as vLLM's scheduler): a request that does not
     // fit in the pool stops the queue, so a probe waits behind it.
     std::uint64_t pending_tokens = 0;
@@ -473,12 +516,13 @@ class Sim {
     const Duration cost =
         c_.p.step_overhead + std::chrono::duration_cast<Duration>(c_.p.per_token * tokens * scale);
     p_step_armed_ = true;
-    loop_.After(cost, kPStepEnd, tokens, [this, batch] { PStepEnd(batch); });
+    loop_.After(cost, kPStepEnd, tokens, [this, batch, gen = p_gen_] {
+      if (PAlive(gen)) PStepEnd(batch);
+    });
   }
 
   void PStepEnd(const std::vector<std::pair<int, std::uint32_t>>& batch) {
     p_step_armed_ = false;
-    if (p_dead_) return;
     for (const auto& [id, tokens] : batch) {
       PReq& p = preqs_[id];
       if (p.st != PReq::St::kRunning) continue;  // aborted during the step
@@ -627,6 +671,7 @@ class Sim {
         if (it != fp_to_req_.end()) SyncMirror(r, it->second);
       }
     }
+    ArmPass(r);  // any call may have brought the session's next deadline forward
   }
 
   void SendFromP(std::uint32_t r, protocol::Outgoing o) {
@@ -637,14 +682,10 @@ class Sim {
       }
       return;
     }
-    const auto d_rank = static_cast<std::uint32_t>(std::stoul(o.peer.substr(1)));
-    if (auto* response = std::get_if<wire::PullResponse>(&o.message)) {
-      // Fault model: a P that omits requests from its answer (D settles them at FINISH).
-      std::erase_if(response->err, [&](const wire::RequestError& e) {
-        return omitted_.count({r, d_rank, response->id, e.d_req_id}) != 0;
-      });
-    }
-    std::visit([&](auto& m) { Send(false, d_rank, r, std::move(m)); }, o.message);
+    // The peer is D's socket (PeerOf): P answers on the connection the message came by.
+    const auto [d_rank, d_endpoint] = SocketOf(o.peer);
+    std::visit([&](auto& m) { Send(false, {d_rank, r, p_gen_, d_endpoint}, std::move(m)); },
+               o.message);
   }
 
   void HandleHoldEvent(std::uint32_t r, const core::HoldEvent& ev) {
@@ -686,7 +727,24 @@ class Sim {
     const bool promise = c_.d.lease.count() > 0 && c_.d.lease == c_.p.hold.lease && n.loss == 0 &&
                          n.delay_prob == 0 && n.drop_renewals_from == kNever &&
                          n.jitter <= c_.d.lease / 60;
-    if (!promise || d_dead_ || preqs_[idx].probe) return;
+    // A restarted P never heard of the requests its predecessor had: no promise covers them.
+    if (!promise || d_dead_ || preqs_[idx].probe || preqs_[idx].p_gen != p_gen_) return;
+    // Nor can a decoder keep leases once its side channels ran out (max_endpoints, all in use:
+    // exploration draws caps as low as 1): renewals it cannot send are counted, not sent.
+    for (const auto& session : d_sessions_) {
+      if (session->stats().endpoints_exhausted > 0) return;
+    }
+    // Nor does it cover what D renews before it can know of the new process: D renews at the
+    // old addresses until one of its messages fails unsent (connect_wait after the first one
+    // since the restart), then looks P up (lookup_timeout); the new process may drop a transfer
+    // D tracks one lease later. (The vLLM connector's lease, 30 s, is far above the 3 s wait.)
+    if (p_up_at_.size() > 1 &&
+        (d_sent_since_up_ == kNever ||
+         now() < d_sent_since_up_ + c_.d.connect_wait +
+                     d_sessions_.front()->options().lookup_timeout + c_.p.hold.lease +
+                     std::chrono::seconds(1))) {
+      return;
+    }
     const DReq& d = dreqs_[idx];
     const bool renewed = (d.st == DReq::St::kQueued || d.st == DReq::St::kReceiving) &&
                          d.ranks_completed == 0 && !Ended(idx);
@@ -702,25 +760,36 @@ class Sim {
     if (!rank.session->hold().Contains(preqs_[id].xfer)) rank.mirror.erase(id);
   }
 
+  // Each P rank's session wakes at its NextDeadline (expiry passes), as the runtime's listener
+  // does, up to timer_late_max late.
   void ArmPass(std::uint32_t r) {
+    if (p_dead_) return;
     PRank& rank = p_ranks_[r];
-    if (rank.pass_armed || p_dead_) return;
-    rank.pass_armed = true;
-    // Passes run on a fixed grid (every expiry_pass), like a worker's periodic scan.
-    const auto period = c_.p.expiry_pass.count();
-    const auto since = (now() - kT0).count();
-    const TimePoint next = kT0 + Duration((since / period + 1) * period);
-    loop_.Schedule(next, kPPass, r, [this, r] { Pass(r); });
+    const TimePoint next = rank.session->NextDeadline();
+    if (next == kNever || next >= rank.timer_at) return;
+    rank.timer_at = next;
+    const Duration late = c_.p.timer_late_max.count() > 0
+                              ? rng_.Span(Duration{0}, c_.p.timer_late_max)
+                              : Duration{0};
+    loop_.Schedule(std::max(next, now()) + late, kPPass, r, [this, r, next, gen = p_gen_] {
+      if (!PAlive(gen)) return;
+      PRank& armed = p_ranks_[r];
+      if (armed.timer_at == next) armed.timer_at = kNever;
+      Pass(r);
+    });
   }
 
   void Pass(std::uint32_t r) {
     PRank& rank = p_ranks_[r];
-    rank.pass_armed = false;
-    if (p_dead_) return;
     rank.session->OnTimeout(now());
     DrainP(r);
     CheckHoldBound(r);
-    if (rank.session->hold().size() > 0) ArmPass(r);
+    // A pass that leaves its own deadline due would wake P's thread again at once, forever.
+    if (rank.session->NextDeadline() <= now()) {
+      Violation(fmt::format("P rank {}'s NextDeadline is still due after its pass", r));
+      return;
+    }
+    ArmPass(r);
   }
 
   // Invariant: after an expiry pass, no entry is held past its deadline as the lease rules
@@ -769,11 +838,13 @@ class Sim {
 
   // A message reaches P rank `m.p_rank`: its session decides everything (through the codec).
   void DeliverToP(const Msg& m) {
-    if (p_dead_) return;
+    // A message to a process that died is lost with its connection, even when a new process
+    // binds the same address.
+    if (!PAlive(m.p_gen)) return;
     const std::uint32_t r = m.p_rank;
     PRank& rank = p_ranks_[r];
     protocol::PrefillSession& session = *rank.session;
-    const protocol::PeerAddress peer = PeerOf(m.d_rank);
+    const protocol::PeerAddress peer = PeerOf(m);
     if (const auto* pull = std::get_if<wire::Pull>(&m.body)) {
       if (rank.errored_pulls.count({m.d_rank, pull->id}) != 0) return;  // a copy of a failed one
       const bool first_delivery = rank.delivered_pulls.insert({m.d_rank, pull->id}).second;
@@ -781,9 +852,9 @@ class Sim {
         // Fault: P stalls on this pull past D's deadline, then serves it.
         auto late = std::make_shared<Msg>(m);
         loop_.After(c_.d.pull_timeout + rng_.Span(Duration{0}, 5s), kDeliver, r, [this, late] {
-          if (p_dead_) return;
+          if (!PAlive(late->p_gen)) return;
           const auto& late_pull = std::get<wire::Pull>(late->body);
-          Hand(*p_ranks_[late->p_rank].session, PeerOf(late->d_rank), late_pull);
+          Hand(*p_ranks_[late->p_rank].session, PeerOf(*late), late_pull);
           NoteWaits(late->p_rank, late_pull);
           DrainP(late->p_rank);
           ArmPass(late->p_rank);
@@ -798,11 +869,12 @@ class Sim {
         error.status = wire::PullStatus::kError;
         error.code = ErrorCode::kInternal;
         error.message = fmt::format("injected: P rank {} failed the pull", r);
-        Send(false, m.d_rank, r, std::move(error));
+        Send(false, {m.d_rank, r, m.p_gen, m.d_endpoint}, std::move(error));
         return;
       }
       Hand(session, peer, *pull);
       NoteWaits(r, *pull);
+      if (m.p_gen > 0) ++res_.pulls_to_restarted;
     } else if (const auto* release = std::get_if<wire::Release>(&m.body)) {
       ++res_.releases_delivered;
       Hand(session, peer, *release);
@@ -903,14 +975,6 @@ class Sim {
           now());
       return;
     }
-    if (rng_.Chance(c_.faults.peer_omit)) {
-      // Nothing is written and the request is left out of the answer (SendFromP drops it).
-      omitted_.insert({r, job.context->d_tp_rank, job.pull_id, job.d_req_id});
-      rank.session->OnWriteDone(
-          job.ticket, protocol::WriteOutcome::Failed(Status(ErrorCode::kInternal, "omitted")),
-          now());
-      return;
-    }
     ++rank.mirror[pull.req].sending;
     const std::uint32_t d_rank = job.context->d_tp_rank;
     // The session planned the write (WriteJob::writes); the data plane only moves the bytes.
@@ -925,6 +989,7 @@ class Sim {
             false,
             false,
             job.ticket};
+    w.p_gen = p_gen_;
     if (r == 0 && rng_.Chance(c_.faults.p0_err_after_write)) w.err_after = true;
     if (rng_.Chance(c_.faults.unsettled_write)) w.give_up = true;
     Duration delay{0};
@@ -955,9 +1020,8 @@ class Sim {
   // way. P's memory is no longer read (the bytes left it), so P may free its blocks; D's may
   // still be written until the WRITE ends (WriteEnd lands it unless D fenced the writer).
   void GiveUp(std::uint64_t wid) {
-    if (p_dead_) return;
     auto it = writes_.find(wid);
-    if (it == writes_.end() || it->second.reported) return;
+    if (it == writes_.end() || !PAlive(it->second.p_gen) || it->second.reported) return;
     Write& w = it->second;
     w.reported = true;
     ++res_.unsettled_writes;
@@ -1004,8 +1068,9 @@ class Sim {
 
   // Returns false when the WRITE cannot start (it is then finished as failed).
   bool WriteStart(std::uint64_t wid) {
-    if (p_dead_) return false;
-    Write& w = writes_[wid];
+    auto it = writes_.find(wid);
+    if (it == writes_.end() || !PAlive(it->second.p_gen)) return false;
+    Write& w = it->second;
     bool ok = !d_dead_ && !w.fenced && d_revoked_[w.d_rank].count(w.key) == 0;
     if (ok) {
       ++res_.writes;
@@ -1017,9 +1082,10 @@ class Sim {
   }
 
   void WriteEnd(std::uint64_t wid, bool started) {
-    if (p_dead_) return;
-    Write w = std::move(writes_[wid]);
-    writes_.erase(wid);
+    auto it = writes_.find(wid);
+    if (it == writes_.end() || !PAlive(it->second.p_gen)) return;
+    Write w = std::move(it->second);
+    writes_.erase(it);
     PRank& rank = p_ranks_[w.p_rank];
     PReq& p = preqs_[w.req];
     bool ok = !d_dead_ && !w.fenced && d_revoked_[w.d_rank].count(w.key) == 0;
@@ -1074,17 +1140,60 @@ class Sim {
   }
 
   void CrashP() {
+    if (p_dead_) return;
     p_dead_ = true;
+    p_down_at_.push_back(now());
     loop_.Note(0xdead, 1);
     // A liveness source (e.g. the registry) tells D after a while; D's sessions fence P's
-    // workers and fail what waits for them.
-    loop_.After(c_.d.peer_dead_detect, kPDetect, 0, [this] {
-      if (d_dead_) return;
-      for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
-        d_sessions_[r]->OnEngineDown("P", Status(ErrorCode::kUnavailable, "P died"), now());
-        DrainD(r);
-      }
-    });
+    // workers and fail what waits for them. If a new process registered first, it says only
+    // that the old process went.
+    if (c_.d.liveness) {
+      loop_.After(c_.d.peer_dead_detect, kPDetect, 0, [this, gen = p_gen_] {
+        if (d_dead_) return;
+        for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
+          if (p_dead_ && p_gen_ == gen) {
+            d_sessions_[r]->OnEngineDown("P", Status(ErrorCode::kUnavailable, "P died"), now());
+          } else {
+            d_sessions_[r]->OnProcessGone(
+                "P", Incarnation(gen), Status(ErrorCode::kUnavailable, "P's old process died"),
+                now());
+          }
+          DrainD(r);
+        }
+      });
+    }
+    if (res_.p_restarts < c_.faults.p_restarts) {
+      loop_.After(c_.faults.p_down_for, kPRestart, 0, [this] { RestartP(); });
+    }
+  }
+
+  // A new P process (Faults::p_restarts): nothing of the old one survives, neither its requests
+  // (lost: D's pulls for them find nobody who knows them) nor anything scheduled for it (every
+  // P-side event checks the process it was for: PAlive).
+  void RestartP() {
+    ++p_gen_;
+    p_dead_ = false;
+    ++res_.p_restarts;
+    p_up_at_.push_back(now());
+    d_sent_since_up_ = kNever;
+    loop_.Note(0x4e5, p_gen_);
+    for (PReq& p : preqs_) {
+      if (p.arrived) p.st = PReq::St::kGone;
+      p.blocks.clear();
+      std::fill(p.inflight.begin(), p.inflight.end(), 0);
+      p.free_pending = false;
+    }
+    queue_p_.clear();
+    running_p_.clear();
+    p_step_armed_ = false;
+    writes_.clear();  // an old process's writes died with it (WriteEnd: PAlive)
+    p_pool_ = BlockPool(c_.p.blocks);
+    p_adapter_ = protocol::PrefillAdapter({.ranks = std::max<std::uint32_t>(1, c_.p.tp)});
+    p_ranks_.clear();
+    for (std::uint32_t r = 0; r < c_.p.tp; ++r) p_ranks_.push_back(NewPRank(r));
+    if (res_.p_restarts < c_.faults.p_restarts) {
+      loop_.After(c_.faults.p_up_for, kPCrash, 0, [this] { CrashP(); });
+    }
   }
 
   // The liveness source is wrong (etcd's word is advisory: a partition, a lost lease): D is
@@ -1292,6 +1401,15 @@ class Sim {
       for (const protocol::FenceRequest& fence : fences) PerformFence(r, fence);
       for (protocol::DecodeEvent& ev : events) HandleDecodeEvent(r, ev);
     }
+    if (d_dead_) return;
+    // (An endpoint that never sent had no socket: erasing it is a no-op.)
+    for (protocol::EndpointId closed : session.TakeClosedEndpoints()) d_sockets_[r].erase(closed);
+    // Invariant: the sockets D holds stay within max_endpoints, whatever the churn of P
+    // addresses (every P restart binds new ones).
+    if (d_sockets_[r].size() > c_.d.max_endpoints) {
+      Violation(fmt::format("D rank {} holds {} sockets, over max_endpoints {}", r,
+                            d_sockets_[r].size(), c_.d.max_endpoints));
+    }
     ArmD(r);
   }
 
@@ -1299,7 +1417,8 @@ class Sim {
   void PerformFence(std::uint32_t r, const protocol::FenceRequest& fence) {
     loop_.After(c_.dp.fence_latency, kFence, r, [this, r, fence] {
       if (d_dead_) return;
-      if (c_.faults.fence_unsupported && !p_dead_) {
+      if (c_.faults.fence_unsupported && FencesALiveWriter(r, fence)) {
+        NoteSharedKeys(r, fence);
         d_sessions_[r]->OnFenceDone(
             fence.id, Status(ErrorCode::kRejected, "the data plane cannot fence a live peer"),
             now());
@@ -1310,6 +1429,28 @@ class Sim {
       }
       DrainD(r);
     });
+  }
+
+  // Whether a fence would cover writes of the P process that runs now (Faults::fence_unsupported
+  // refuses it then; an old process's death is the proof that it can no longer write).
+  bool FencesALiveWriter(std::uint32_t r, const protocol::FenceRequest& fence) const {
+    if (p_dead_) return false;
+    if (fence.write_keys.empty()) return GenOf(fence.address) == p_gen_;
+    return std::any_of(fence.write_keys.begin(), fence.write_keys.end(), [&](std::uint64_t key) {
+      auto it = key_gens_.find({r, key});
+      return it == key_gens_.end() || it->second.count(p_gen_) != 0;
+    });
+  }
+
+  // Records the known limit (SimResult::shared_key_quarantine): a refused fence whose key the
+  // live process shares with pulls sent to a process that died.
+  void NoteSharedKeys(std::uint32_t r, const protocol::FenceRequest& fence) {
+    for (std::uint64_t key : fence.write_keys) {
+      auto gens = key_gens_.find({r, key});
+      if (gens != key_gens_.end() && gens->second.size() > 1 && gens->second.count(p_gen_) != 0) {
+        res_.shared_key_quarantine = true;
+      }
+    }
   }
 
   static std::uint32_t PRankOf(const std::string& address) {
@@ -1340,21 +1481,37 @@ class Sim {
     // describes a process already gone, as a real one can.
     loop_.After(c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id, id = lookup.id] {
       const bool p_was_dead = p_dead_;
-      loop_.After(c_.net.latency, kLookup, r, [this, r, engine, id, p_was_dead] {
+      const std::uint32_t gen = c_.variants.stale_registry ? 0 : p_gen_;
+      loop_.After(c_.net.latency, kLookup, r, [this, r, engine, id, p_was_dead, gen] {
         if (d_dead_) return;
         if (p_was_dead) {
           d_sessions_[r]->OnLookupFailed(engine, Status(ErrorCode::kUnavailable, "P is down"),
                                          now(), id);
         } else {
-          protocol::PeerEngine view{engine, "1", c_.p.tp, {}, wire::kProtocolFeatures};
-          for (std::uint32_t p = 0; p < c_.p.tp; ++p) view.side_channels.push_back(PName(p));
+          protocol::PeerEngine view{engine, Incarnation(gen), c_.p.tp, {}, wire::kProtocolFeatures};
+          for (std::uint32_t p = 0; p < c_.p.tp; ++p) view.side_channels.push_back(PName(gen, p));
           d_sessions_[r]->OnLookup(view, now(), id);
         }
         DrainD(r);
       });
     });
   }
-  static std::string PName(std::uint32_t p) { return fmt::format("p{}", p); }
+
+  // P process `gen` (0: the first; each restart makes the next): its incarnation, and its rank
+  // `p`'s side-channel address: "p<rank>", or "p<rank>@<gen>" for a restart on new addresses.
+  static std::string Incarnation(std::uint32_t gen) { return std::to_string(gen + 1); }
+  std::string PName(std::uint32_t gen, std::uint32_t p) const {
+    return gen == 0 || c_.faults.p_same_address ? fmt::format("p{}", p)
+                                                : fmt::format("p{}@{}", p, gen);
+  }
+  // The process an address reaches: its own, or on a shared address whichever binds it now.
+  std::uint32_t GenOf(const std::string& address) const {
+    const std::size_t at = address.find('@');
+    if (at != std::string::npos) return static_cast<std::uint32_t>(std::stoul(address.substr(at + 1)));
+    return c_.faults.p_same_address ? p_gen_ : 0;
+  }
+  // Whether P process `gen` is the one running.
+  bool PAlive(std::uint32_t gen) const { return !p_dead_ && gen == p_gen_; }
 
   void SendFromD(std::uint32_t r, protocol::Transmit t) {
     if (t.address.starts_with("g")) {  // a silent engine's worker: nothing ever answers
@@ -1362,12 +1519,27 @@ class Sim {
       return;
     }
     const std::uint32_t p = PRankOf(t.address);
-    endpoint_[{r, p}] = t.endpoint;
-    if (p_dead_) {
+    const std::uint32_t gen = GenOf(t.address);
+    d_sockets_[r].insert(t.endpoint);  // the runtime opens a socket for an endpoint's first message
+    if (d_sent_since_up_ == kNever) d_sent_since_up_ = now();
+    if (!p_dead_ && p_gen_ > 0 && now() >= FindableFrom(p_gen_)) {
+      if (first_send_findable_.size() <= p_gen_) {
+        first_send_findable_.resize(p_gen_ + 1, std::vector<TimePoint>(c_.d.tp, kNever));
+      }
+      TimePoint& first = first_send_findable_[p_gen_][r];
+      if (first == kNever) first = now();
+    }
+    if (!PAlive(gen)) {
       // No connection to a process that is gone: the message never leaves, and D's pump
       // reports it unsent after its connect wait (what runtime::DecodeWorker does).
       ++res_.messages_unsent;
       const std::uint64_t wire_id = std::visit([](const auto& m) { return m.id; }, t.message);
+      if (const auto* pull = std::get_if<wire::Pull>(&t.message); pull && !pull->requests.empty()) {
+        std::vector<std::uint32_t>& unsent =
+            dreqs_[RequestIndex(pull->requests.front().d_req_id)].unsent_pulls;
+        unsent.resize(c_.d.tp, 0);
+        ++unsent[r];
+      }
       loop_.After(c_.d.connect_wait, kUnsent, r, [this, r, endpoint = t.endpoint, wire_id] {
         if (d_dead_) return;
         d_sessions_[r]->OnSendFailed(
@@ -1381,6 +1553,7 @@ class Sim {
     d_sessions_[r]->OnSent(t.endpoint, std::visit([](const auto& m) { return m.id; }, t.message),
                            now());
     if (auto* pull = std::get_if<wire::Pull>(&t.message)) {
+      key_gens_[{r, pull->write_key}].insert(gen);
       const int idx = RequestIndex(pull->requests.at(0).d_req_id);
       pulls_[{r, p, pull->id}] = {idx, r, p, dreqs_[idx].gens};
     } else if (std::holds_alternative<wire::Release>(t.message)) {
@@ -1389,7 +1562,7 @@ class Sim {
       ++res_.renewals_sent;
       if (now() >= c_.net.drop_renewals_from && now() < c_.net.drop_renewals_until) return;
     }
-    std::visit([&](auto& m) { Send(true, r, p, std::move(m)); }, t.message);
+    std::visit([&](auto& m) { Send(true, {r, p, gen, t.endpoint}, std::move(m)); }, t.message);
   }
 
   void HandleDecodeEvent(std::uint32_t r, protocol::DecodeEvent& event) {
@@ -1455,10 +1628,9 @@ class Sim {
 
   void DeliverToD(const Msg& m) {
     if (d_dead_) return;
-    auto endpoint = endpoint_.find({m.d_rank, m.p_rank});
-    if (endpoint == endpoint_.end()) {
-      Violation(fmt::format("D rank {} got a reply from P rank {}, to which it never sent",
-                            m.d_rank, m.p_rank));
+    if (d_sockets_[m.d_rank].count(m.d_endpoint) == 0) {
+      // The session closed that socket (an idle endpoint): what was on its way is lost.
+      ++res_.replies_to_closed;
       return;
     }
     protocol::DecodeSession& session = *d_sessions_[m.d_rank];
@@ -1468,19 +1640,19 @@ class Sim {
       const std::vector<std::uint8_t> bytes =
           std::visit([](const auto& body) { return wire::Encode(body); }, m.body);
       const std::uint64_t before = session.stats().undecodable;
-      session.OnMessage(endpoint->second, bytes, now());
+      session.OnMessage(m.d_endpoint, bytes, now());
       if (session.stats().undecodable != before) {
         Violation(
             fmt::format("P rank {} sent D rank {} an undecodable message", m.p_rank, m.d_rank));
       }
     } else if (const auto* reply = std::get_if<wire::RenewalReply>(&m.body)) {
-      session.OnRenewalReply(endpoint->second, *reply, now());
+      session.OnRenewalReply(m.d_endpoint, *reply, now());
     } else if (const auto* rreply = std::get_if<wire::ReleaseReply>(&m.body)) {
-      session.OnReleaseReply(endpoint->second, *rreply, now());
+      session.OnReleaseReply(m.d_endpoint, *rreply, now());
     } else if (const auto* notice = std::get_if<wire::AbortNotice>(&m.body)) {
-      session.OnAbortNotice(endpoint->second, *notice, now());
+      session.OnAbortNotice(m.d_endpoint, *notice, now());
     } else {
-      session.OnPullResponse(endpoint->second, std::get<wire::PullResponse>(m.body), now());
+      session.OnPullResponse(m.d_endpoint, std::get<wire::PullResponse>(m.body), now());
     }
     DrainD(m.d_rank);
   }
@@ -1543,6 +1715,49 @@ class Sim {
     }
   }
 
+  // When D can find P process `gen` (> 0): it believes a failed lookup for lookup_failure_ttl
+  // after the process came up, or after the liveness source said its predecessor went.
+  TimePoint FindableFrom(std::uint32_t gen) const {
+    TimePoint from = p_up_at_[gen];
+    if (c_.d.liveness) from = std::max(from, p_down_at_[gen - 1] + c_.d.peer_dead_detect);
+    return from + d_sessions_.front()->options().lookup_failure_ttl;
+  }
+
+  // Invariant: a P that restarted (a new incarnation, on the same addresses or new ones) gets
+  // traffic again within a bound, with or without a liveness source. D believes a failed lookup
+  // for lookup_failure_ttl after P came back (or after the liveness source said P went, if
+  // later); D's first message to P after that goes to the process D knew, or to one a fresh
+  // lookup found; if the process it knew is gone, that message fails unsent within
+  // connect_wait and marks every view of the address stale. From then on (plus a second for
+  // the messages in between), no load may send to a dead process while the new one lives:
+  // every later lookup finds it.
+  void CheckRestartsFound() {
+    const Duration settle = c_.d.connect_wait + std::chrono::seconds(1);
+    for (std::size_t g = 1; g < first_send_findable_.size(); ++g) {
+      const TimePoint down = g < p_down_at_.size() ? p_down_at_[g] : kNever;
+      // Per D rank: each rank's session keeps its own views.
+      for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
+        const TimePoint first = first_send_findable_[g][r];
+        if (first == kNever) continue;
+        for (std::size_t i = 0; i < res_.requests.size(); ++i) {
+          // Loads that start once the rank's first message since then had time to fail
+          // unsent, and that have connect_wait to send while process g lives and D does.
+          const TimePoint start = res_.requests[i].d_admitted;
+          const std::vector<std::uint32_t>& unsent = dreqs_[i].unsent_pulls;
+          if (start == kNever || start < first + settle || start + settle >= down ||
+              start + settle >= c_.faults.d_crash || unsent.empty() || unsent[r] == 0) {
+            continue;
+          }
+          Violation(fmt::format(
+              "req-{} (loaded at t={:.3f}s) sent {} pulls from D rank {} to a dead P process, "
+              "{:.3f}s after the rank's first message that could find P process {} (restarted "
+              "at t={:.3f}s)",
+              i, At(start), unsent[r], r, core::ToSeconds(start - first), g, At(p_up_at_[g])));
+        }
+      }
+    }
+  }
+
   // Invariants once the run is over: every request ended exactly once, and (if the system went
   // quiet) nothing is still held anywhere.
   void FinalChecks() {
@@ -1556,7 +1771,11 @@ class Sim {
                                 c_.d.pull_timeout + std::chrono::seconds(1);
     for (std::size_t i = 0; i < res_.requests.size(); ++i) {
       const RequestResult& r = res_.requests[i];
-      if (r.ends == 0) {
+      // Under the shared-write-key limit D's pool may stay full of quarantined blocks: requests
+      // queued on D then wait for blocks for as long as the new P process lives.
+      const bool starved =
+          res_.shared_key_quarantine && dreqs_[i].st == DReq::St::kQueued && !d_dead_;
+      if (r.ends == 0 && !starved) {
         Violation(
             fmt::format("req-{} never ended (D state {})", i, static_cast<int>(dreqs_[i].st)));
       } else if (r.d_admitted != core::kNever && r.end - r.d_admitted > load_bound) {
@@ -1565,8 +1784,10 @@ class Sim {
                               i, core::ToSeconds(r.end - r.d_admitted), core::ToSeconds(load_bound)));
       }
     }
+    CheckRestartsFound();
     if (c_.sample_every.count() > 0) return;  // scenario runs stop at a horizon, not at quiet
-    if (!p_dead_ && res_.hostile_pulls_answered != res_.hostile_pulls_sent) {
+    if (!p_dead_ && res_.p_restarts == 0 &&
+        res_.hostile_pulls_answered != res_.hostile_pulls_sent) {
       Violation(fmt::format("P answered {} of {} hostile pulls", res_.hostile_pulls_answered,
                             res_.hostile_pulls_sent));
     }
@@ -1603,7 +1824,7 @@ class Sim {
                               adapter.stray_results));
       }
     }
-    if (!d_dead_) {
+    if (!d_dead_ && !res_.shared_key_quarantine) {
       if (d_pool_.used() != 0) {
         Violation(fmt::format("leak: {} D blocks still allocated", d_pool_.used()));
       }
@@ -1617,6 +1838,12 @@ class Sim {
                               adapter.stray_results));
       }
       for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
+        // Once nothing is in flight, every socket is idle: no more than max_idle_endpoints of
+        // them stay open, however many P addresses came and went.
+        if (d_sockets_[r].size() > c_.d.max_idle_endpoints) {
+          Violation(fmt::format("leak: D rank {} holds {} idle sockets, over max_idle_endpoints {}",
+                                r, d_sockets_[r].size(), c_.d.max_idle_endpoints));
+        }
         const protocol::DecodeStats stats = d_sessions_[r]->stats();
         if (stats.receiving != 0 || stats.quarantined_blocks != 0 || stats.pulls_in_flight != 0) {
           Violation(
@@ -1647,6 +1874,12 @@ class Sim {
   std::vector<int> running_p_;
   bool p_step_armed_ = false;
   bool p_dead_ = false;
+  std::uint32_t p_gen_ = 0;             // the P process running, or the last one (p_dead_)
+  std::vector<TimePoint> p_up_at_;      // [gen]: when P process gen started
+  std::vector<TimePoint> p_down_at_;    // [gen]: when it died
+  TimePoint d_sent_since_up_ = kNever;  // D's first message to P since P last started
+  // [gen][d_rank]: the rank's first message to P once it could find P process gen.
+  std::vector<std::vector<TimePoint>> first_send_findable_;
   bool p_was_full_ = false;
   std::unordered_map<core::Fingerprint, int> fp_to_req_;
 
@@ -1655,8 +1888,12 @@ class Sim {
   protocol::DecodeAdapter d_adapter_;  // the engine's glue to its ranks' sessions
   std::vector<std::unique_ptr<protocol::DecodeSession>> d_sessions_;  // per D rank
   std::vector<TimePoint> d_timer_at_;  // each session's armed wake-up (kNever: none)
-  std::map<std::pair<std::uint32_t, std::uint32_t>, protocol::EndpointId> endpoint_;  // (d, p)
+  // [d_rank]: the sockets D's pump holds: opened by a message to an endpoint, closed when the
+  // session says so (TakeClosedEndpoints), as runtime::DecodeWorker does.
+  std::vector<std::set<protocol::EndpointId>> d_sockets_;
   std::vector<std::unordered_set<std::uint64_t>> d_revoked_;  // [d_rank]: write keys fenced
+  // (d, key): the P processes that got a pull with that write key.
+  std::map<std::pair<std::uint32_t, std::uint64_t>, std::set<std::uint32_t>> key_gens_;
   std::vector<DReq> dreqs_;
   std::deque<int> queue_d_;
   std::vector<int> decoding_;
@@ -1670,8 +1907,6 @@ class Sim {
   std::uint64_t next_write_ = 0;
   // By (D rank, P rank, wire id): ids are per D session and endpoint.
   std::map<std::tuple<std::uint32_t, std::uint32_t, std::uint64_t>, PullShadow> pulls_;
-  // Fault model: requests P omits from its answer, by (P rank, D rank, pull id, request).
-  std::set<std::tuple<std::uint32_t, std::uint32_t, std::uint64_t, core::RequestId>> omitted_;
 };
 
 }  // namespace

@@ -3,13 +3,14 @@
 //
 // RunCluster(config) is a pure function of `config` (its seed included): the same config gives
 // the same run, event for event (SimResult::trace_hash). The protocol is not modelled here but
-// runs for real: every P rank is a protocol::PrefillSession (pairing, parking, waves, replies,
-// renewals, expiry; it owns the core::HoldTable) fed through the wire codec, the D engine
-// drives a core::RenewalScheduler, every D rank a core::ReceiveLedger settled by
-// protocol::ApplyPullResponse, pairing and slicing come from core/tp_plan.h. What the simulator
-// adds is everything around them: schedulers, block pools with generation counters, a lossy control
-// network, a data plane with WRITE start/end times, faults, and invariant checks
-// (docs/simulation.md lists what is and is not modelled).
+// runs for real: every P rank is a protocol::PrefillSession (pairing, parking, waves, write
+// planning, replies, renewals, expiry; it owns the core::HoldTable) fed through the wire codec,
+// every D rank a protocol::DecodeSession (lookups, pulls, renewals, releases, fences, its
+// ReceiveLedger), and each engine's glue is the production protocol::PrefillAdapter /
+// DecodeAdapter. What the simulator adds is everything around them: schedulers, block pools
+// with generation counters, a lossy control network, D's sockets, a data plane with WRITE
+// start/end times, P restarts, faults (in the network and the data plane only), and invariant
+// checks (docs/simulation.md lists what is and is not modelled).
 #pragma once
 
 #include <cstdint>
@@ -69,7 +70,10 @@ struct PrefillConfig {
   Duration per_token = 70us;
   double jitter = 0.1;  // each step's compute time is scaled by U[1-jitter, 1+jitter]
   core::HoldConfig hold;
-  Duration expiry_pass = 1s;  // how often each P worker runs HoldTable::Expire
+  // Each P rank's timer wakes at its session's NextDeadline, as the runtime's listener does,
+  // up to this much late (U[0, timer_late_max]: a busy worker thread). Below the session's 1 s
+  // stall threshold: a later wake is a freeze, which PrefillSession answers differently.
+  Duration timer_late_max = 1s;
 };
 
 struct DecodeConfig {
@@ -85,27 +89,46 @@ struct DecodeConfig {
   // How long a P write may take until it is fenced (D requires pull_timeout to exceed P's
   // abort_request_timeout plus this).
   Duration write_bound = 70s;
-  Duration peer_dead_detect = 2s;  // how long until a liveness source tells D that P died
+  // A liveness source (etcd's watch of P's registration) tells D that P's processes went
+  // (OnEngineDown), or, when a new process of P replaced the dead one first, that the old one
+  // went (OnProcessGone), peer_dead_detect after the crash. Off (a bootstrap server, no etcd):
+  // nothing tells D; only its own sends that cannot leave and its deadlines do.
+  bool liveness = true;
+  Duration peer_dead_detect = 2s;  // how long until the liveness source tells D
   // A message to a P whose process is gone never leaves (no connection: the runtime hands
   // ZeroMQ a message only while one is up, ZMQ_IMMEDIATE) and is reported unsent after this
   // (runtime::DecodeWorker's kConnectWait): OnSendFailed, a plain failure.
   Duration connect_wait = 3s;
+  // DecodeSessionOptions of the same names: the side channels D keeps open while idle, and in
+  // all (SimResult checks the sockets D holds against them under churn of P addresses).
+  std::size_t max_idle_endpoints = 256;
+  std::size_t max_endpoints = 4096;
 };
 
 struct Faults {
   TimePoint d_crash = core::kNever;  // D (all ranks) killed
   TimePoint p_crash = core::kNever;  // P (all ranks) killed
+  // P restarts: a new process starts p_down_for after each crash, `p_restarts` times, and all
+  // but the last crash again p_up_for after they start. A new process knows nothing of the old
+  // one (a new incarnation; empty pool, queue and hold tables: the requests the old one had are
+  // lost). It binds the old side-channel addresses (p_same_address), or new ones, as a process
+  // that binds port 0 does. D must find it again within a bound (SimResult checks it).
+  std::uint32_t p_restarts = 0;
+  Duration p_down_for = 5s;
+  Duration p_up_for = 20s;
+  bool p_same_address = false;
   // A liveness source wrongly tells D that P is gone while P lives on (advisory liveness).
   TimePoint p_declared_down = core::kNever;
   // Scenario C: P rank 0 lists a request in `err` after its WRITE succeeded.
   double p0_err_after_write = 0;
   // Scenario C: P rank 1 waits U[0, p1_write_delay] before each WRITE.
   Duration p1_write_delay{0};
-  // Exploration: any P rank, per pull: fail it without writing (err), answer the whole pull
-  // with ERROR, send FINISH without listing it (omit), or delay its WRITE by U[0, slow_max].
+  // Exploration: any P rank, per pull: fail its write (the data plane's error: P answers err),
+  // fail the whole message before P's session reads it (ERROR), or delay its WRITE by
+  // U[0, slow_max]. Faults are injected in the network and the data plane only, never by
+  // editing what a session answers.
   double peer_err = 0;
   double peer_msg_error = 0;
-  double peer_omit = 0;
   double slow_write = 0;
   Duration slow_max{0};
   // The data plane cannot fence a live P from D's side (as UCX one-sided put over shared memory
@@ -224,6 +247,17 @@ struct SimResult {
   std::uint64_t duplicate_pulls_dropped = 0;  // P's sessions
   std::uint64_t messages_to_silent_engines = 0;
   std::uint64_t messages_unsent = 0;  // to a dead P: reported unsent after connect_wait
+  std::uint64_t p_restarts = 0;       // new P processes started (Faults::p_restarts)
+  std::uint64_t pulls_to_restarted = 0;  // pulls that reached a P process after a restart
+  std::uint64_t replies_to_closed = 0;   // P's answers that found D's socket closed
+  // A known limit reached (docs/simulation.md): with a data plane that cannot fence a live
+  // writer (Faults::fence_unsupported) and a P restarted on the same addresses, D sent pulls
+  // under its view of the dead process that reached the new one; they share a write key with
+  // pulls the dead process never answered, so that key's fence is refused while the new process
+  // lives, and those blocks stay quarantined until it is gone (and requests queued on D behind
+  // them wait as long). The run's D-side leak checks, and the end of requests still queued on
+  // D, are then not checked (its other invariants still hold).
+  bool shared_key_quarantine = false;
   std::uint64_t hostile_pulls_sent = 0;
   std::uint64_t hostile_pulls_answered = 0;  // pulls answered (ERROR, or every request listed)
   core::HoldStats hold_stats;                // P rank 0

@@ -29,6 +29,9 @@ struct Variants {
   // A data plane that acknowledges D's fences without stopping the writes they cover: what a
   // session that believed a fence (or a new registration) without proof would face.
   bool lying_fence = false;
+  // A registry that keeps naming P's first process after P restarted on new addresses: what a
+  // decoder that never finds the new process would face (the restart invariant must catch it).
+  bool stale_registry = false;
 
   std::unique_ptr<protocol::Hold> NewHold(const core::HoldConfig& config) const {
     return make_hold ? make_hold(config) : std::make_unique<protocol::CoreHold>(config);

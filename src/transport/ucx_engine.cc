@@ -39,7 +39,9 @@
 #include <unordered_set>
 
 #include "descriptor.h"
+#include "kvferry/core/thread_name.h"
 #include "kvferry/transport/ucx.h"
+#include "stall_watch.h"
 
 namespace kvferry::transport {
 namespace {
@@ -163,6 +165,8 @@ class UcxEngine final : public Engine {
   // A phase of the progress loop this long is logged (WarnIfBlocked): far above any healthy
   // phase (a forced close, the longest, takes milliseconds), far below the 30 s write bound.
   static constexpr Duration kBlockedWarning = std::chrono::seconds(1);
+  // A phase still running this long is described while it blocks (StallWatch).
+  static constexpr Duration kStallReport = std::chrono::seconds(5);
 
   std::string_view backend() const override { return "ucx"; }
   Result<Region> RegisterMemory(void* base, std::size_t length, MemoryKind kind) override;
@@ -354,6 +358,8 @@ class UcxEngine final : public Engine {
   std::vector<void*> close_requests_;
   int ucx_work_ = 0;             // UCX requests in flight that need progress (spin while > 0)
   std::uint64_t blocked_warnings_ = 0;  // phases of the loop that took kBlockedWarning or more
+  // Says what the progress thread waits in while a phase blocks (stall_watch.h); outlives it.
+  std::unique_ptr<StallWatch> stall_watch_;
   bool pack_small_ops_ = false;  // am path: WRITEV for runs of small ops (see Init)
 };
 
@@ -493,7 +499,15 @@ Status UcxEngine::Init() {
     s = ucp_worker_set_am_recv_handler(worker_, &hp);
     if (s != UCS_OK) return FromUcs(s, "ucp_worker_set_am_recv_handler");
   }
-  thread_ = std::thread([this] { Loop(); });
+  stall_watch_ = std::make_unique<StallWatch>(kStallReport, [this](const std::string& what) {
+    spdlog::warn("kvferry UCX engine {}: the progress thread is blocked in {}", options_.name,
+                 what);
+  });
+  thread_ = std::thread([this] {
+    core::NameThisThread("kvf-ucx");
+    stall_watch_->Attach();
+    Loop();
+  });
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return thread_id_ != std::thread::id(); });
   return Status::Ok();
@@ -513,6 +527,7 @@ void UcxEngine::Shutdown() {
     Wake();
     thread_.join();
   }
+  stall_watch_.reset();
   for (auto& [id, r] : regions_) {
     if (r.memh != nullptr) ucp_mem_unmap(context_, r.memh);
   }
@@ -587,13 +602,17 @@ void UcxEngine::Loop() {
     // Phases timed with the coarse clock (a few ms of resolution, a few ns per read: this loop
     // spins while busy, and three precise reads per turn showed in profiles).
     const Duration t0 = CoarseNow();
+    stall_watch_->Enter("commands", StallWatch::Clock::time_point(t0));
     for (auto& c : cmds) c();
     cmds.clear();
     const Duration t1 = CoarseNow();
+    stall_watch_->Enter("ucp_worker_progress", StallWatch::Clock::time_point(t1));
     unsigned progressed = ucp_worker_progress(worker_);
     const Duration t2 = CoarseNow();
+    stall_watch_->Enter("closing endpoints", StallWatch::Clock::time_point(t2));
     DriveCloses();
     const Duration t3 = CoarseNow();
+    stall_watch_->Leave();
     WarnIfBlocked("commands", t1 - t0);
     WarnIfBlocked("ucp_worker_progress", t2 - t1);
     WarnIfBlocked("closing endpoints", t3 - t2);
@@ -606,7 +625,10 @@ void UcxEngine::Loop() {
                 !close_requests_.empty() || !eps_to_close_.empty();
     if (busy) last_busy = now;
     // Keep spinning a little after the last activity: back-to-back messages then cost no
-    // wakeup, and an idle engine still sleeps.
+    // wakeup, and an idle engine still sleeps. The spin does not yield, although yielding cut
+    // a 4 KiB handoff from 0.5-0.6 ms to 0.1-0.3 ms on 2 cores: with it, the cross-namespace
+    // ctest (`hosts_p_d_across_namespaces`) left writes stuck in 2 of 22 runs, without it in 0
+    // of 30 (docs/performance.md).
     if (busy || options_.busy_poll || now - last_busy < std::chrono::microseconds(200)) continue;
     // Idle: sleep until UCX or a command wakes us, or 100 ms pass (UCX's keepalive runs from
     // progress, so an idle engine still notices dead peers).

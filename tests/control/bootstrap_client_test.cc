@@ -12,15 +12,16 @@
 #include "bootstrap_test_util.h"
 #include "control/bootstrap_json.h"
 #include "control/bootstrap_server.h"
+#include "support/raw_socket.h"
 
 namespace kvferry::control {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::ClosedPort;
+using kvferry::testing::FreePort;
+using kvferry::testing::SilentListener;
 using testing::ElapsedSince;
 using testing::MakeWorker;
-using testing::SilentListener;
 
 TEST(BootstrapAddress, Parses) {
   auto a = ParseBootstrapAddress("10.0.0.1:8998");
@@ -84,7 +85,7 @@ TEST(BootstrapClientTimeouts, SilentServer) {
 }
 
 TEST(BootstrapClientTimeouts, NothingListening) {
-  BootstrapClient client({"127.0.0.1", ClosedPort()});
+  BootstrapClient client({"127.0.0.1", FreePort()});
   auto q = client.Query("p0", 1000ms);
   ASSERT_FALSE(q);
   EXPECT_EQ(q.error().code(), ErrorCode::kUnavailable) << q.error().ToString();

@@ -1,11 +1,6 @@
 // Helpers shared by the bootstrap tests.
 #pragma once
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <string>
 
@@ -32,40 +27,6 @@ inline WorkerRegistration MakeWorker(const std::string& engine, std::uint32_t tp
   r.protocol_version = 1;
   r.incarnation = incarnation;
   return r;
-}
-
-// A TCP listener on 127.0.0.1 that never accepts: the kernel completes connections into the
-// backlog, so a client connects and sends, then waits for an answer that never comes.
-class SilentListener {
- public:
-  SilentListener() {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    ::listen(fd_, 16);
-    socklen_t len = sizeof(addr);
-    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.sin_port);
-  }
-  ~SilentListener() { ::close(fd_); }
-  SilentListener(const SilentListener&) = delete;
-  SilentListener& operator=(const SilentListener&) = delete;
-
-  int fd() const { return fd_; }
-  int port() const { return port_; }
-
- private:
-  int fd_ = -1;
-  int port_ = 0;
-};
-
-// A port on 127.0.0.1 with nothing listening (bound once by the OS, then released).
-inline int ClosedPort() {
-  SilentListener l;
-  return l.port();
 }
 
 inline std::chrono::milliseconds ElapsedSince(std::chrono::steady_clock::time_point start) {

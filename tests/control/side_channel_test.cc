@@ -177,6 +177,7 @@ class SideChannelTest : public ::testing::Test {
     options.session.p_tp_size = p_tp;
     options.session.p_tp_rank = p_rank;
     options.session.block_len = 4096;  // as MakePull says
+    options.session.num_blocks = 1024;
     options.drain_timeout = 300ms;
     options.cancel_grace = 300ms;
     options.linger = 200ms;

@@ -3,15 +3,28 @@
 // writer, and the /v1/completions body parser.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <span>
+#include <sstream>
+#include <string>
 #include <vector>
 
+#include "control/side_channel_listener.h"
 #include "harness/fault_writer.h"
 #include "harness/http_front.h"
 #include "harness/kv_pattern.h"
 #include "harness/metrics.h"
 #include "harness/serve_config.h"
+#include "kvferry/core/stat_fields.h"
 #include "kvferry/core/tp_plan.h"
+#include "protocol/decode_session.h"
+#include "protocol/prefill_session.h"
 
 namespace kvferry::harness {
 namespace {
@@ -64,6 +77,45 @@ TEST(KvTransferConfig, ClusterSecretFileIsAnOptionalPath) {
     auto r = ParseKvTransferConfig(bad, nullptr);
     ASSERT_FALSE(r.has_value()) << bad;
     EXPECT_NE(r.error().message().find("cluster_secret_file"), std::string::npos);
+  }
+}
+
+// The cases python/tests/test_config.py runs against the vLLM connector's parser: on the keys
+// both read, kvferry serve and the connector accept and refuse the same values, with the
+// same results.
+TEST(KvTransferConfig, AgreesWithTheVllmConnectorOnEverySharedCase) {
+  std::ifstream in(KVFERRY_EXTRA_CONFIG_CASES);
+  ASSERT_TRUE(in.good()) << KVFERRY_EXTRA_CONFIG_CASES;
+  const nlohmann::json cases = nlohmann::json::parse(in)["cases"];
+  ASSERT_GT(cases.size(), 20u);
+  for (const nlohmann::json& c : cases) {
+    SCOPED_TRACE(c.dump());
+    const nlohmann::json doc = {{"kv_role", "kv_producer"},
+                                {"kv_connector_extra_config", c["extra"]}};
+    const auto got = ParseKvTransferConfig(doc.dump(), nullptr);
+    if (c.value("error", false)) {
+      EXPECT_FALSE(got.has_value());
+      continue;
+    }
+    ASSERT_TRUE(got.has_value()) << got.error().ToString();
+    for (const auto& [key, want] : c["want"].items()) {
+      if (key == "kv_lease_duration") {
+        EXPECT_DOUBLE_EQ(std::chrono::duration<double>(got->lease).count(), want.get<double>());
+      } else if (key == "abort_request_timeout") {
+        EXPECT_DOUBLE_EQ(std::chrono::duration<double>(got->abort_request_timeout).count(),
+                         want.get<double>());
+      } else if (key == "bootstrap_port") {
+        EXPECT_EQ(got->bootstrap_port, want.get<int>());
+      } else if (key == "kv_release") {
+        EXPECT_EQ(got->release, want.get<bool>());
+      } else if (key == "fence_writes") {
+        EXPECT_EQ(got->fence_writes, std::optional<bool>(want.get<bool>()));
+      } else if (key == "cluster_secret_file") {
+        EXPECT_EQ(got->cluster_secret_file, want.get<std::string>());
+      } else {
+        ADD_FAILURE() << "a case expects " << key << ", which this test does not know";
+      }
+    }
   }
 }
 
@@ -245,6 +297,62 @@ TEST(Metrics, HistogramIsCumulative) {
   EXPECT_NE(text.find("x_seconds_bucket{a=\"b\\\"c\",le=\"0.0005\"} 1"), std::string::npos) << text;
   EXPECT_NE(text.find("x_seconds_bucket{a=\"b\\\"c\",le=\"+Inf\"} 3"), std::string::npos) << text;
   EXPECT_NE(text.find("x_seconds_count{a=\"b\\\"c\"} 3"), std::string::npos) << text;
+}
+
+// Every row of a stats table is exported under its own key and sample, and a labelled family's
+// rows sit together: rendered with distinct values, each value shows once, each family's TYPE
+// line once, and every name is a valid Prometheus name of its kind.
+template <class Stats>
+void ExpectTableRenders(std::span<const core::StatField<Stats>> fields) {
+  Stats stats{};
+  std::uint64_t value = 1000;
+  std::set<std::string> keys;
+  for (const core::StatField<Stats>& f : fields) {
+    stats.*(f.member) = value++;
+    EXPECT_TRUE(keys.insert(std::string(f.key)).second) << "two rows named " << f.key;
+    const std::string name = core::MetricName(f);
+    EXPECT_TRUE(std::all_of(name.begin(), name.end(),
+                            [](char c) { return (c >= 'a' && c <= 'z') || c == '_'; }))
+        << name;
+    EXPECT_EQ(name.starts_with("kvferry_"), true) << name;
+    EXPECT_EQ(name.ends_with("_total"), f.kind == core::StatKind::kCounter) << name;
+  }
+  PromWriter w;
+  w.Fields<Stats>(stats, fields);
+  const std::string text = w.Take();
+  std::map<std::string, int> types;
+  std::set<std::string> values;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.starts_with("# TYPE ")) {
+      ++types[line.substr(7, line.find(' ', 7) - 7)];
+    } else if (!line.starts_with("#")) {
+      EXPECT_TRUE(values.insert(line.substr(line.rfind(' ') + 1)).second) << line;
+    }
+  }
+  for (const auto& [family, n] : types) EXPECT_EQ(n, 1) << family << " declared twice";
+  EXPECT_EQ(values.size(), std::size(fields)) << text;
+  for (std::uint64_t v = 1000; v < value; ++v) {
+    EXPECT_EQ(values.count(std::to_string(v)), 1u) << "row " << v - 1000 << " not exported";
+  }
+}
+
+TEST(Metrics, EveryCounterOfTheSessionsIsExportedOnceUnderItsOwnName) {
+  ExpectTableRenders<protocol::DecodeStats>(protocol::kDecodeStatFields);
+  ExpectTableRenders<protocol::PrefillStats>(protocol::kPrefillStatFields);
+  ExpectTableRenders<control::ListenerStats>(control::kListenerStatFields);
+}
+
+TEST(Metrics, StatsOfSeveralRanksAddUpRowByRow) {
+  protocol::DecodeStats a{}, b{};
+  a.pulls_sent = 2;
+  a.tracked = 3;
+  b.pulls_sent = 5;
+  b.endpoints_exhausted = 7;
+  core::AddStats<protocol::DecodeStats>(a, b, protocol::kDecodeStatFields);
+  EXPECT_EQ(a.pulls_sent, 7u);
+  EXPECT_EQ(a.tracked, 3u);
+  EXPECT_EQ(a.endpoints_exhausted, 7u);
 }
 
 }  // namespace

@@ -1298,16 +1298,9 @@ TEST_F(ServeTest, AClientNamingARealEngineAtABadBootstrapHoldsUpNoOtherClient) {
   ServeProcess& d_hanging = StartDecode({}, "", "decode-hanging");
   ASSERT_FALSE(HasFailure());
   // A bootstrap that accepts connections (the kernel's backlog) and never answers.
-  const int hang = socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(hang, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(hang, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(listen(hang, 16), 0);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(getsockname(hang, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const std::string hanging = "http://127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  kvferry::testing::SilentListener hang;
+  ASSERT_GT(hang.port(), 0);
+  const std::string hanging = "http://127.0.0.1:" + std::to_string(hang.port());
   const std::string closed = "http://127.0.0.1:" + std::to_string(kvferry::testing::FreePort());
 
   // Nothing listens: the bad request fails at once, and the failure is believed for that
@@ -1340,7 +1333,6 @@ TEST_F(ServeTest, AClientNamingARealEngineAtABadBootstrapHoldsUpNoOtherClient) {
   EXPECT_LT(good, 2.0);
   EXPECT_EQ(r.status, 200) << r.body;
   EXPECT_LT(hinted, 3.0) << "it went to the engine once D paired, not at its lookup deadline";
-  close(hang);
 }
 
 }  // namespace

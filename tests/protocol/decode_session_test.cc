@@ -576,6 +576,61 @@ TEST_F(DecodeSessionTest, AProcessGoneFromTheRegistryFailsItsPullsAndFencesOnlyT
   EXPECT_EQ(s().stats().quarantined_blocks, 0u);
 }
 
+// A P restarted on the same address gets the pulls D still sends under its view of the old
+// process: D gives them up when the old process is reported gone, but cannot fence them while
+// the new one lives (a data plane that cannot fence a live writer). When the new process is
+// reported gone too, that death is their proof: they are fenced again (found by the simulator:
+// their blocks stayed quarantined for as long as the engine lived).
+TEST_F(DecodeSessionTest, APullGivenUpOnUnderAnOlderViewIsFencedAgainWhenTheNextProcessIsGone) {
+  DecodeSessionOptions o = Options();
+  o.write_key_base = 0x2000;
+  Make(o);
+  s().OnLookup(Engine("p", 1, "first"), kT0);
+  ASSERT_TRUE(s().StartLoad("a", Source("xa"), {1}, kT0).ok());
+  std::vector<wire::Pull> a = Pulls();
+  ASSERT_EQ(a.size(), 1u);
+  s().OnProcessGone("p", "first", Status(ErrorCode::kUnavailable, "restarted"), kT0 + 1s);
+  ASSERT_EQ(Done().size(), 1u);
+  std::vector<FenceRequest> fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u);
+  s().OnFenceDone(fences[0].id,
+                  Status(ErrorCode::kRejected, "the data plane cannot fence a live peer"),
+                  kT0 + 1s);
+  ASSERT_GT(s().stats().quarantined_blocks, 0u);
+  // The new process serves a load of its own to the end: none of its pulls is in flight.
+  ASSERT_TRUE(s().StartLoad("b", Source("xb"), {2}, kT0 + 2s).ok());
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  s().OnLookup(Engine("p", 1, "second"), kT0 + 2s, lookups[0].id);
+  std::vector<wire::Pull> b = Pulls();
+  ASSERT_EQ(b.size(), 1u);
+  s().OnPullResponse(last_endpoints_.back(), Finish(b[0].id, {"b"}), kT0 + 3s);
+  ASSERT_EQ(Done().size(), 1u);
+
+  s().OnProcessGone("p", "second", Status(ErrorCode::kUnavailable, "gone"), kT0 + 10s);
+  fences = s().TakeFences();
+  ASSERT_EQ(fences.size(), 1u) << "the pull given up on under the first view is fenced again";
+  EXPECT_EQ(fences[0].write_keys, std::vector<std::uint64_t>{a[0].write_key});
+  s().OnFenceDone(fences[0].id, Status::Ok(), kT0 + 10s);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+}
+
+// A FINISH that leaves a request out (a P that dropped it, or predates per-request answers)
+// says nothing more comes for that pull: the request fails with a reason, and its blocks are
+// not quarantined, since P wrote nothing it did not report.
+TEST_F(DecodeSessionTest, AFinishThatLeavesARequestOutFailsItWithoutQuarantine) {
+  const wire::Pull pull = OneLoadPulled("r1");
+  s().OnPullResponse(last_endpoints_.back(), Finish(pull.id, {}), kT0 + 1s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r1");
+  EXPECT_FALSE(done[0].ok);
+  EXPECT_FALSE(done[0].quarantined);
+  EXPECT_FALSE(done[0].error.message().empty());
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+  EXPECT_EQ(s().stats().receiving, 0u);
+}
+
 // The gone process is the one D knows: loads are not failed for want of a view; they look the
 // engine up again and go to the new process.
 TEST_F(DecodeSessionTest, AProcessGoneThatDKnewMakesLoadsLookTheEngineUpAgainInsteadOfFailing) {
@@ -895,6 +950,7 @@ TEST_F(DecodeSessionTest, ALoadNeedingAnEndpointBeyondTheCapFailsAtOnceUntilOneI
   EXPECT_EQ(done[0].request, "r3");
   EXPECT_EQ(done[0].error.code(), ErrorCode::kResourceExhausted) << done[0].error.ToString();
   EXPECT_FALSE(done[0].quarantined);
+  EXPECT_EQ(s().stats().endpoints_exhausted, 1u) << "counted: a decoder at its cap";
   s().OnPullResponse(last_endpoints_[0], Finish(pulls[0].id, {"r1"}), kT0 + 1s);
   ASSERT_EQ(Done().size(), 1u);
   (void)s().TakeClosedEndpoints();
@@ -902,6 +958,39 @@ TEST_F(DecodeSessionTest, ALoadNeedingAnEndpointBeyondTheCapFailsAtOnceUntilOneI
   EXPECT_EQ(Pulls().size(), 1u);
   EXPECT_EQ(s().TakeClosedEndpoints().size(), 1u) << "the idle one made room";
   EXPECT_LE(s().stats().endpoints, 2u);
+}
+
+// A decoder at its side-channel cap cannot keep P's leases, so an operator must hear of it:
+// a Warning at the 1st, 10th, 100th... message that found no free endpoint, not one per message.
+TEST_F(DecodeSessionTest, MessagesThatFindEveryEndpointInUseAreWarnedOfAtTheFirstTenthAndHundredth) {
+  DecodeSessionOptions o = Options();
+  o.max_endpoints = 1;
+  o.max_idle_endpoints = 1;
+  Make(o);
+  s().OnLookup(Engine("a"), kT0);
+  s().OnLookup(Engine("b"), kT0);
+  ASSERT_TRUE(s().StartLoad("r0", Source("x0", "a"), {0}, kT0).ok());
+  ASSERT_EQ(Pulls().size(), 1u) << "the one endpoint now has a pull in flight";
+  std::vector<std::string> warnings;
+  std::size_t failed = 0;
+  for (int i = 1; i <= 100; ++i) {
+    const std::string r = "r" + std::to_string(i);
+    ASSERT_TRUE(s().StartLoad(r, Source("x" + std::to_string(i), "b"), {1}, kT0).ok());
+    for (DecodeEvent& e : s().TakeEvents()) {
+      if (auto* w = std::get_if<Warning>(&e)) {
+        EXPECT_EQ(w->kind, Warning::Kind::kEndpointsExhausted);
+        warnings.push_back(w->text);
+      } else if (auto* d = std::get_if<ReceiveDone>(&e)) {
+        EXPECT_EQ(d->error.code(), ErrorCode::kResourceExhausted);
+        ++failed;
+      }
+    }
+  }
+  EXPECT_EQ(failed, 100u);
+  EXPECT_EQ(s().stats().endpoints_exhausted, 100u);
+  ASSERT_EQ(warnings.size(), 3u) << "at the 1st, 10th and 100th";
+  EXPECT_NE(warnings[0].find("max_endpoints"), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[2].find("100 message(s)"), std::string::npos) << warnings[2];
 }
 
 // A P worker no renewal has reached for a whole lease (each failed unsent: provably not
@@ -1202,6 +1291,83 @@ TEST_F(DecodeSessionTest, ReleaseAllSendsEveryTrackedTransfersReleaseAtOnceAndOn
 // never leaves. Nothing can have been written, so the load is looked up again and sent to
 // where the engine is now — once (measured in the real-vLLM tier: every first request after
 // such a restart failed until this). A second pull that never leaves fails the load, plainly.
+// A release to a P that is gone waits 2 s for its reply, its send 3 s for a connection: with
+// no idle endpoint kept, the endpoint closes in between. The unsent report that comes after
+// still marks the address stale, so the next load looks the engine up instead of pulling from
+// the dead process (found by the simulator: max_idle_endpoints 0, a P restarted on new ports).
+TEST_F(DecodeSessionTest, AnUnsentReportForAnEndpointClosedMeanwhileStillMarksItsAddressStale) {
+  DecodeSessionOptions o = Options();
+  o.max_idle_endpoints = 0;
+  Make(o);
+  s().OnLookup(Engine("p", 1, "first"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  s().RequestFinished("r1", kT0);
+  s().OnTimeout(kT0 + 2ms);  // the release's batching delay
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 1u);
+  s().OnTimeout(kT0 + 2s + 10ms);  // no reply: the release's wait ends, the endpoint is idle
+  ASSERT_EQ(s().TakeClosedEndpoints(), std::vector<EndpointId>{out[0].endpoint});
+  s().OnSendFailed(out[0].endpoint, ReleaseOf(out[0]).id,
+                   Status(ErrorCode::kUnavailable, "no connection within 3000 ms"), kT0 + 3s);
+  (void)s().TakeLookups();
+  ASSERT_TRUE(s().StartLoad("r2", Source("x2"), {2}, kT0 + 4s).ok());
+  EXPECT_TRUE(s().TakeMessages().empty()) << "a pull went to the dead address";
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  s().OnLookup(PeerEngine{"p", "second", 1, {"p/new-port"}, wire::kProtocolFeatures}, kT0 + 4s,
+               lookups[0].id);
+  out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].address, "p/new-port");
+}
+
+// The engine finishes the request (a client abort) while its retried load waits for the fresh
+// lookup: as for a first load waiting for one, the load goes on and ends exactly once (the
+// engine frees its blocks then), and the transfer's release goes to the process the lookup
+// found, not to the dead address.
+TEST_F(DecodeSessionTest, ARequestFinishedWhileItsRetriedLoadWaitsForTheLookupEndsOnce) {
+  Make();
+  s().OnLookup(Engine("p"), kT0);
+  s().OnNewRequest("r1", Source("x1"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1, 2}, kT0).ok());
+  std::vector<Transmit> out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 1u);
+  s().OnSendFailed(out[0].endpoint, std::get<wire::Pull>(out[0].message).id,
+                   Status(ErrorCode::kUnavailable, "no connection"), kT0 + 3s);
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  ASSERT_EQ(s().stats().loads_retried, 1u);
+
+  s().RequestFinished("r1", kT0 + 3s + 1ms);
+  EXPECT_TRUE(Done().empty()) << "the load waits for its lookup, as a first load does";
+  EXPECT_TRUE(s().TakeMessages().empty()) << "nothing goes to the dead address";
+  s().OnLookup(PeerEngine{"p", "2", 1, {"p-new/0"}, wire::kProtocolFeatures}, kT0 + 3s + 2ms,
+               lookups[0].id);
+  s().OnTimeout(kT0 + 3s + 10ms);  // the release's batching delay
+  out = s().TakeMessages();
+  std::vector<Transmit> pulls;
+  for (const Transmit& t : out) {
+    EXPECT_EQ(t.address, "p-new/0");
+    if (std::holds_alternative<wire::Pull>(t.message)) pulls.push_back(t);
+  }
+  ASSERT_EQ(pulls.size(), 1u);
+  std::vector<Transmit> releases = ReleasesIn(out);
+  ASSERT_EQ(releases.size(), 1u);
+  EXPECT_EQ(ReleaseOf(releases[0]).fingerprints,
+            std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+  const wire::Pull& pull = std::get<wire::Pull>(pulls[0].message);
+  s().OnSent(pulls[0].endpoint, pull.id, kT0 + 3s + 11ms);
+  s().OnPullResponse(pulls[0].endpoint, Finish(pull.id, {"r1"}), kT0 + 3s + 20ms);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request, "r1");
+  EXPECT_EQ(s().stats().receiving, 0u);
+  EXPECT_EQ(s().stats().quarantined_blocks, 0u);
+  EXPECT_EQ(s().stats().loads_retried, 1u);
+  s().OnTimeout(kT0 + 10s);
+  EXPECT_TRUE(Done().empty()) << "ended once";
+}
+
 TEST_F(DecodeSessionTest, ALoadWhoseOnlyPullNeverLeftIsLookedUpAgainAndSentOnce) {
   for (const bool successor : {true, false}) {
     SCOPED_TRACE(successor ? "the engine lives at a new side channel" : "it is gone");
@@ -1772,6 +1938,7 @@ TEST(DecodeSessionWithPrefill, ReleaseFreesPsKvAndANoticeFailsAQueuedRequest) {
   po.engine_id = "p";
   po.hold.lease = 30s;
   po.block_len = o.block_len;
+  po.num_blocks = 1024;
   PrefillSession p(po);
   ASSERT_TRUE(p.Admit("x1", 1, kT0).ok());
   ASSERT_TRUE(p.PrefillDone("x1", {0, 1, 2, 3}, kT0).ok());
@@ -1843,6 +2010,7 @@ TEST(DecodeSessionWithPrefill, TwentySilentEnginesCannotCostALiveDecoderItsKv) {
   PrefillSessionOptions po;
   po.hold.lease = lease;
   po.block_len = o.block_len;
+  po.num_blocks = 1024;
   PrefillSession p(po);
   ASSERT_TRUE(p.Admit("x-live", 1, kT0).ok());
   ASSERT_TRUE(p.PrefillDone("x-live", {0, 1, 2, 3}, kT0).ok());

@@ -47,6 +47,7 @@ class PrefillSessionTest : public ::testing::Test {
   // P's blocks are as long as D's in MakePull unless a test says otherwise.
   void Make(PrefillSessionOptions options = {}) {
     if (options.block_len == 0) options.block_len = 4096;
+    if (options.num_blocks == 0) options.num_blocks = 1024;
     session_.emplace(std::move(options));
   }
   PrefillSession& s() { return *session_; }
@@ -161,6 +162,19 @@ TEST_F(PrefillSessionTest, APrefillDoneWithMoreBlocksThanARequestMayHaveIsRefuse
   EXPECT_EQ(s().PrefillDone("x1", std::move(blocks), kT0).code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ(s().stats().source_transfers, 0u);
   ASSERT_TRUE(s().PrefillDone("x1", {0, 1}, kT0).ok());  // the engine may try again
+  EXPECT_EQ(s().stats().source_transfers, 1u);
+}
+
+// A source block outside P's region (an engine bug, or a binding fed a wrong id) is refused
+// before any write is planned from it; the engine may try again with the right blocks.
+TEST_F(PrefillSessionTest, APrefillDoneNamingABlockOutsideTheRegionIsRefusedAndKeepsNothing) {
+  PrefillSessionOptions options;
+  options.num_blocks = 8;
+  Make(options);
+  ASSERT_TRUE(s().Admit("x1", 7, kT0).ok());
+  EXPECT_EQ(s().PrefillDone("x1", {0, 8}, kT0).code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(s().stats().source_transfers, 0u);
+  ASSERT_TRUE(s().PrefillDone("x1", {6, 7}, kT0).ok());
   EXPECT_EQ(s().stats().source_transfers, 1u);
 }
 
@@ -1042,6 +1056,9 @@ TEST(PrefillSessionOptionsTest, TpBeyondTheLimitIsRefused) {
   EXPECT_EQ(PrefillSession::ValidateOptions(options).code(), ErrorCode::kInvalidArgument)
       << "no block_len";
   options.block_len = 4096;
+  EXPECT_EQ(PrefillSession::ValidateOptions(options).code(), ErrorCode::kInvalidArgument)
+      << "no num_blocks";
+  options.num_blocks = 1024;
   EXPECT_TRUE(PrefillSession::ValidateOptions(options).ok());
 }
 

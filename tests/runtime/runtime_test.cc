@@ -16,6 +16,7 @@
 #include "kvferry/transport/inprocess.h"
 #include "runtime/decode_worker.h"
 #include "runtime/prefill_worker.h"
+#include "support/raw_socket.h"
 
 namespace kvferry::runtime {
 namespace {
@@ -584,7 +585,7 @@ TEST(RuntimeEndToEnd, ReleaseOfATimedOutPullEndsItsQuarantineAtOnce) {
 TEST(RuntimeEndToEnd, TwentySilentEnginesCannotCostALiveDecoderItsKv) {
   Cluster c;
   ASSERT_NO_FATAL_FAILURE(c.Start(1, 1.2, 1.2));
-  control::testing::SilentListener dead_bootstrap;
+  kvferry::testing::SilentListener dead_bootstrap;
   const std::string dead_address = "127.0.0.1:" + std::to_string(dead_bootstrap.port());
   auto client = control::BootstrapClient::Create(c.bootstrap_addr);
   ASSERT_TRUE(client.has_value());

@@ -36,6 +36,11 @@ TEST(Explore, TwoThousandSeedsKeepEveryInvariant) {
   // blocks (checked where they land; D treating `unsettled` as a plain err breaks it within
   // 2,000 seeds, checked by mutation).
   EXPECT_GT(report.unsettled_writes_landed, 0u);
+  // ... and P restarts (new processes on the same or new addresses) that D found again, with
+  // side channels D closed under that churn while answers were on their way.
+  EXPECT_GT(report.p_restarts, 0u);
+  EXPECT_GT(report.pulls_to_restarted, 0u);
+  EXPECT_GT(report.replies_to_closed, 0u);
   RecordProperty("wall_seconds", std::to_string(wall));
   std::printf("explored %llu runs, %llu events in %.2f s\n",
               static_cast<unsigned long long>(report.runs),

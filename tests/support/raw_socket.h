@@ -31,6 +31,34 @@ inline int FreePort() {
   return ntohs(addr.sin_port);
 }
 
+// A TCP listener on 127.0.0.1 at a free port that never accepts: the kernel completes
+// connections into the backlog, so a client connects and sends, then waits for an answer that
+// never comes. accept() on fd() takes a connection when a test wants the server's side.
+class SilentListener {
+ public:
+  explicit SilentListener(int backlog = 16) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    ::listen(fd_, backlog);
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+  }
+  ~SilentListener() { ::close(fd_); }
+  SilentListener(const SilentListener&) = delete;
+  SilentListener& operator=(const SilentListener&) = delete;
+
+  int fd() const { return fd_; }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
 class RawSocket {
  public:
   explicit RawSocket(int port) {

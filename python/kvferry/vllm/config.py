@@ -1,6 +1,8 @@
 """kvferry's settings in vLLM's ``--kv-transfer-config``, parsed with the same names and bounds as
 ``kvferry serve`` (src/harness/serve_config.cc), so that a MooncakeConnector user switches by
-changing ``kv_connector`` and ``kv_connector_module_path`` only.
+changing ``kv_connector`` and ``kv_connector_module_path`` only. The two parsers are held to
+one set of cases for the keys both read (tests/data/kv_connector_extra_config_cases.json, run
+by the C++ and the Python tests alike).
 
 Keys of ``kv_connector_extra_config``:
 
@@ -27,6 +29,16 @@ Keys of ``kv_connector_extra_config``:
     asks why a request's KV load failed (``GET /load_failure?transfer_id=ID``): vLLM answers
     such a request with a bare "Internal server error". ``kvferry proxy --decode URL PORT``
     passes the reason to the client.
+``kv_staging``
+    ``"auto"`` (default), ``"host"`` or ``"off"``: whether the worker moves KV through host
+    staging (staging.py) instead of registering the KV cache itself. ``auto`` stages a cache
+    that is not in host memory (a GPU's: kvferry's data plane registers host memory only);
+    ``host`` stages any cache (a host cache too: how the tests run the staging path without a
+    GPU); ``off`` registers the cache as it is, so a GPU cache is refused.
+``kv_staging_blocks``
+    Staging slots per KV-cache group, 1..16777216; default: as many as the KV cache has blocks
+    (a request that needs more than this is refused, one that finds too few free waits). Host
+    memory: this many blocks of every registered layer.
 ``cluster_secret_file``
     A file (mode 0600, 32..4096 bytes) holding the cluster secret: signed bootstrap traffic and a
     CURVE side channel (docs/security.md), as ``kvferry serve`` takes it. Absent: an open cluster.
@@ -46,6 +58,8 @@ from typing import Any
 MAX_SECONDS = 86400.0
 DEFAULT_ABORT_REQUEST_TIMEOUT = 480.0
 DEFAULT_BOOTSTRAP_PORT = 8998
+STAGING_MODES = ("auto", "host", "off")
+MAX_STAGING_BLOCKS = 1 << 24
 
 KNOWN_KEYS = frozenset(
     {
@@ -57,6 +71,8 @@ KNOWN_KEYS = frozenset(
         "fence_writes",
         "cluster_secret_file",
         "load_failure_port",
+        "kv_staging",
+        "kv_staging_blocks",
     }
 )
 
@@ -75,6 +91,8 @@ class ConnectorSettings:
     cluster_secret_file: str | None = None
     fence_writes: bool = False
     load_failure_port: int | None = None
+    kv_staging: str = "auto"  # one of STAGING_MODES
+    kv_staging_blocks: int | None = None  # None: the KV cache's number of blocks
     ignored_keys: tuple[str, ...] = ()  # extra-config keys kvferry does not know (logged)
 
     @property
@@ -178,7 +196,23 @@ def parse_settings(
     ):
         raise ConfigError(f"cluster_secret_file must be a path, not {secret!r}")
 
+    staging = extra.get("kv_staging", "auto")
+    if staging not in STAGING_MODES:
+        raise ConfigError(f"kv_staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
+
+    staging_blocks = extra.get("kv_staging_blocks")
+    if "kv_staging_blocks" in extra and (
+        isinstance(staging_blocks, bool)
+        or not isinstance(staging_blocks, int)
+        or not 1 <= staging_blocks <= MAX_STAGING_BLOCKS
+    ):
+        raise ConfigError(
+            f"kv_staging_blocks must be an integer 1..{MAX_STAGING_BLOCKS}, not {staging_blocks!r}"
+        )
+
     return ConnectorSettings(
+        kv_staging=staging,
+        kv_staging_blocks=staging_blocks,
         cluster_secret_file=secret,
         kv_lease_duration=lease,
         abort_request_timeout=timeout,

@@ -45,6 +45,14 @@ from typing import Any
 
 # Each of the engine's processes gets this long to exit after SIGTERM before SIGKILL.
 STOP_GRACE_S = 20.0
+# vllm serve --shutdown-timeout for P and D. vLLM's default, 0 ("abort"), force-kills the engine
+# core and its workers the moment SIGTERM arrives, so the connector's shutdown never finishes: a
+# decoder's releases never leave and P keeps that KV for a lease (measured in the real-vLLM
+# tier: D's worker logged its stop, was killed within the same second, and P's KV came free
+# only 2.9 s after D exited, its 4 s lease). With a timeout, vLLM drains in-flight requests
+# for up to that long and then shuts the workers down, the connector with them. Below
+# STOP_GRACE_S, after which this launcher kills what is left.
+SHUTDOWN_TIMEOUT_S = 15
 # Polls of /health while waiting for readiness.
 POLL_S = 0.25
 # One HTTP call of the launcher (a health check, a metrics read) waits at most this long.
@@ -165,11 +173,17 @@ class Child:
             pass
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
-        """SIGTERM to the group, SIGKILL after ``grace_s``; the leader's exit status."""
+        """SIGTERM to the leader, SIGKILL to the group after ``grace_s``; the leader's exit
+        status. Only the leader: ``vllm serve`` stops its engine core and workers itself, in
+        order (a worker that gets SIGTERM of its own quits at once, under the engine core's
+        feet, and the connector's shutdown with it)."""
         if self.process is None:
             return None
         if self.process.poll() is None:
-            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -250,6 +264,8 @@ class VllmEngine(Child):
                 "--host", host, "--port", str(port)]
         if transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(transfer_config)]
+            if not any(a.startswith("--shutdown-timeout") for a in vllm_args):
+                argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
         argv += list(vllm_args)
         child_env = dict(os.environ if env is None else env)
         child_env["PYTHONPATH"] = python_path()

@@ -20,7 +20,6 @@ transfer group (``block_ids[g]`` addresses the regions whose ``group`` is ``g``)
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
@@ -148,6 +147,10 @@ class DecodeWorker(Protocol):
     def take_finished(self) -> DecodeFinished:
         """Requests settled since the last call."""
 
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges of the worker's session (``tracked``: transfers renewed,
+        ``receiving``: loads in flight, ...); only before ``stop``."""
+
     def stop(self) -> None:
         """Stops: releases what it tracks, waits until no peer writes to its memory (or fences
         it), deregisters the memory and joins the threads."""
@@ -162,18 +165,3 @@ class NativeModule(Protocol):
         self, regions: list[KvRegion], options: WorkerOptions
     ) -> DecodeWorker: ...
 
-
-def load_native() -> NativeModule:
-    """``kvferry._native`` behind this interface (runtime.py); raises ImportError saying what is
-    missing."""
-    try:
-        from kvferry.vllm.runtime import NativeRuntime
-
-        return NativeRuntime(importlib.import_module("kvferry._native"))
-    except ImportError as e:
-        raise ImportError(
-            "kvferry's native module kvferry._native is not available, so the worker half of "
-            "KvferryConnector cannot run (the scheduler half needs no native module). Build "
-            "and install the kvferry package with the native module (CMake option "
-            f"KVFERRY_PYTHON=ON, see pyproject.toml). Import error: {e}"
-        ) from e

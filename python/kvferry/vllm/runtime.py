@@ -28,6 +28,7 @@ What this layer decides:
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ from typing import Any
 from kvferry.vllm.native import (
     DecodeFinished,
     KvRegion,
+    NativeModule,
     RemoteSource,
     WorkerOptions,
 )
@@ -284,3 +286,19 @@ class NativeRuntime:
 
     def DecodeWorker(self, regions: list[KvRegion], options: WorkerOptions) -> DecodeRuntime:  # noqa: N802
         return DecodeRuntime(self._native, regions, options)
+
+
+def load_native() -> NativeModule:
+    """``kvferry._native`` behind native.py's interface; raises ImportError saying what is
+    missing. (Here, not in native.py: the interface module imports nothing of its
+    implementation.)"""
+    try:
+        module = importlib.import_module("kvferry._native")
+    except ImportError as e:
+        raise ImportError(
+            "kvferry's native module kvferry._native is not available, so the worker half of "
+            "KvferryConnector cannot run (the scheduler half needs no native module). Build "
+            "and install the kvferry package with the native module (CMake option "
+            f"KVFERRY_PYTHON=ON, see pyproject.toml). Import error: {e}"
+        ) from e
+    return NativeRuntime(module)

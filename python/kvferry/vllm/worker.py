@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +28,19 @@ from kvferry.vllm.native import (
     NativeModule,
     PrefillWorker,
     WorkerOptions,
-    load_native,
+)
+from kvferry.vllm.runtime import load_native
+from kvferry.vllm.staging import (
+    BlockCopier,
+    DecodeStaging,
+    Handed,
+    LoadFailed,
+    Loaded,
+    PrefillStaging,
+    Refused,
+    StagingSlots,
+    Start,
+    stage_regions,
 )
 
 if TYPE_CHECKING:
@@ -60,14 +73,9 @@ def kv_regions(
     - flash-attention's separate K and V: ``[2, num_blocks, block_size, heads, head_size]``.
 
     Each block's bytes must be one dense run (any order inside it), or ValueError names why.
-    Host memory only: kvferry's data plane registers no device memory (transport::MemoryKind
-    kCuda is reserved), so a KV cache on a GPU is refused here, before anything is registered.
+    The regions describe the tensor wherever it lives; whether they are registered as they are
+    (host memory) or through staging is the worker's choice (``kv_staging``).
     """
-    if cache.device.type != "cpu":
-        raise ValueError(
-            f"layer {layer_name}: the KV cache lives on {cache.device}; kvferry moves host "
-            "memory only (its CUDA memory kind is reserved, docs/vllm.md)"
-        )
     element = cache.element_size()
     # Where the heads are among a part's logical dims (after the block dim): flash-attention's
     # [2, B, N, H, D] halves are [B, N, H, D]; vLLM 0.32's views are [B, H, N, C] (its logical
@@ -190,16 +198,22 @@ class KvferryConnectorWorker:
             cluster_secret_file=settings.cluster_secret_file,
             fence_writes=settings.fence_writes,
         )
+        self.settings = settings
         self.regions: list[KvRegion] = []
         self.prefill: PrefillWorker | None = None
         self.decode: DecodeWorker | None = None
+        # With host staging (staging.py): P's and D's halves of it.
+        self._p_staging: PrefillStaging | None = None
+        self._d_staging: DecodeStaging | None = None
+        self._staging_short: set[str] = set()  # "P", "D": requests waited at the last look
 
         # D: requests whose load was started and not yet reported to vLLM, with their blocks.
         self._loading: dict[str, list[list[int]]] = {}
         # D: failed loads already reported (the request ended) whose blocks a P rank may still
-        # write: vLLM keeps them until they are reported finished, once no rank can.
-        self._held: dict[str, list[list[int]]] = {}
-        # P: transfer id -> request id, for requests whose blocks P's runtime holds.
+        # write: vLLM keeps them until they are reported finished, once no rank can. (Once
+        # named like P's table below: an engine both P and D mixed the two.)
+        self._quarantined: dict[str, list[list[int]]] = {}
+        # P: transfer id -> request id, for requests whose blocks (or slots) P's runtime holds.
         self._held: dict[str, str] = {}
         # P: transfer ids admitted but not yet held (to tell a drop from a stray event).
         self._admitted: dict[str, str] = {}
@@ -218,6 +232,7 @@ class KvferryConnectorWorker:
         group_of = self.kv_cache_config.transfer_group_index_by_layer
         num_blocks = self.kv_cache_config.num_blocks
         regions: list[KvRegion] = []
+        tensors: list[torch.Tensor] = []
         seen: set[tuple[int, str]] = set()
         for layer_name, cache in kv_caches.items():
             if layer_name not in group_of:
@@ -228,9 +243,11 @@ class KvferryConnectorWorker:
                     continue
                 seen.add((region.data_ptr, region.part))
                 regions.append(region)
+                tensors.append(cache)
         if not regions:
             raise ValueError("KvferryConnector: no KV cache tensor to register")
         self.regions = regions
+        regions = self._maybe_stage(regions, tensors, num_blocks)
         if self.is_producer:
             self.prefill = self._native.PrefillWorker(regions, self.options)
         if self.is_consumer:
@@ -242,6 +259,35 @@ class KvferryConnectorWorker:
             regions[0].block_bytes,
         )
 
+    def _maybe_stage(
+        self, regions: list[KvRegion], tensors: list[torch.Tensor], num_blocks: int
+    ) -> list[KvRegion]:
+        """The regions the runtime registers: the KV cache's, or its host staging twins."""
+        devices = {str(t.device) for t in tensors}
+        on_host = devices == {"cpu"}
+        mode = self.settings.kv_staging
+        if mode == "off" or (mode == "auto" and on_host):
+            if not on_host:
+                raise ValueError(
+                    f"the KV cache lives on {', '.join(sorted(devices))} and kv_staging is off: "
+                    "kvferry's data plane registers host memory only (its CUDA memory kind is "
+                    "reserved, docs/vllm.md); use kv_staging auto or host")
+            return regions
+        slots = self.settings.kv_staging_blocks or num_blocks
+        staged = stage_regions(regions, tensors, slots)
+        copier = BlockCopier(staged)
+        # One pool per transfer group: block ids come one list per transfer group.
+        groups = max(len(self.kv_cache_config.transfer_group_ids),
+                     1 + max(r.group for r in regions))
+        if self.is_producer:
+            self._p_staging = PrefillStaging(StagingSlots(groups, slots), copier)
+        if self.is_consumer:
+            self._d_staging = DecodeStaging(StagingSlots(groups, slots), copier)
+        logger.info(
+            "kvferry stages KV through host memory: %d slots per KV-cache group, %.1f MiB "
+            "(the KV cache is on %s)", slots, staged.nbytes / (1 << 20), ", ".join(sorted(devices)))
+        return staged.regions
+
     # -- each step ------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvferryConnectorMetadata) -> None:
@@ -249,18 +295,27 @@ class KvferryConnectorWorker:
             for request_id, source in meta.track.items():
                 self.decode.on_new_request(request_id, source)
             for request_id, spec in meta.load.items():
-                self.decode.start_load(request_id, spec.source, spec.block_ids)
                 self._loading[request_id] = spec.block_ids
+                if self._d_staging is not None:
+                    self._d_staging.load(request_id, spec.source, spec.block_ids)
+                else:
+                    self.decode.start_load(request_id, spec.source, spec.block_ids)
             for request_id in meta.release:
                 self.decode.request_finished(request_id)
+                if self._d_staging is not None:
+                    self._d_staging.cancel(request_id)
+            self._pump_decode_staging()
         if self.prefill is not None:
             for request_id, transfer_id in meta.admit.items():
                 self.prefill.admit(transfer_id, request_id)
                 self._admitted[transfer_id] = request_id
             for request_id, spec in meta.hold.items():
                 self._admitted.pop(spec.transfer_id, None)
-                self._held[spec.transfer_id] = request_id
-                self.prefill.prefill_done(spec.transfer_id, spec.block_ids)
+                if self._p_staging is not None:
+                    self._p_staging.hold(spec.transfer_id, request_id, spec.block_ids)
+                else:
+                    self._held[spec.transfer_id] = request_id
+                    self.prefill.prefill_done(spec.transfer_id, spec.block_ids)
             for request_id, transfer_id in meta.drop.items():
                 if self._admitted.pop(transfer_id, None) is not None:
                     self.prefill.engine_finished(transfer_id)
@@ -271,38 +326,101 @@ class KvferryConnectorWorker:
                     self.prefill.refuse(
                         transfer_id, f"the prefill instance dropped request {request_id} before "
                         "it was scheduled (aborted or finished while it queued)")
+            self._pump_prefill_staging()
+
+    def _note_staging_wait(self, side: str, staging: PrefillStaging | DecodeStaging) -> None:
+        """Logs when requests start waiting for staging slots, and when none waits again: a
+        budget that is often short is an operator's to raise (kv_staging_blocks)."""
+        short = staging.waiting > 0
+        if short == (side in self._staging_short):
+            return
+        if short:
+            self._staging_short.add(side)
+            logger.info("kvferry: %s staging slots are short: %d request(s) wait for them (%s; "
+                        "raise kv_staging_blocks if this is frequent)", side, staging.waiting,
+                        staging.counts())
+        else:
+            self._staging_short.discard(side)
+            logger.info("kvferry: no request waits for %s staging slots any more", side)
+
+    def _pump_prefill_staging(self) -> None:
+        """P: hands staged requests to the runtime and their blocks back to vLLM."""
+        if self._p_staging is None or self.prefill is None:
+            return
+        self._note_staging_wait("P", self._p_staging)
+        for out in self._p_staging.poll():
+            if isinstance(out, Handed):
+                self._held[out.transfer_id] = out.request_id
+                self.prefill.prefill_done(out.transfer_id, out.slot_ids)
+            else:
+                assert isinstance(out, Refused)
+                logger.warning("KV of request %s is not handed over: %s", out.request_id,
+                               out.reason)
+                self.prefill.engine_finished(out.transfer_id)
+            self._finished_sending.add(out.request_id)
+
+    def _pump_decode_staging(self) -> None:
+        """D: starts loads that found staging slots, reports those copied up or failed."""
+        if self._d_staging is None or self.decode is None:
+            return
+        self._note_staging_wait("D", self._d_staging)
+        for out in self._d_staging.poll():
+            if isinstance(out, Start):
+                self.decode.start_load(out.request_id, out.source, out.slot_ids)
+            elif isinstance(out, Loaded):
+                if self._loading.pop(out.request_id, None) is not None:
+                    self._finished_recving.add(out.request_id)
+            else:
+                assert isinstance(out, LoadFailed)
+                self._load_failed(out.request_id, out.reason, held=False)
+
+    def _load_failed(self, request_id: str, reason: str, held: bool) -> None:
+        block_ids = self._loading.pop(request_id, None)
+        if block_ids is None:
+            return
+        logger.warning("KV load of request %s failed: %s", request_id, reason)
+        self._failure_reasons[request_id] = reason
+        if not held:
+            self._finished_recving.add(request_id)
+            self._failed_recving[request_id] = block_ids
+            return
+        # The request ends now (engine-adapter issue, hole 3: it waited for remote KV for as
+        # long as a silent P kept its blocks quarantined — forever for a dead one). Its blocks,
+        # named invalid, fail it (or mark it for recomputation) at once on every rank's
+        # scheduler; vLLM keeps them allocated while the load is not finished, which it is only
+        # once no P rank can write them (released).
+        self._quarantined[request_id] = block_ids
+        for group in block_ids:
+            self._invalid_block_ids.update(group)
 
     def _collect(self) -> None:
         if self.decode is not None:
+            staging = self._d_staging
             finished = self.decode.take_finished()
             for request_id in finished.received:
+                if staging is not None and staging.received(request_id):
+                    continue  # reported once copied up into its blocks
                 if self._loading.pop(request_id, None) is not None:
                     self._finished_recving.add(request_id)
             for request_id, reason, held in finished.failed:
-                block_ids = self._loading.pop(request_id, None)
-                if block_ids is None:
-                    continue
-                logger.warning("KV load of request %s failed: %s", request_id, reason)
-                self._failure_reasons[request_id] = reason
-                if not held:
-                    self._finished_recving.add(request_id)
-                    self._failed_recving[request_id] = block_ids
-                    continue
-                # The request ends now (engine-adapter issue, hole 3: it waited for remote KV
-                # for as long as a silent P kept its blocks quarantined — forever for a dead
-                # one). Its blocks, named invalid, fail it (or mark it for recomputation) at
-                # once on every rank's scheduler; vLLM keeps them allocated while the load is
-                # not finished, which it is only once no P rank can write them (released).
-                self._held[request_id] = block_ids
-                for group in block_ids:
-                    self._invalid_block_ids.update(group)
+                # Staged: P writes the slots only, never the blocks (which stay taken while
+                # a P rank may still write them).
+                if staging is not None and staging.failed(request_id, held):
+                    held = False
+                self._load_failed(request_id, reason, held)
             for request_id in finished.released:
-                if self._held.pop(request_id, None) is not None:
+                if staging is not None and staging.released(request_id):
+                    continue
+                if self._quarantined.pop(request_id, None) is not None:
                     self._finished_recving.add(request_id)
                     self._failed_released.add(request_id)
+            self._pump_decode_staging()
         if self.prefill is not None:
             for kind, transfer_id in self.prefill.take_events():
                 if kind == "free":
+                    if self._p_staging is not None and self._p_staging.freed(transfer_id):
+                        self._held.pop(transfer_id, None)
+                        continue  # its slots are free; vLLM had the blocks back when staged
                     request_id = self._held.pop(transfer_id, None)
                     if request_id is None:
                         logger.error("P runtime freed %s, which it did not hold", transfer_id)
@@ -313,6 +431,7 @@ class KvferryConnectorWorker:
                         self._dropped.append(transfer_id)
                 else:
                     logger.error("P runtime sent an unknown event %r for %s", kind, transfer_id)
+            self._pump_prefill_staging()
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """vLLM 0.32's path: failed loads are named per request (failed_recving), which stays
@@ -359,8 +478,24 @@ class KvferryConnectorWorker:
         return meta
 
     def shutdown(self) -> None:
-        for worker in (self.decode, self.prefill):
-            if worker is not None:
-                worker.stop()
+        # vLLM calls this from its worker's shutdown (SIGTERM, or the engine stopping). stop()
+        # returns only once the native worker's threads are gone: a decoder releases what it
+        # still tracks to the prefill engines first, so they free that KV now rather than at
+        # their lease; a prefiller drains its writes in flight.
+        if self.decode is not None:
+            stats = self.decode.stats()
+            logger.info(
+                "kvferry: stopping the decode worker of rank %d: %d transfer(s) still tracked are "
+                "released to their prefill engines, %d load(s) in flight end",
+                self.options.tp_rank, stats.get("tracked", 0), stats.get("receiving", 0))
+            started = time.monotonic()
+            self.decode.stop()
+            logger.info("kvferry: decode worker of rank %d stopped in %.2f s",
+                        self.options.tp_rank, time.monotonic() - started)
+        if self.prefill is not None:
+            started = time.monotonic()
+            self.prefill.stop()
+            logger.info("kvferry: prefill worker of rank %d stopped in %.2f s",
+                        self.options.tp_rank, time.monotonic() - started)
         self.decode = None
         self.prefill = None
