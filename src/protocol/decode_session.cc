@@ -117,7 +117,8 @@ DecodeSession::DecodeSession(DecodeSessionOptions options, const LedgerFactory& 
                                  ? options_.renewal_reply_timeout
                                  : options_.lease / 12),
       ledger_(make_ledger ? make_ledger() : std::make_unique<CoreLedger>()),
-      renewals_(options_.lease) {}
+      renewals_(options_.lease),
+      endpoints_(options_.max_endpoints, options_.max_idle_endpoints) {}
 
 // ---- engine ----
 
@@ -439,26 +440,7 @@ std::optional<std::vector<std::uint32_t>> DecodeSession::Targets(const PeerEngin
 }
 
 std::optional<EndpointId> DecodeSession::EndpointFor(const std::string& address) {
-  if (auto known = endpoint_of_.find(address); known != endpoint_of_.end()) {
-    if (auto idle = idle_at_.find(known->second); idle != idle_at_.end()) {
-      idle_.erase(idle->second);  // in use again
-      idle_at_.erase(idle);
-    }
-    return known->second;
-  }
-  // Only endpoints already idle may close here: the caller may hold ids it just got.
-  if (endpoints_.size() >= options_.max_endpoints) {
-    if (idle_.empty()) return std::nullopt;  // every one is in use: the caller fails its message
-    CloseEndpoint(idle_.back());
-  }
-  // Ids are never reused: an endpoint closed and made again for the same address is another
-  // socket, so nothing meant for the old one can reach the new one.
-  const EndpointId id = next_endpoint_++;
-  endpoint_of_.emplace(address, id);
-  Endpoint endpoint;
-  endpoint.address = address;
-  endpoints_.emplace(id, std::move(endpoint));
-  return id;
+  return endpoints_.Acquire(address, [this](EndpointId id) { EndpointClosed(id); });
 }
 
 Status DecodeSession::TooManyEndpoints(const std::string& address) const {
@@ -480,37 +462,16 @@ void DecodeSession::NoteEndpointsExhausted(const std::string& address, std::stri
                   what, address, endpoints_.size(), n)});
 }
 
-DecodeSession::Endpoint* DecodeSession::FindEndpoint(EndpointId endpoint) {
-  auto it = endpoints_.find(endpoint);
-  return it == endpoints_.end() ? nullptr : &it->second;
-}
-
-void DecodeSession::NoteMaybeIdle(EndpointId endpoint) { maybe_idle_.insert(endpoint); }
-
 void DecodeSession::CloseIdleEndpoints() {
-  for (EndpointId id : std::exchange(maybe_idle_, {})) {
-    const Endpoint* ep = FindEndpoint(id);
-    if (ep == nullptr || !ep->pulls.empty() || !ep->renewals.empty() || !ep->releases.empty() ||
-        ep->fences_in_flight > 0 || idle_at_.count(id) != 0) {
-      continue;
-    }
-    idle_.push_front(id);
-    idle_at_[id] = idle_.begin();
-  }
-  while (idle_.size() > options_.max_idle_endpoints) CloseEndpoint(idle_.back());
+  endpoints_.CloseIdle(
+      [](const Endpoint& ep) {
+        return !ep.pulls.empty() || !ep.renewals.empty() || !ep.releases.empty() ||
+               ep.fences_in_flight > 0;
+      },
+      [this](EndpointId id) { EndpointClosed(id); });
 }
 
-void DecodeSession::CloseEndpoint(EndpointId id) {
-  idle_.erase(idle_at_.at(id));
-  idle_at_.erase(id);
-  auto ep = endpoints_.find(id);
-  endpoint_of_.erase(ep->second.address);
-  closed_addresses_.emplace(id, std::move(ep->second.address));
-  if (closed_addresses_.size() > kRememberedClosedEndpoints) {
-    closed_addresses_.erase(closed_addresses_.begin());
-  }
-  endpoints_.erase(ep);
-  // Its ledger peers have nothing pending (no pull is left), so they go with it.
+void DecodeSession::EndpointClosed(EndpointId id) {
   for (auto peer = peers_.lower_bound(PeerKey{id, "", 0});
        peer != peers_.end() && peer->first.endpoint == id;) {
     peer_keys_.erase(peer->second);
@@ -519,11 +480,10 @@ void DecodeSession::CloseEndpoint(EndpointId id) {
     peer = peers_.erase(peer);
   }
   ++counters_.endpoints_closed;
-  closed_out_.push_back(id);
 }
 
 core::PeerId DecodeSession::PeerFor(EndpointId endpoint, const std::string& incarnation) {
-  const PeerKey key{endpoint, incarnation, endpoints_.at(endpoint).epoch};
+  const PeerKey key{endpoint, incarnation, endpoints_.At(endpoint).epoch};
   auto [it, inserted] = peers_.try_emplace(key, 0);
   if (inserted) {
     it->second = next_peer_++;
@@ -572,7 +532,7 @@ void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
     return;
   }
   for (std::size_t i = 0; i < endpoints.size(); ++i) {
-    Endpoint& ep = endpoints_.at(endpoints[i]);
+    Endpoint& ep = endpoints_.At(endpoints[i]);
     wire::Pull pull;
     pull.id = ++next_wire_id_;
     pull.d_engine_id = options_.engine_id;
@@ -609,7 +569,7 @@ void DecodeSession::FailLoad(Load load, Status why, TimePoint now) {
 
 void DecodeSession::ForgetPull(EndpointId endpoint, std::map<std::uint64_t, PullOp>::iterator op) {
   pull_deadlines_.erase({op->second.deadline, endpoint, op->first});
-  endpoints_.at(endpoint).pulls.erase(op);
+  endpoints_.At(endpoint).pulls.erase(op);
   NoteMaybeIdle(endpoint);
 }
 
@@ -706,9 +666,7 @@ void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, con
     // Closed since (idle): the message was a renewal or release whose wait ended first. Its
     // address still has nobody listening (found by the simulator with max_idle_endpoints 0:
     // the view stayed stale, and the next load went to the dead process).
-    if (auto closed = closed_addresses_.find(endpoint); closed != closed_addresses_.end()) {
-      MarkViewsStale(closed->second);
-    }
+    if (const std::string* closed = endpoints_.AddressOf(endpoint)) MarkViewsStale(*closed);
     return;
   }
   Endpoint& ep = *found;
@@ -785,7 +743,7 @@ void DecodeSession::ExpirePulls(TimePoint now) {
   while (!pull_deadlines_.empty() && std::get<0>(*pull_deadlines_.begin()) <= now) {
     const auto [deadline, endpoint, id] = *pull_deadlines_.begin();
     pull_deadlines_.erase(pull_deadlines_.begin());
-    Endpoint& ep = endpoints_.at(endpoint);
+    Endpoint& ep = endpoints_.At(endpoint);
     auto op = ep.pulls.find(id);
     if (op == ep.pulls.end()) continue;
     // Given up on already (its engine went down): it stays known, so P's late answer still
@@ -831,7 +789,7 @@ void DecodeSession::GiveUpOnPull(PullOp& op, const Status& why) {
 
 void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation) {
   // Pulls sent from now on are a new epoch of the peer: no fence asked here covers them.
-  Endpoint& ep = endpoints_.at(endpoint);
+  Endpoint& ep = endpoints_.At(endpoint);
   const std::uint32_t through = ep.epoch++;
   // Every epoch of this endpoint with pulls still known (given up on, or in flight) and not yet
   // proved stopped — also older ones whose fence failed — one fence each, so an epoch whose
@@ -857,16 +815,16 @@ void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation
 bool DecodeSession::PullsWaitFor(core::PeerId peer) const {
   auto key = peer_keys_.find(peer);
   if (key == peer_keys_.end()) return false;
-  auto ep = endpoints_.find(key->second.endpoint);
-  if (ep == endpoints_.end()) return false;
-  return std::any_of(ep->second.pulls.begin(), ep->second.pulls.end(),
+  const Endpoint* ep = endpoints_.Find(key->second.endpoint);
+  if (ep == nullptr) return false;
+  return std::any_of(ep->pulls.begin(), ep->pulls.end(),
                      [&](const auto& op) { return op.second.peer == peer; });
 }
 
 void DecodeSession::IssueFence(core::PeerId peer, std::uint32_t through) {
   if (quiesced_.count(peer) != 0 || fencing_.count(peer) != 0) return;
   const EndpointId endpoint = peer_keys_.at(peer).endpoint;
-  Endpoint& ep = endpoints_.at(endpoint);
+  Endpoint& ep = endpoints_.At(endpoint);
   ++ep.fences_in_flight;
   const std::uint64_t id = next_fence_++;
   ++counters_.fences_requested;
@@ -883,7 +841,7 @@ void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, Ti
   const Fence fence = it->second;
   fences_.erase(it);
   fencing_.erase(fence.peer);
-  Endpoint& ep = endpoints_.at(fence.endpoint);  // kept while a fence of it is in flight
+  Endpoint& ep = endpoints_.At(fence.endpoint);  // kept while a fence of it is in flight
   --ep.fences_in_flight;
   NoteMaybeIdle(fence.endpoint);
   if (!result.ok()) {
@@ -966,15 +924,15 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
   // and their blocks stay quarantined (a P cut off by a partition may still be writing) until
   // the fence asked here, or a late answer, proves it stopped.
   for (const std::string& address : view->side_channels) {
-    auto ep = endpoint_of_.find(address);
-    if (ep == endpoint_of_.end() || endpoints_.at(ep->second).pulls.empty()) continue;
-    for (auto& [id, op] : endpoints_.at(ep->second).pulls) {
+    const std::optional<EndpointId> ep = endpoints_.IdOf(address);
+    if (!ep || endpoints_.At(*ep).pulls.empty()) continue;
+    for (auto& [id, op] : endpoints_.At(*ep).pulls) {
       if (!op.timed_out && ledger_->IsPending(op.request, op.peer)) {
         ++counters_.pulls_abandoned;
         GiveUpOnPull(op, state.failure);
       }
     }
-    AskFence(ep->second);
+    AskFence(*ep);
   }
   DrainLedger(now);
 }
@@ -1007,7 +965,7 @@ void DecodeSession::OnProcessGone(const core::EngineId& engine, const std::strin
 }
 
 void DecodeSession::GiveUpOnEndpoint(EndpointId endpoint, const Status& failure) {
-  Endpoint& ep = endpoints_.at(endpoint);
+  Endpoint& ep = endpoints_.At(endpoint);
   bool any = false;
   for (auto& [id, op] : ep.pulls) {
     any = true;
@@ -1058,7 +1016,7 @@ void DecodeSession::SendRenewals(const core::EngineId& engine, const PeerEngine&
       continue;
     }
     const EndpointId endpoint = *found;
-    Endpoint& ep = endpoints_.at(endpoint);
+    Endpoint& ep = endpoints_.At(endpoint);
     wire::Renewal renewal;
     renewal.id = ++next_wire_id_;
     renewal.d_engine_id = options_.engine_id;
@@ -1205,7 +1163,7 @@ void DecodeSession::SendReleases(const core::EngineId& engine, const PeerEngine&
         continue;
       }
       const EndpointId endpoint = *found;
-      Endpoint& ep = endpoints_.at(endpoint);
+      Endpoint& ep = endpoints_.At(endpoint);
       wire::Release release;
       release.id = ++next_wire_id_;
       release.d_engine_id = options_.engine_id;
@@ -1238,7 +1196,7 @@ void DecodeSession::OnReleaseReply(EndpointId endpoint, const wire::ReleaseReply
 
 bool DecodeSession::ReleaseRefused(EndpointId endpoint, std::uint64_t id,
                                    const wire::PullResponse& error) {
-  Endpoint& ep = endpoints_.at(endpoint);
+  Endpoint& ep = endpoints_.At(endpoint);
   auto op = ep.releases.find(id);
   if (op == ep.releases.end()) return false;
   NoteMaybeIdle(endpoint);
@@ -1270,8 +1228,8 @@ void DecodeSession::OnAbortNotice(EndpointId endpoint, const wire::AbortNotice& 
                                   TimePoint now) {
   ++counters_.notices_received;
   if (Endpoint* ep = FindEndpoint(endpoint)) ep->unsent_since = core::kNever;
-  const std::string* address =
-      FindEndpoint(endpoint) != nullptr ? &endpoints_.at(endpoint).address : nullptr;
+  const Endpoint* found = FindEndpoint(endpoint);
+  const std::string* address = found != nullptr ? &found->address : nullptr;
   for (const wire::AbortedTransfer& aborted : notice.aborted) {
     std::vector<core::RequestId> requests;
     for (auto [b, e] = by_transfer_.equal_range(aborted.transfer_id); b != e; ++b) {
@@ -1350,7 +1308,7 @@ void DecodeSession::OnTimeout(TimePoint now) {
   while (!renewal_deadlines_.empty() && std::get<0>(*renewal_deadlines_.begin()) <= now) {
     const auto [deadline, endpoint, id] = *renewal_deadlines_.begin();
     renewal_deadlines_.erase(renewal_deadlines_.begin());
-    Endpoint& ep = endpoints_.at(endpoint);
+    Endpoint& ep = endpoints_.At(endpoint);
     if (ep.renewals.erase(id) != 0) {
       ++counters_.renewal_failures;
       // Kept (bounded) so that a later report that it never left still counts (OnSendFailed).
@@ -1364,7 +1322,7 @@ void DecodeSession::OnTimeout(TimePoint now) {
   while (!release_deadlines_.empty() && std::get<0>(*release_deadlines_.begin()) <= now) {
     const auto [deadline, endpoint, id] = *release_deadlines_.begin();
     release_deadlines_.erase(release_deadlines_.begin());
-    if (endpoints_.at(endpoint).releases.erase(id) != 0) ++counters_.release_failures;
+    if (endpoints_.At(endpoint).releases.erase(id) != 0) ++counters_.release_failures;
     NoteMaybeIdle(endpoint);
   }
   if (release_due_ <= now) FlushReleases(now);
@@ -1448,7 +1406,7 @@ std::vector<FenceRequest> DecodeSession::TakeFences() { return std::exchange(fen
 
 std::vector<EndpointId> DecodeSession::TakeClosedEndpoints() {
   CloseIdleEndpoints();
-  return std::exchange(closed_out_, {});
+  return endpoints_.TakeClosed();
 }
 
 std::vector<DecodeEvent> DecodeSession::TakeEvents() { return std::exchange(events_out_, {}); }

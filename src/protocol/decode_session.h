@@ -82,6 +82,7 @@
 #include "kvferry/core/stat_fields.h"
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"
+#include "protocol/endpoint_pool.h"
 #include "protocol/ledger.h"
 #include "wire/messages.h"
 
@@ -89,9 +90,9 @@ namespace kvferry::protocol {
 
 using namespace std::chrono_literals;
 
-// One P worker's side channel as the session names it (one socket in the runtime). Never reused:
-// an endpoint closed (TakeClosedEndpoints) and needed again for the same address gets a new id.
-using EndpointId = std::uint32_t;
+// EndpointId (endpoint_pool.h): one P worker's side channel as the session names it (one socket
+// in the runtime). Never reused: an endpoint closed (TakeClosedEndpoints) and needed again for
+// the same address gets a new id.
 
 // One remote-prefill request as the router describes it (vLLM's kv_transfer_params).
 struct RemoteSource {
@@ -454,8 +455,8 @@ class DecodeSession {
   const DecodeSessionOptions& options() const { return options_; }
   // The address of an open endpoint; empty once it is closed.
   std::string AddressOf(EndpointId endpoint) const {
-    auto it = endpoints_.find(endpoint);
-    return it == endpoints_.end() ? std::string() : it->second.address;
+    const Endpoint* ep = endpoints_.Find(endpoint);
+    return ep == nullptr ? std::string() : ep->address;
   }
 
  private:
@@ -572,17 +573,18 @@ class DecodeSession {
   // The endpoint of `address`, opened if needed (closing the least recently idle one when
   // max_endpoints are open); nullopt when every open one has something in flight.
   std::optional<EndpointId> EndpointFor(const std::string& address);
+  // An endpoint the pool closes: its ledger peers go with it (nothing of theirs is pending).
+  void EndpointClosed(EndpointId endpoint);
   Status TooManyEndpoints(const std::string& address) const;
   // A message to `address` found every one of max_endpoints side channels in use: counted, and
   // a Warning at the 1st, 10th, 100th... time (a decoder at its cap cannot keep P's leases,
   // so an operator must hear of it, but not once per message).
   void NoteEndpointsExhausted(const std::string& address, std::string_view what);
-  Endpoint* FindEndpoint(EndpointId endpoint);
-  void CloseEndpoint(EndpointId endpoint);  // an idle one
+  Endpoint* FindEndpoint(EndpointId endpoint) { return endpoints_.Find(endpoint); }
   // Something in flight on `endpoint` ended: it may be idle now (CloseIdleEndpoints decides).
-  void NoteMaybeIdle(EndpointId endpoint);
-  // Idle endpoints join the LRU of idle ones; those beyond max_idle_endpoints are closed, with
-  // the ledger peers they carried (nothing of theirs is pending).
+  void NoteMaybeIdle(EndpointId endpoint) { endpoints_.NoteMaybeIdle(endpoint); }
+  // Endpoints with nothing in flight become idle; those beyond max_idle_endpoints close
+  // (EndpointPool), with the ledger peers they carried.
   void CloseIdleEndpoints();
   core::PeerId PeerFor(EndpointId endpoint, const std::string& incarnation);
   void SendLoad(Load load, const PeerEngine& view, core::TimePoint now);
@@ -642,19 +644,10 @@ class DecodeSession {
 
   std::unordered_map<core::EngineId, EngineState> engines_;
   core::TimePoint next_sweep_ = core::TimePoint::min();
-  std::unordered_map<EndpointId, Endpoint> endpoints_;  // open ones
-  EndpointId next_endpoint_ = 0;
-  std::unordered_map<std::string, EndpointId> endpoint_of_;
-  std::list<EndpointId> idle_;  // most recently idle first
-  std::unordered_map<EndpointId, std::list<EndpointId>::iterator> idle_at_;
-  std::set<EndpointId> maybe_idle_;
-  // The addresses of the last kRememberedClosedEndpoints endpoints closed, by id (ids only
-  // grow: the oldest is begin()). A message's unsent report may come after its endpoint went
-  // idle and closed (a release's reply is awaited 2 s, a send 3 s): it still says that nobody
-  // listens at that address.
-  static constexpr std::size_t kRememberedClosedEndpoints = 1024;
-  std::map<EndpointId, std::string> closed_addresses_;
-  std::vector<EndpointId> closed_out_;
+  // Open side channels, the idle LRU and the addresses of recently closed ones (a message's
+  // unsent report may come after its endpoint went idle and closed: a release's reply is
+  // awaited 2 s, a send 3 s).
+  EndpointPool<Endpoint> endpoints_;
   // Wire ids of pulls, renewals and releases: unique across the session (so across the
   // endpoints ever made for one address), which per endpoint is what the protocol needs.
   std::uint64_t next_wire_id_ = 0;
