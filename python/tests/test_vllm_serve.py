@@ -389,6 +389,18 @@ def until_served(what: str, send: Callable[[int], Completion], budget_s: float =
         assert time.monotonic() < deadline, f"{what} serves no request: {got.body}"
 
 
+# What P's worker logs when it drops KV that no decoder took (a lease ran out).
+UNCLAIMED = "that no decoder took"
+
+
+def log_size(engine) -> int:
+    return len(engine.log.read_text(errors="replace"))
+
+
+def log_since(engine, offset: int) -> str:
+    return engine.log.read_text(errors="replace")[offset:]
+
+
 # The 6 queued requests' share of group B's P: 5 blocks of 64 tokens for each 300-token prompt,
 # of 48 blocks (62%); a little less, for vLLM's rounding of the gauge.
 QUEUED_KV = 6 * 5 / 48 - 0.02
@@ -454,6 +466,7 @@ def test_clients_leaving_d_while_queued_let_p_free_their_kv_at_once(cluster):
     fillers, queued = fill_d_then_queue(b, 12)
     try:
         held = kv_usage(b.prefill)
+        log_from = log_size(b.prefill)
         for client in queued:
             client.close()
         freed = wait_for("P freed the KV of requests whose clients left",
@@ -462,6 +475,8 @@ def test_clients_leaving_d_while_queued_let_p_free_their_kv_at_once(cluster):
     finally:
         for client in fillers + queued:
             client.close()
+    # Freed because D released them: P would have warned of KV no decoder took at a lease's end.
+    assert UNCLAIMED not in log_since(b.prefill, log_from), log_since(b.prefill, log_from)
     print(f"[ measured ] P held {held:.0%} of its KV for queued requests; freed {freed:.2f} s "
           f"after their clients left (renewal interval {LEASE_S / 6:.2f} s)")
     wait_for("D idle", lambda: idle(b.decode), 30)
@@ -506,6 +521,7 @@ def test_a_killed_decoder_lets_p_free_its_queued_kv_within_one_lease(cluster):
     fillers, queued = fill_d_then_queue(b, 13)
     try:
         held = kv_usage(b.prefill)
+        log_from = log_size(b.prefill)
         b.decode.kill()  # SIGKILL, engine core and API server alike
         killed = time.monotonic()
         freed = wait_for("P freed a dead decoder's KV", lambda: kv_usage(b.prefill) == 0,
@@ -514,6 +530,9 @@ def test_a_killed_decoder_lets_p_free_its_queued_kv_within_one_lease(cluster):
               f"later (lease {LEASE_S:g} s)")
         assert freed >= LEASE_S * 0.5, "P freed before the lease could have run out"
         assert time.monotonic() - killed < LEASE_S + 5
+        # And the operator hears why (worker.py, _note_unclaimed).
+        said = log_since(b.prefill, log_from)
+        assert UNCLAIMED in said and f"for a whole lease ({LEASE_S:g} s)" in said, said
     finally:
         for client in fillers + queued:
             client.close()

@@ -75,7 +75,7 @@ class FakePrefill:
     def __init__(self, regions, options):
         self.regions, self.options = regions, options
         self.calls: list[tuple] = []
-        self.events: list[tuple[str, str]] = []
+        self.events: list[tuple[str, str, str]] = []
 
     def admit(self, transfer_id, handle):
         self.calls.append(("admit", transfer_id, handle))
@@ -281,10 +281,37 @@ def test_p_worker_holds_until_the_runtime_frees(model_dir, monkeypatch, caplog):
     # A stray "free" for a transfer never held is not passed on (vLLM would free a request
     # that is not finished, or none at all).
     _, results = engine_step(p, connector, lambda: native.events.extend(
-        [("free", "xfer-1"), ("free", "xfer-9")]))
+        [("free", "xfer-1", "sent"), ("free", "xfer-9", "sent")]))
     assert results.finished_sending == {"p1"}
     assert set(p.requests) == {"p2"}
-    engine_step(p, connector, lambda: native.events.append(("free", "xfer-2")))
+    engine_step(p, connector, lambda: native.events.append(("free", "xfer-2", "sent")))
+    assert_scheduler_empty(p)
+
+
+def test_p_warns_once_per_pass_of_kv_no_decoder_took_naming_why(model_dir, monkeypatch, caplog):
+    # A decoder that died or was cut off stops renewing: P frees its transfers at the end of
+    # the lease. The operator hears of it, a line per pass and reason rather than per transfer.
+    lease = {"kv_lease_duration": 12}
+    p = make_scheduler(make_vllm_config(model_dir, "kv_producer", extra_config=lease))
+    connector = worker_connector(model_dir, "kv_producer", monkeypatch, extra_config=lease)
+    native = connector.connector_worker.prefill
+    for n in (1, 2, 3):
+        p.add_request(make_request(f"p{n}", 40, p_params(f"xfer-{n}"), max_tokens=1))
+    for _ in range(3):
+        engine_step(p, connector)
+    with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+        _, results = engine_step(p, connector, lambda: native.events.extend(
+            [("free", "xfer-1", "expired"), ("free", "xfer-2", "expired"),
+             ("free", "xfer-9", "sent")]))
+    assert results.finished_sending == {"p1", "p2"}
+    lines = [r.getMessage() for r in caplog.records if "no decoder took" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "2 transfer(s)" in lines[0] and "xfer-1, xfer-2" in lines[0], lines[0]
+    assert "for a whole lease (12 s)" in lines[0], lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+        engine_step(p, connector, lambda: native.events.append(("free", "xfer-3", "sent")))
+    assert "no decoder took" not in caplog.text  # pulled: nothing to say
     assert_scheduler_empty(p)
 
 
@@ -295,10 +322,11 @@ def test_p_worker_passes_dropped_transfers_to_the_scheduler_half(model_dir, monk
     p.add_request(make_request("p1", 300, p_params("xfer-1"), max_tokens=1))
     engine_step(p, connector)  # admitted, its prefill runs over two steps
     with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
-        engine_step(p, connector, lambda: native.events.append(("abort", "xfer-1")))
+        engine_step(p, connector,
+                    lambda: native.events.append(("abort", "xfer-1", "released_by_decoder")))
     assert "xfer-1" in caplog.text and "dropped 1 transfer" in caplog.text
     engine_step(p, connector)  # the prefill finishes; the runtime frees a dropped one at once
-    engine_step(p, connector, lambda: native.events.append(("free", "xfer-1")))
+    engine_step(p, connector, lambda: native.events.append(("free", "xfer-1", "sent")))
     assert_scheduler_empty(p)
 
 
@@ -361,7 +389,8 @@ def test_a_staged_p_hands_slots_to_the_runtime_and_the_blocks_back_to_vllm_at_on
         assert torch.equal(block_values(native.regions[0], slot), cache[0, block].flatten())
         assert torch.equal(block_values(native.regions[1], slot), cache[1, block].flatten())
     # The runtime frees the transfer: its slots, not a request vLLM has long freed.
-    _, results = engine_step(p, connector, lambda: native.events.append(("free", "xfer-1")))
+    _, results = engine_step(p, connector,
+                             lambda: native.events.append(("free", "xfer-1", "sent")))
     assert not results.finished_sending
     assert connector.connector_worker._p_staging.slots.pools[0].free == 8
 

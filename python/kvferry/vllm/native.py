@@ -99,15 +99,18 @@ class PrefillWorker(Protocol):
         queued): nobody here will prefill it. A pull waiting for it fails now with ``why`` and
         a later one finds a tombstone; an admitted transfer (another request's) is left alone."""
 
-    def take_events(self) -> list[tuple[EventKind, str]]:
-        """Events since the last call, in order, each once:
+    def take_events(self) -> list[tuple[EventKind, str, str]]:
+        """Events since the last call, in order, each once, as ``(kind, transfer_id, reason)``:
 
-        - ``("free", transfer_id)``: a transfer passed to prefill_done is no longer held (every
-          paired D rank pulled it, its lease or abort_request_timeout expired, or D released
-          it); its blocks may be freed.
-        - ``("abort", transfer_id)``: a transfer admitted but not yet prefill_done was dropped
-          (D released it, or its decoder stopped renewing for a whole lease); computing its
-          prefill is wasted work.
+        - ``"free"``: a transfer passed to prefill_done is no longer held; its blocks may be
+          freed. ``reason`` says why (the hold table's ReleaseReason names,
+          include/kvferry/core/hold_table.h): ``sent`` (every paired D rank pulled it),
+          ``released_by_decoder``, ``expired`` (its lease, or abort_request_timeout without a
+          lease, ran out: no decoder pulled it in time), ``dead_decoder``, ``wait_timeout``,
+          ``lease_mismatch``, ``aborted_by_engine``.
+        - ``"abort"``: a transfer admitted but not yet prefill_done was dropped (D released it,
+          or its decoder stopped renewing for a whole lease: ``reason`` as above); computing
+          its prefill is wasted work.
         """
 
     def stop(self) -> None:

@@ -191,8 +191,8 @@ class PrefillRuntime:
         except self._native.KvferryError as e:  # stopped meanwhile
             logger.debug("kvferry: refuse(%s): %s", transfer_id, e)
 
-    def take_events(self) -> list[tuple[str, str]]:
-        return [(kind, transfer_id) for kind, transfer_id, _ in self._worker.take_events()]
+    def take_events(self) -> list[tuple[str, str, str]]:
+        return [tuple(event) for event in self._worker.take_events()]
 
     def stats(self) -> dict[str, int]:
         return self._worker.stats()

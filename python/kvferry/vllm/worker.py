@@ -49,6 +49,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvferry.vllm")
 
+# Why P dropped a transfer no decoder took (the hold table's reasons, native.py take_events).
+_UNCLAIMED = {
+    "expired": "its decoder neither pulled nor renewed it for a whole lease ({lease:g} s)",
+    "dead_decoder": "its decoder stopped renewing it for a whole lease ({lease:g} s) before "
+                    "its prefill finished",
+    "wait_timeout": "a decoder's pull waited abort_request_timeout for a prefill that never "
+                    "finished",
+}
+
 
 def _dense_bytes(t: torch.Tensor) -> int | None:
     """Bytes of ``t`` if its elements fill one contiguous run in some dimension order (a
@@ -416,7 +425,10 @@ class KvferryConnectorWorker:
                     self._failed_released.add(request_id)
             self._pump_decode_staging()
         if self.prefill is not None:
-            for kind, transfer_id in self.prefill.take_events():
+            unclaimed: dict[str, list[str]] = {}
+            for kind, transfer_id, reason in self.prefill.take_events():
+                if reason in _UNCLAIMED:
+                    unclaimed.setdefault(reason, []).append(transfer_id)
                 if kind == "free":
                     if self._p_staging is not None and self._p_staging.freed(transfer_id):
                         self._held.pop(transfer_id, None)
@@ -431,7 +443,22 @@ class KvferryConnectorWorker:
                         self._dropped.append(transfer_id)
                 else:
                     logger.error("P runtime sent an unknown event %r for %s", kind, transfer_id)
+            self._note_unclaimed(unclaimed)
             self._pump_prefill_staging()
+
+    def _note_unclaimed(self, unclaimed: dict[str, list[str]]) -> None:
+        """P dropped KV that no decoder took in time: a decoder died, was cut off from this
+        prefiller, or its clients' requests never reached it. The operator hears of it once per
+        pass and reason, from rank 0 (every rank drops the same transfers)."""
+        if self.options.tp_rank != 0:
+            return
+        lease = self.options.kv_lease_duration
+        for reason, transfers in unclaimed.items():
+            why = (_UNCLAIMED[reason].format(lease=lease) if lease > 0 or reason != "expired"
+                   else f"no decoder pulled it within abort_request_timeout "
+                        f"({self.options.abort_request_timeout:g} s)")
+            logger.warning("kvferry: P dropped the KV of %d transfer(s) that no decoder took: "
+                           "%s (e.g. %s)", len(transfers), why, ", ".join(transfers[:3]))
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """vLLM 0.32's path: failed loads are named per request (failed_recving), which stays
