@@ -37,6 +37,24 @@ struct Descriptor {
 };
 
 std::vector<std::byte> EncodeDescriptor(const Descriptor& d);
+
+// What ExportDescriptor lists, for every backend: the regions `ids` names (every region when
+// empty), each as `entry(region)` appended to d.regions. kNotFound for an id `regions` (a map
+// from RegionId) lacks; d.regions is then incomplete and must not be encoded.
+template <class Regions, class Entry>
+Status AddRegions(Descriptor& d, const Regions& regions, std::span<const RegionId> ids,
+                  Entry&& entry) {
+  if (ids.empty()) {
+    for (const auto& [id, r] : regions) d.regions.push_back(entry(r));
+    return Status::Ok();
+  }
+  for (RegionId id : ids) {
+    auto it = regions.find(id);
+    if (it == regions.end()) return Status(ErrorCode::kNotFound, "unknown region");
+    d.regions.push_back(entry(it->second));
+  }
+  return Status::Ok();
+}
 Result<Descriptor> DecodeDescriptor(std::span<const std::byte> bytes);
 
 // True when [offset, offset + length) lies inside [0, size) (overflow-safe).

@@ -120,20 +120,13 @@ class InProcessEngineImpl final : public InProcessEngine {
     const auto* name = reinterpret_cast<const std::byte*>(options_.name.data());
     d.address.assign(name, name + options_.name.size());
     std::lock_guard<std::mutex> lock(fabric_->mu);
-    auto add = [&](const LocalRegion& r) {
-      d.regions.push_back({RemoteRegion{r.region.id, reinterpret_cast<std::uint64_t>(r.region.base),
-                                        r.region.length, r.region.kind},
-                           {}});
-    };
-    if (ids.empty()) {
-      for (const auto& [id, r] : regions_) add(r);
-    } else {
-      for (RegionId id : ids) {
-        auto it = regions_.find(id);
-        if (it == regions_.end()) return Err(ErrorCode::kNotFound, "unknown region");
-        add(it->second);
-      }
-    }
+    Status listed = internal::AddRegions(d, regions_, ids, [](const LocalRegion& r) {
+      return internal::DescriptorRegion{
+          RemoteRegion{r.region.id, reinterpret_cast<std::uint64_t>(r.region.base),
+                       r.region.length, r.region.kind},
+          {}};
+    });
+    if (!listed.ok()) return tl::unexpected(listed);
     return internal::EncodeDescriptor(d);
   }
 

@@ -771,22 +771,15 @@ Result<std::vector<std::byte>> UcxEngine::ExportDescriptor(std::span<const Regio
   d.engine_uid = uid_;
   d.address = worker_address_;
   std::lock_guard<std::mutex> lock(mu_);
-  auto add = [&](const LocalRegion& r) {
+  Status listed = internal::AddRegions(d, regions_, ids, [&](const LocalRegion& r) {
     // A fencing receiver hands out no remote keys: every write into it must come through its
     // own active-message handlers, where it can be refused.
-    d.regions.push_back({RemoteRegion{r.region.id, reinterpret_cast<std::uint64_t>(r.region.base),
-                                      r.region.length, r.region.kind},
-                         options_.fence_writes ? std::vector<std::byte>{} : r.rkey});
-  };
-  if (ids.empty()) {
-    for (const auto& [id, r] : regions_) add(r);
-  } else {
-    for (RegionId id : ids) {
-      auto it = regions_.find(id);
-      if (it == regions_.end()) return Err(ErrorCode::kNotFound, "unknown region");
-      add(it->second);
-    }
-  }
+    return internal::DescriptorRegion{
+        RemoteRegion{r.region.id, reinterpret_cast<std::uint64_t>(r.region.base), r.region.length,
+                     r.region.kind},
+        options_.fence_writes ? std::vector<std::byte>{} : r.rkey};
+  });
+  if (!listed.ok()) return tl::unexpected(listed);
   return internal::EncodeDescriptor(d);
 }
 
