@@ -507,6 +507,9 @@ def test_a_restarted_p_fails_the_old_processs_loads_and_serves_new_ones(cluster)
     assert failed_after < LEASE_S + 15
     wait_for("D's blocks back (the dead P fenced)", lambda: idle(b.decode), 10)
     cluster.restart(b.prefill, kill=False)
+    # The new process's first write to D sets up a new UCX connection, which can stall (the
+    # known issue warm_up names); the restart is proven by the requests served, not by the first.
+    warm_up(b, 18)
     for stream in (False, True):
         for p in prompts(18, (30, 200)):
             want = complete(b.prefill.url, b.model, p)
