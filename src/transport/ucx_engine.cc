@@ -118,6 +118,24 @@ ErrorCode CodeOf(ucs_status_t s) {
   }
 }
 
+// UCX's name for a memory type (ucs_memory_type_names, without linking libucs for it).
+const char* MemoryTypeName(ucs_memory_type_t t) {
+  switch (t) {
+    case UCS_MEMORY_TYPE_HOST:
+      return "host";
+    case UCS_MEMORY_TYPE_CUDA:
+      return "cuda";
+    case UCS_MEMORY_TYPE_CUDA_MANAGED:
+      return "cuda-managed";
+    case UCS_MEMORY_TYPE_ROCM:
+      return "rocm";
+    case UCS_MEMORY_TYPE_ROCM_MANAGED:
+      return "rocm-managed";
+    default:
+      return "unknown";
+  }
+}
+
 Status FromUcs(ucs_status_t s, const std::string& what) {
   if (s == UCS_OK) return Status::Ok();
   return Status(CodeOf(s), what + ": " + ucs_status_string(s));
@@ -223,6 +241,7 @@ class UcxEngine final : public Engine {
     std::uint64_t remote_addr;  // put: absolute address in the peer
     std::size_t remote_index;   // index of the remote region in the peer's descriptor
     std::size_t length;
+    bool device = false;  // the local region is device memory: sent alone, never in an iov
   };
 
   struct Batch {
@@ -361,6 +380,8 @@ class UcxEngine final : public Engine {
   // Says what the progress thread waits in while a phase blocks (stall_watch.h); outlives it.
   std::unique_ptr<StallWatch> stall_watch_;
   bool pack_small_ops_ = false;  // am path: WRITEV for runs of small ops (see Init)
+  // The memory types this UCX can register (ucp_context_query; a bit per ucs_memory_type_t).
+  std::uint64_t memory_types_ = UCS_BIT(UCS_MEMORY_TYPE_HOST);
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -464,6 +485,11 @@ Status UcxEngine::Init() {
   s = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   if (s != UCS_OK) return FromUcs(s, "ucp_init");
+  ucp_context_attr_t context_attr{};
+  context_attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(context_, &context_attr) == UCS_OK) {
+    memory_types_ = context_attr.memory_types;
+  }
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -666,11 +692,23 @@ void UcxEngine::Loop() {
 
 Result<Region> UcxEngine::RegisterMemory(void* base, std::size_t length, MemoryKind kind) {
   if (base == nullptr || length == 0) return Err(ErrorCode::kInvalidArgument, "empty region");
-  if (kind != MemoryKind::kHost) {
-    return Err(ErrorCode::kInvalidArgument, "only host memory (no CUDA in this UCX build)");
+  if (kind == MemoryKind::kCuda) {
+    if (options_.fence_writes) {
+      return Err(ErrorCode::kInvalidArgument,
+                 "CUDA memory with fence_writes: a fencing engine copies every write it "
+                 "receives with the CPU; stage the KV through host memory, or turn fence_writes "
+                 "off");
+    }
+    if ((memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) == 0) {
+      return Err(ErrorCode::kInvalidArgument,
+                 "CUDA memory: this UCX was built without CUDA support and registers host "
+                 "memory only; stage the KV through host memory, or use a UCX built with CUDA");
+    }
   }
   if (OnProgressThread()) return tl::unexpected(CallbackMisuse("RegisterMemory"));
   return RunSync<Result<Region>>([&]() -> Result<Region> {
+    // The memory type is not declared: UCX detects it, and the caller's kind must match what
+    // UCX sees (a UCX with CUDA took memory_type=CUDA for a host pointer when told so).
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     mp.address = base;
@@ -678,6 +716,21 @@ Result<Region> UcxEngine::RegisterMemory(void* base, std::size_t length, MemoryK
     ucp_mem_h memh = nullptr;
     ucs_status_t s = ucp_mem_map(context_, &mp, &memh);
     if (s != UCS_OK) return tl::unexpected(FromUcs(s, "ucp_mem_map"));
+    ucp_mem_attr_t mem_attr{};
+    mem_attr.field_mask = UCP_MEM_ATTR_FIELD_MEM_TYPE;
+    s = ucp_mem_query(memh, &mem_attr);
+    const ucs_memory_type_t seen = s == UCS_OK ? mem_attr.mem_type : UCS_MEMORY_TYPE_UNKNOWN;
+    // Host memory may read "unknown" where UCX has no memory-type detection at all.
+    const bool matches = kind == MemoryKind::kCuda
+                             ? seen == UCS_MEMORY_TYPE_CUDA
+                             : seen == UCS_MEMORY_TYPE_HOST || seen == UCS_MEMORY_TYPE_UNKNOWN;
+    if (!matches) {
+      ucp_mem_unmap(context_, memh);
+      return Err(ErrorCode::kInvalidArgument,
+                 fmt::format("region at {} declared {} memory, but UCX sees {} memory there",
+                             base, kind == MemoryKind::kCuda ? "CUDA" : "host",
+                             MemoryTypeName(seen)));
+    }
     void* rkey = nullptr;
     size_t rkey_size = 0;
     s = ucp_rkey_pack(context_, memh, &rkey, &rkey_size);
@@ -1076,9 +1129,18 @@ Result<BatchId> UcxEngine::SubmitWrites(ConnectionId peer_id, std::span<const Wr
       if (!internal::RangeFits(op.remote_offset, op.length, rr.length)) {
         return Err(ErrorCode::kOutOfRange, "write outside the remote region");
       }
+      if (!p.use_put && rr.kind != MemoryKind::kHost) {
+        // The receiver's handlers would copy the bytes into it with the CPU.
+        return Err(ErrorCode::kInvalidArgument,
+                   fmt::format("remote region {} is CUDA memory, and this connection has no "
+                               "RMA lane to write it with ({}): the receiver's handlers copy "
+                               "with the CPU",
+                               rr.id, p.transports));
+      }
       b->ops.push_back(op);
       b->resolved.push_back(Op{lr.base + op.local_offset, lit->second.memh,
-                               rr.base + op.remote_offset, idx, op.length});
+                               rr.base + op.remote_offset, idx, op.length,
+                               lr.kind != MemoryKind::kHost});
     }
     for (const WriteOp& op : ops) ++regions_[op.local_region].out_in_flight;
     ++p.batches;
@@ -1143,7 +1205,8 @@ void UcxEngine::PostBatch(Batch* b) {
       std::size_t j = i;
       std::size_t bytes = 0;
       while (pack_small_ops_ && j < b->ops.size() && j - i < kPackMaxOps &&
-             b->ops[j].length <= kPackMaxOp && b->ops[j].remote_region == b->ops[i].remote_region &&
+             b->ops[j].length <= kPackMaxOp && !b->resolved[j].device &&
+             b->ops[j].remote_region == b->ops[i].remote_region &&
              bytes + b->ops[j].length <= kPackMaxBytes) {
         bytes += b->ops[j].length;
         ++j;

@@ -446,8 +446,6 @@ TEST(UcxEngineTest, RegisteredCallerMemoryAndMalformedDescriptors) {
   std::vector<std::byte> mine(1 << 16);
   auto r = (*engine)->RegisterMemory(mine.data(), mine.size(), MemoryKind::kHost);
   ASSERT_TRUE(r);
-  EXPECT_EQ((*engine)->RegisterMemory(mine.data(), 16, MemoryKind::kCuda).error().code(),
-            ErrorCode::kInvalidArgument);
   auto desc = (*engine)->ExportDescriptor({});
   ASSERT_TRUE(desc);
   auto info = ParseDescriptor(*desc);
@@ -457,6 +455,68 @@ TEST(UcxEngineTest, RegisteredCallerMemoryAndMalformedDescriptors) {
   EXPECT_EQ((*engine)->Connect(junk, In(1s)).error().code(), ErrorCode::kProtocol);
   EXPECT_TRUE((*engine)->DeregisterMemory(r->id, In(1s)).ok());
   EXPECT_EQ((*engine)->DeregisterMemory(r->id, In(1s)).code(), ErrorCode::kNotFound);
+}
+
+TEST(UcxEngineTest, HostMemoryDeclaredCudaIsRefusedNamingWhatUcxSeesAndAFencingEngineRefusesIt) {
+  // Never the caller's word: on a UCX without CUDA (Debian's) the refusal says so; on one with
+  // CUDA, UCX sees host memory at this address and the refusal names that.
+  UcxOptions options;
+  options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
+  auto engine = MakeUcxEngine(options);
+  ASSERT_TRUE(engine);
+  std::vector<std::byte> mine(1 << 16);
+  auto cuda = (*engine)->RegisterMemory(mine.data(), mine.size(), MemoryKind::kCuda);
+  ASSERT_FALSE(cuda);
+  EXPECT_EQ(cuda.error().code(), ErrorCode::kInvalidArgument);
+  const std::string why = cuda.error().message();
+  EXPECT_TRUE(why.find("built without CUDA") != std::string::npos ||
+              why.find("UCX sees host memory") != std::string::npos)
+      << why;
+  // Nothing was registered: the host registration of the same bytes is the only region.
+  auto host = (*engine)->RegisterMemory(mine.data(), mine.size(), MemoryKind::kHost);
+  ASSERT_TRUE(host) << host.error().ToString();
+  auto info = ParseDescriptor(*(*engine)->ExportDescriptor({}));
+  ASSERT_TRUE(info);
+  EXPECT_EQ(info->regions.size(), 1u);
+  // A fencing engine refuses device memory whatever its UCX: its handlers copy with the CPU.
+  options.fence_writes = true;
+  auto fencing = MakeUcxEngine(options);
+  ASSERT_TRUE(fencing);
+  auto fenced = (*fencing)->RegisterMemory(mine.data(), mine.size(), MemoryKind::kCuda);
+  ASSERT_FALSE(fenced);
+  EXPECT_NE(fenced.error().message().find("fence_writes"), std::string::npos)
+      << fenced.error().message();
+}
+
+TEST(UcxEngineTest, AWriteIntoARemoteCudaRegionOverActiveMessagesIsRefusedBeforePosting) {
+  // A receiver's active-message handlers copy with the CPU, so a connection without an RMA lane
+  // must not carry a write into device memory. The receiver here is host memory described as
+  // CUDA (a descriptor edited on the way): the sender goes by the descriptor.
+  UcxOptions options;
+  options.mode = UcxMode::kAm;
+  options.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
+  auto receiver = MakeUcxEngine(options);
+  auto sender = MakeUcxEngine(options);
+  ASSERT_TRUE(receiver && sender);
+  auto dst = (*receiver)->AllocateRegion(1 << 16);
+  auto src = (*sender)->AllocateRegion(1 << 16);
+  ASSERT_TRUE(dst && src);
+  auto exported = (*receiver)->ExportDescriptor({});
+  ASSERT_TRUE(exported);
+  auto desc = internal::DecodeDescriptor(*exported);
+  ASSERT_TRUE(desc);
+  desc->regions.at(0).info.kind = MemoryKind::kCuda;
+  auto peer = (*sender)->Connect(internal::EncodeDescriptor(*desc), In(10s));
+  ASSERT_TRUE(peer) << peer.error().ToString();
+  const WriteOp op{src->id, dst->id, 0, 0, 4096};
+  bool called = false;
+  auto batch = (*sender)->SubmitWrites(*peer, {&op, 1}, 0, [&](BatchId, Status) { called = true; });
+  ASSERT_FALSE(batch);
+  EXPECT_EQ(batch.error().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(batch.error().message().find("CUDA memory"), std::string::npos)
+      << batch.error().message();
+  EXPECT_TRUE((*sender)->ClosePeer(*peer, In(5s)).ok());
+  EXPECT_FALSE(called);
 }
 
 // ---- Receiver-side fencing (Engine::RevokeWriteKeys): two engines of this process over tcp.

@@ -37,8 +37,10 @@ using Clock = core::Clock;
 using TimePoint = core::TimePoint;
 using Duration = core::Duration;
 
-// Where a region lives. Only kHost is implemented; kCuda is reserved so that GPU memory can be
-// admitted later without changing the interface (backends refuse it with kInvalidArgument).
+// Where a region lives. kCuda: the UCX backend registers it when its UCX was built with CUDA
+// and UCX itself sees CUDA memory at that address (never on the caller's word), and not with
+// fence_writes (a fencing receiver copies writes with the CPU); it refuses a write into a remote
+// CUDA region over a connection without an RMA lane. The in-process backend refuses kCuda.
 enum class MemoryKind : std::uint8_t { kHost = 0, kCuda = 1 };
 
 // Engine-local handle of a registered region. It also names the region inside descriptors, so a
