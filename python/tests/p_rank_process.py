@@ -9,7 +9,7 @@ Driven by a test through a line protocol on stdin/stdout:
     admit XFER                 -> "ok" | "err MESSAGE"
     fill BLOCK VALUE           every byte of BLOCK in every layer := (VALUE + layer) % 256
     done XFER B1,B2,...        -> "ok" | "err MESSAGE"
-    events                     -> "events JSON" (the runtime's [kind, transfer] since last)
+    events                     -> "events JSON" (the runtime's [kind, transfer, reason] since last)
     quit                       stops the rank, prints "bye"
 """
 

@@ -123,7 +123,7 @@ def test_p_tp2_to_d_tp1_completes_only_when_both_ranks_settled(model_dir):
             for r, rank in enumerate(ranks):
                 freed[r] += rank.events()
             time.sleep(0.02)
-        assert freed == [[["free", "xfer-1"]], [["free", "xfer-1"]]]
+        assert freed == [[["free", "xfer-1", "sent"]], [["free", "xfer-1", "sent"]]]
         while d.scheduler.requests:
             d.step()
     finally:
