@@ -3,11 +3,13 @@
 #
 #   scripts/test.sh            install packages, build (build/), run ctest, the Python tests of the
 #                              vLLM connector (.venv from scripts/install-python.sh), then the
-#                              core and wire tests again under AddressSanitizer +
+#                              transport tests again on UCX 1.22 (the libucx-cu13 wheel,
+#                              build-ucx122/), the core and wire tests under AddressSanitizer +
 #                              UndefinedBehaviorSanitizer (build-asan/), and a bounded fuzz run
 #                              when clang is present.
 #
-# Environment: JOBS (default: nproc), KVFERRY_SKIP_ASAN=1, KVFERRY_SKIP_FUZZ=1, FUZZ_SECONDS.
+# Environment: JOBS (default: nproc), KVFERRY_SKIP_ASAN=1, KVFERRY_SKIP_UCX_WHEEL=1,
+# KVFERRY_SKIP_FUZZ=1, FUZZ_SECONDS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +32,17 @@ echo "== tests"
 
 echo "== python: kvferry._native and the vLLM connector against vLLM's real scheduler"
 .venv/bin/python -m pytest -q python/tests
+
+if [ "${KVFERRY_SKIP_UCX_WHEEL:-0}" != 1 ]; then
+  # The data plane on a current UCX as well: users' UCX is rarely Debian's 1.13. The wheel's
+  # libraries come by the test binaries' RPATH, and its transport modules from beside them.
+  echo "== transport tests on UCX 1.22 (the libucx-cu13 wheel; build-ucx122/)"
+  ucx_dir=$(.venv/bin/python -c 'import libucx, os; print(os.path.join(os.path.dirname(libucx.__file__), "lib", "cmake", "ucx"))')
+  cmake -S . -B build-ucx122 -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_BENCH=OFF \
+    -DKVFERRY_MODULES="core;transport" -Ducx_DIR="$ucx_dir" >/dev/null
+  cmake --build build-ucx122 -j "$jobs" --target kvferry_transport_tests
+  (cd build-ucx122 && ctest --output-on-failure -j "$jobs" --timeout 300 -L transport)
+fi
 
 if [ "${KVFERRY_SKIP_ASAN:-0}" != 1 ]; then
   echo "== sanitizers: core, wire, protocol and simulator tests under ASan + UBSan (build-asan/)"

@@ -1045,6 +1045,16 @@ ucs_status_t UcxEngine::OnHelloAck(void* arg, const void* header, size_t header_
   }
   bool rma_ok = false;
   std::string tls = self->DescribeLanes(peer->ep, &rma_ok);
+  // UCX 1.22 prints no put lines for shared memory (it picks put protocols per remote key, later),
+  // so by the lanes alone a shared-memory peer would stay on active messages there. A remote key
+  // UCX maps directly (ucp_rkey_ptr: posix, sysv, xpmem) is the same proof on every version: a put
+  // into it is a one-sided copy. Measured with the libucx-cu13 wheel: without this, the
+  // posix,sysv,self endpoints of the transport tests took the am path; forced to put, all 7 of
+  // their tests passed.
+  if (!rma_ok && peer->rkeys_ok && !peer->rkeys.empty() && tls.find("tcp") == std::string::npos) {
+    void* mapped = nullptr;
+    rma_ok = ucp_rkey_ptr(peer->rkeys[0], peer->desc.regions[0].info.base, &mapped) == UCS_OK;
+  }
   bool use_put = false;
   switch (self->options_.mode) {
     case UcxMode::kPut:
