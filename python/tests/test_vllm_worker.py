@@ -304,14 +304,14 @@ def test_p_warns_once_per_pass_of_kv_no_decoder_took_naming_why(model_dir, monke
             [("free", "xfer-1", "expired"), ("free", "xfer-2", "expired"),
              ("free", "xfer-9", "sent")]))
     assert results.finished_sending == {"p1", "p2"}
-    lines = [r.getMessage() for r in caplog.records if "no decoder took" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "before a decoder took it" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "2 transfer(s)" in lines[0] and "xfer-1, xfer-2" in lines[0], lines[0]
     assert "for a whole lease (12 s)" in lines[0], lines[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
         engine_step(p, connector, lambda: native.events.append(("free", "xfer-3", "sent")))
-    assert "no decoder took" not in caplog.text  # pulled: nothing to say
+    assert "before a decoder took it" not in caplog.text  # pulled: nothing to say
     assert_scheduler_empty(p)
 
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvferry.vllm")
 
-# Why P dropped a transfer no decoder took (the hold table's reasons, native.py take_events).
+# Why P dropped a transfer before a decoder took it (the hold table's reasons, native.py take_events).
 _UNCLAIMED = {
     "expired": "its decoder neither pulled nor renewed it for a whole lease ({lease:g} s)",
     "dead_decoder": "its decoder stopped renewing it for a whole lease ({lease:g} s) before "
@@ -447,9 +447,9 @@ class KvferryConnectorWorker:
             self._pump_prefill_staging()
 
     def _note_unclaimed(self, unclaimed: dict[str, list[str]]) -> None:
-        """P dropped KV that no decoder took in time: a decoder died, was cut off from this
-        prefiller, or its clients' requests never reached it. The operator hears of it once per
-        pass and reason, from rank 0 (every rank drops the same transfers)."""
+        """P dropped KV before a decoder took it: a decoder died or was cut off from this
+        prefiller, or a prefill never finished while a decoder's pull waited. The operator hears
+        of it once per pass and reason, from rank 0 (every rank drops the same transfers)."""
         if self.options.tp_rank != 0:
             return
         lease = self.options.kv_lease_duration
@@ -457,7 +457,7 @@ class KvferryConnectorWorker:
             why = (_UNCLAIMED[reason].format(lease=lease) if lease > 0 or reason != "expired"
                    else f"no decoder pulled it within abort_request_timeout "
                         f"({self.options.abort_request_timeout:g} s)")
-            logger.warning("kvferry: P dropped the KV of %d transfer(s) that no decoder took: "
+            logger.warning("kvferry: P dropped the KV of %d transfer(s) before a decoder took it: "
                            "%s (e.g. %s)", len(transfers), why, ", ".join(transfers[:3]))
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
