@@ -41,6 +41,13 @@ if [ "${KVFERRY_SKIP_UCX_WHEEL:-0}" != 1 ]; then
   cmake -S . -B build-ucx122 -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_BENCH=OFF \
     -DKVFERRY_MODULES="core;transport" -Ducx_DIR="$ucx_dir" >/dev/null
   cmake --build build-ucx122 -j "$jobs" --target kvferry_transport_tests
+  # The same soname as Debian's: make sure the tests load the wheel's (LD_LIBRARY_PATH, searched
+  # before RUNPATH, could hand them Debian's and this stage would test 1.13 twice).
+  if ! ldd build-ucx122/tests/transport/kvferry_transport_tests | grep -q 'libucx/lib/libucp.so'; then
+    echo "test.sh: build-ucx122's tests do not load the wheel's libucp" >&2
+    ldd build-ucx122/tests/transport/kvferry_transport_tests | grep -i ucp >&2
+    exit 1
+  fi
   (cd build-ucx122 && ctest --output-on-failure -j "$jobs" --timeout 300 -L transport)
 fi
 

@@ -3,7 +3,7 @@
 //
 // Contracts, on top of the C++ ones (runtime/prefill_worker.h, runtime/decode_worker.h):
 //  - KV memory is the engine's own tensors, passed as planes (address, bytes): host memory only.
-//    A CUDA tensor is refused with a clear error (transport::MemoryKind::kCuda is reserved). The
+//    A CUDA tensor is refused with a clear error (the UCX this binding links has no CUDA). The
 //    memory must outlive the worker: the Python classes keep no reference to the tensors, so
 //    the caller holds them until stop() returned.
 //  - No Python runs on a kvferry thread: P's hold events and D's results are queued in C++ and

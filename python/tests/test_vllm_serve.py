@@ -526,13 +526,11 @@ def test_a_killed_decoder_lets_p_free_its_queued_kv_within_one_lease(cluster):
         held = kv_usage(b.prefill)
         log_from = log_size(b.prefill)
         b.decode.kill()  # SIGKILL, engine core and API server alike
-        killed = time.monotonic()
         freed = wait_for("P freed a dead decoder's KV", lambda: kv_usage(b.prefill) == 0,
                          LEASE_S + 5)
         print(f"[ measured ] D killed while P held {held:.0%} of its KV: P freed it {freed:.2f} s "
               f"later (lease {LEASE_S:g} s)")
         assert freed >= LEASE_S * 0.5, "P freed before the lease could have run out"
-        assert time.monotonic() - killed < LEASE_S + 5
         # And the operator hears why (worker.py, _note_unclaimed).
         said = log_since(b.prefill, log_from)
         assert UNCLAIMED in said and f"for a whole lease ({LEASE_S:g} s)" in said, said

@@ -701,8 +701,9 @@ Result<Region> UcxEngine::RegisterMemory(void* base, std::size_t length, MemoryK
     }
     if ((memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) == 0) {
       return Err(ErrorCode::kInvalidArgument,
-                 "CUDA memory: this UCX was built without CUDA support and registers host "
-                 "memory only; stage the KV through host memory, or use a UCX built with CUDA");
+                 "CUDA memory: this UCX has no CUDA memory support here (built without CUDA, "
+                 "or its CUDA modules did not load: no driver); stage the KV through host "
+                 "memory, or use a UCX built with CUDA on a machine with a GPU");
     }
   }
   if (OnProgressThread()) return tl::unexpected(CallbackMisuse("RegisterMemory"));
@@ -1051,9 +1052,14 @@ ucs_status_t UcxEngine::OnHelloAck(void* arg, const void* header, size_t header_
   // into it is a one-sided copy. Measured with the libucx-cu13 wheel: without this, the
   // posix,sysv,self endpoints of the transport tests took the am path; forced to put, all 7 of
   // their tests passed.
+  // Every region must map: UCX maps the shared-memory segments it allocated (AllocateRegion),
+  // not caller memory (RegisterMemory), and one connection carries the puts to all of them.
   if (!rma_ok && peer->rkeys_ok && !peer->rkeys.empty() && tls.find("tcp") == std::string::npos) {
-    void* mapped = nullptr;
-    rma_ok = ucp_rkey_ptr(peer->rkeys[0], peer->desc.regions[0].info.base, &mapped) == UCS_OK;
+    rma_ok = true;
+    for (std::size_t i = 0; rma_ok && i < peer->rkeys.size(); ++i) {
+      void* mapped = nullptr;
+      rma_ok = ucp_rkey_ptr(peer->rkeys[i], peer->desc.regions[i].info.base, &mapped) == UCS_OK;
+    }
   }
   bool use_put = false;
   switch (self->options_.mode) {
@@ -1332,6 +1338,10 @@ ucs_status_t UcxEngine::OnWrite(void* arg, const void* header, size_t header_len
     auto it = self->regions_.find(h.remote_region);
     if (!self->KeyAdmitted(h.write_key)) {
       refused = ErrorCode::kRejected;
+    } else if (it != self->regions_.end() && it->second.region.kind != MemoryKind::kHost) {
+      // This handler copies with the CPU: device memory takes puts only, whatever a sender's
+      // descriptor said (SubmitWrites refuses such a write on its side too).
+      refused = ErrorCode::kInvalidArgument;
     } else if (it != self->regions_.end() && h.length == length &&
                internal::RangeFits(h.remote_offset, h.length, it->second.region.length)) {
       dst = it->second.region.base + h.remote_offset;
@@ -1396,7 +1406,9 @@ ucs_status_t UcxEngine::OnWriteV(void* arg, const void* header, size_t header_le
     auto it = self->regions_.find(h.remote_region);
     const bool admitted = self->KeyAdmitted(h.write_key);
     if (!admitted) refused = ErrorCode::kRejected;
-    bool ok = admitted && it != self->regions_.end();
+    const bool host = it != self->regions_.end() && it->second.region.kind == MemoryKind::kHost;
+    if (admitted && it != self->regions_.end() && !host) refused = ErrorCode::kInvalidArgument;
+    bool ok = admitted && host;
     std::uint64_t total = 0;
     for (std::size_t i = 0; ok && i < ext.size(); ++i) {
       ok = ext[i].length > 0 && ext[i].length <= length - total &&

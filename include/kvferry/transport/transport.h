@@ -39,8 +39,10 @@ using Duration = core::Duration;
 
 // Where a region lives. kCuda: the UCX backend registers it when its UCX was built with CUDA
 // and UCX itself sees CUDA memory at that address (never on the caller's word), and not with
-// fence_writes (a fencing receiver copies writes with the CPU); it refuses a write into a remote
-// CUDA region over a connection without an RMA lane. The in-process backend refuses kCuda.
+// fence_writes (a fencing receiver copies writes with the CPU). Device memory takes puts only: a
+// sender refuses a write into a remote CUDA region over a connection that writes by active
+// messages, and a receiver refuses such a write into its own. The in-process backend refuses
+// kCuda.
 enum class MemoryKind : std::uint8_t { kHost = 0, kCuda = 1 };
 
 // Engine-local handle of a registered region. It also names the region inside descriptors, so a

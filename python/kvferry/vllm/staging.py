@@ -1,8 +1,8 @@
 """Host staging: how the connector moves a KV cache that kvferry's data plane does not register
 (a GPU's), through host memory that it does.
 
-kvferry's data plane registers host memory only (transport::MemoryKind kCuda is reserved), and
-every real vLLM deployment keeps its KV cache on a GPU. With staging, each worker registers a
+kvferry's data plane here registers host memory only (the binding's UCX has no CUDA: its engine
+refuses transport::MemoryKind kCuda), and every real vLLM deployment keeps its KV cache on a GPU. With staging, each worker registers a
 host twin of its KV regions instead — ``kv_staging_blocks`` slots per KV-cache group, each slot
 one block of every region of its group, byte for byte — and copies between the two:
 

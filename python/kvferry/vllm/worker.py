@@ -425,19 +425,23 @@ class KvferryConnectorWorker:
                     self._failed_released.add(request_id)
             self._pump_decode_staging()
         if self.prefill is not None:
+            # Frees of KV no decoder took, by reason. Aborts are not counted: the scheduler half
+            # already warns of transfers dropped before their prefill finished.
             unclaimed: dict[str, list[str]] = {}
             for kind, transfer_id, reason in self.prefill.take_events():
-                if reason in _UNCLAIMED:
-                    unclaimed.setdefault(reason, []).append(transfer_id)
                 if kind == "free":
                     if self._p_staging is not None and self._p_staging.freed(transfer_id):
                         self._held.pop(transfer_id, None)
+                        if reason in _UNCLAIMED:
+                            unclaimed.setdefault(reason, []).append(transfer_id)
                         continue  # its slots are free; vLLM had the blocks back when staged
                     request_id = self._held.pop(transfer_id, None)
                     if request_id is None:
                         logger.error("P runtime freed %s, which it did not hold", transfer_id)
                     else:
                         self._finished_sending.add(request_id)
+                        if reason in _UNCLAIMED:
+                            unclaimed.setdefault(reason, []).append(transfer_id)
                 elif kind == "abort":
                     if self._admitted.pop(transfer_id, None) is not None:
                         self._dropped.append(transfer_id)
