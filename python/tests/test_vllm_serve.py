@@ -550,10 +550,16 @@ def test_a_decoder_stopped_by_sigterm_drains_its_requests_then_stops_kvferry(clu
     warm_up(b, 19)
     batch = prompts(19, [120, 240, 60])
     want = [complete(b.prefill.url, b.model, p, 48) for p in batch]
+    # D's running gauge is set at each step, so after the warm-up it can still read 1 while D is
+    # idle (a clean-clone CI run on 2026-12-02 sent SIGTERM on that, before the batch reached D,
+    # and the requests were cut off). Tokens generated since now can only be the batch's.
+    generated = metric(b.decode.metrics(), "vllm:generation_tokens_total")
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
         futures = [pool.submit(complete, b.proxy.url, b.model, p, 48, timeout_s=60)
                    for p in batch]
-        wait_for("D decodes the batch", lambda: running(b.decode) >= 1, 30, poll_s=0.02)
+        wait_for("D decodes the batch",
+                 lambda: metric(b.decode.metrics(), "vllm:generation_tokens_total") > generated,
+                 30, poll_s=0.02)
         sent = time.monotonic()
         code = b.decode.stop()
         exited = time.monotonic() - sent
