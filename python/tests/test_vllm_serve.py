@@ -550,16 +550,22 @@ def test_a_decoder_stopped_by_sigterm_drains_its_requests_then_stops_kvferry(clu
     warm_up(b, 19)
     batch = prompts(19, [120, 240, 60])
     want = [complete(b.prefill.url, b.model, p, 48) for p in batch]
-    # D's running gauge is set at each step, so after the warm-up it can still read 1 while D is
-    # idle (a clean-clone CI run on 2026-12-02 sent SIGTERM on that, before the batch reached D,
-    # and the requests were cut off). Tokens generated since now can only be the batch's.
+    # SIGTERM once D decodes all 3: vLLM 0.32's drain waits for the requests its engine runs, not
+    # for those still waiting for their KV (two clean-clone CI runs on 2026-12-02 sent SIGTERM
+    # while loads were in flight; their requests failed with EngineDeadError, the engine core
+    # having drained nothing). D's running gauge is set at each step, so after the warm-up it can
+    # read 1 while D is idle: tokens generated since now, by the batch alone, show it is fresh.
     generated = metric(b.decode.metrics(), "vllm:generation_tokens_total")
+
+    def decoding_all() -> bool:
+        m = b.decode.metrics()
+        return (metric(m, "vllm:generation_tokens_total") > generated
+                and metric(m, "vllm:num_requests_running") >= len(batch))
+
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
         futures = [pool.submit(complete, b.proxy.url, b.model, p, 48, timeout_s=60)
                    for p in batch]
-        wait_for("D decodes the batch",
-                 lambda: metric(b.decode.metrics(), "vllm:generation_tokens_total") > generated,
-                 30, poll_s=0.02)
+        wait_for("D decodes the whole batch", decoding_all, 30, poll_s=0.02)
         sent = time.monotonic()
         code = b.decode.stop()
         exited = time.monotonic() - sent
