@@ -25,7 +25,9 @@ from kvferry.vllm.staging import (
     SlotPool,
     StagingSlots,
     Start,
+    WaitWatch,
     byte_view,
+    slot_runs,
     stage_regions,
 )
 
@@ -37,12 +39,12 @@ class ManualCopier:
         self.calls: list[tuple] = []
         self.finished: set[int] = set()
 
-    def to_staging(self, block_ids, starts):
-        self.calls.append(("to_staging", block_ids, list(starts)))
+    def to_staging(self, block_ids, slot_ids):
+        self.calls.append(("to_staging", block_ids, slot_ids))
         return len(self.calls) - 1
 
-    def from_staging(self, starts, block_ids):
-        self.calls.append(("from_staging", list(starts), block_ids))
+    def from_staging(self, slot_ids, block_ids):
+        self.calls.append(("from_staging", slot_ids, block_ids))
         return len(self.calls) - 1
 
     def done(self, token):
@@ -55,56 +57,79 @@ class ManualCopier:
 # ---- slot pools ----
 
 
-def test_a_pool_hands_out_contiguous_ranges_and_coalesces_what_comes_back():
+def test_a_pool_hands_out_a_run_when_one_is_long_enough_and_coalesces_what_comes_back():
     pool = SlotPool(10)
     a, b, c = pool.take(3), pool.take(3), pool.take(4)
-    assert (a, b, c) == (0, 3, 6) and pool.free == 0
-    assert pool.take(1) is None
-    pool.give_back(a, 3)
-    pool.give_back(c, 4)
-    assert pool.take(4) == 6  # first fit: 0..2 is too short
-    pool.give_back(6, 4)
-    pool.give_back(b, 3)  # 0..9 free again, as one run
-    assert pool.take(10) == 0
+    assert (a, b, c) == ([0, 1, 2], [3, 4, 5], [6, 7, 8, 9])
+    assert pool.take(1) is None and pool.free == 0
+    pool.give_back(a)
+    pool.give_back(c)
+    assert pool.take(4) == [6, 7, 8, 9]  # first fit: 0..2 is too short, 6..9 is a run
+    pool.give_back([6, 7, 8, 9])
+    pool.give_back(b)  # 0..9 free again, as one run
+    assert pool.take(10) == list(range(10))
 
 
-def test_a_pool_refuses_a_double_free_and_a_range_outside_it():
-    pool = SlotPool(8)
-    start = pool.take(4)
-    pool.give_back(start, 4)
+def test_a_pool_hands_out_scattered_slots_rather_than_make_a_request_wait():
+    # 6 slots free in runs of 2: a request of 5 gets them (the lowest first); with contiguous
+    # ranges only it waited, and on D such a wait can join a cycle with P's (staging.py).
+    pool = SlotPool(12)
+    taken = [pool.take(2) for _ in range(6)]
+    for run in taken[::2]:
+        pool.give_back(run)
+    assert pool.free == 6
+    assert pool.take(5) == [0, 1, 4, 5, 8]
+    assert pool.free == 1 and pool.take(2) is None
+    assert pool.take(1) == [9]
+
+
+def test_a_pool_refuses_a_double_free_and_slots_outside_it_and_changes_nothing():
+    pool = SlotPool(10)
+    slots = pool.take(4)
+    pool.give_back(slots)
     with pytest.raises(ValueError, match="free already"):
-        pool.give_back(start, 4)
-    pool.take(8)
-    pool.give_back(2, 2)
+        pool.give_back(slots)
+    pool.take(8)  # 0..7
+    pool.give_back([2, 3])
     with pytest.raises(ValueError, match="free already"):
-        pool.give_back(3, 2)  # overlaps 2..3
+        pool.give_back([5, 3])  # 3 is free
+    with pytest.raises(ValueError, match="twice"):
+        pool.give_back([4, 4])
     with pytest.raises(ValueError, match="outside"):
-        pool.give_back(7, 2)
-    with pytest.raises(ValueError, match="at least one slot"):
+        pool.give_back([7, 10])
+    assert pool.free == 4  # 2, 3, 8, 9: no refused call returned anything
+    with pytest.raises(ValueError):
         SlotPool(0)
 
 
-def test_random_takes_and_gives_never_hand_one_slot_twice():
+def test_random_takes_and_gives_never_hand_one_slot_twice_nor_make_a_fitting_request_wait():
     rng = random.Random(7)
     pool = SlotPool(64)
-    taken: list[tuple[int, int]] = []
+    taken: list[list[int]] = []
     for _ in range(5000):
         if taken and rng.random() < 0.5:
-            start, count = taken.pop(rng.randrange(len(taken)))
-            pool.give_back(start, count)
+            pool.give_back(taken.pop(rng.randrange(len(taken))))
         else:
             count = rng.randint(1, 12)
-            start = pool.take(count)
-            if start is not None:
-                taken.append((start, count))
-        owned = sorted(s for start, count in taken for s in range(start, start + count))
+            free = pool.free
+            slots = pool.take(count)
+            assert (slots is not None) == (count <= free)
+            if slots is not None:
+                assert len(slots) == count
+                taken.append(slots)
+        owned = sorted(s for slots in taken for s in slots)
         assert len(owned) == len(set(owned)) and all(0 <= s < 64 for s in owned)
         assert pool.free == 64 - len(owned)
 
 
+def test_slot_runs_name_each_run_of_consecutive_slots_and_where_it_starts():
+    assert slot_runs([4, 5, 6, 0, 1, 9]) == [(4, 3, 0), (0, 2, 3), (9, 1, 5)]
+    assert slot_runs([]) == []
+
+
 def test_a_request_takes_slots_in_every_group_or_in_none():
     slots = StagingSlots(2, 4)
-    assert slots.take([[1, 2, 3], [4, 5]]) == [0, 0]
+    assert slots.take([[1, 2, 3], [4, 5]]) == [[0, 1, 2], [0, 1]]
     assert slots.take([[6], [7, 8, 9]]) is None  # group 1 has 2 left: group 0 gives its 1 back
     assert [p.free for p in slots.pools] == [1, 2]
     assert slots.refusal([[1] * 5, []]) is not None and "kv_staging_blocks" in \
@@ -119,7 +144,7 @@ def test_p_hands_the_slots_to_the_runtime_only_once_the_copy_is_done():
     copier = ManualCopier()
     p = PrefillStaging(StagingSlots(1, 8), copier)
     p.hold("xfer-1", "r1", [[5, 9, 2]])
-    assert copier.calls == [("to_staging", [[5, 9, 2]], [0])]
+    assert copier.calls == [("to_staging", [[5, 9, 2]], [[0, 1, 2]])]
     assert p.poll() == []  # copying: nothing handed, vLLM keeps the blocks
     copier.finish()
     assert p.poll() == [Handed("xfer-1", "r1", [[0, 1, 2]])]
@@ -162,7 +187,7 @@ def test_d_pulls_into_slots_then_copies_up_and_reports_the_load_after_that_copy(
     d.load("r1", "source-1", [[7, 3]])
     assert d.poll() == [Start("r1", "source-1", [[0, 1]])]
     assert d.received("r1")
-    assert copier.calls == [("from_staging", [0], [[7, 3]])]
+    assert copier.calls == [("from_staging", [[0, 1]], [[7, 3]])]
     assert d.poll() == []  # copying up: not loaded yet
     copier.finish()
     assert d.poll() == [Loaded("r1")]
@@ -188,30 +213,31 @@ def test_d_keeps_the_slots_of_a_failed_load_p_may_still_write_until_released():
     assert not d.released("r2") and not d.failed("r2", held=True)
 
 
-def test_d_fails_at_once_the_loads_that_quarantined_slots_leave_no_run_for():
-    # Without fence_writes a quarantined slot may stay taken for good: a load that the slots
-    # around it cannot hold would wait forever, so it fails, with the reason.
+def test_d_fails_at_once_the_loads_that_the_slots_not_quarantined_cannot_hold():
+    # Without fence_writes a quarantined slot may stay taken for good: a load larger than the
+    # slots around it would wait forever, so it fails, with the reason.
     copier = ManualCopier()
     d = DecodeStaging(StagingSlots(1, 10), copier)
     d.load("r1", "s", [[0, 1, 2]])  # slots 0..2
     d.load("r2", "s", [[3, 4]])  # 3..4
     d.load("r3", "s", [[5, 6, 7, 8, 9]])  # 5..9
-    d.load("r4", "s", [[1] * 6])  # waits: every slot is taken
-    d.load("r5", "s", [[1] * 5])  # waits behind r4
+    d.load("r4", "s", [[1] * 9])  # waits: every slot is taken
+    d.load("r5", "s", [[1] * 8])  # waits behind r4
     assert [o.request_id for o in d.poll()] == ["r1", "r2", "r3"]
-    assert d.failed("r2", held=True)  # 3..4 quarantined: runs of 3 and 5 around them
+    assert d.failed("r2", held=True)  # 3..4 quarantined: 8 slots can still be had
     (out,) = d.poll()
     assert isinstance(out, LoadFailed) and out.request_id == "r4"
-    assert "quarantined" in out.reason and "runs of 5 at most" in out.reason
-    d.load("r6", "s", [[1] * 7])  # 8 slots are not quarantined, but no run of 7 can be
+    assert "quarantined" in out.reason and "leave 8" in out.reason
+    d.load("r6", "s", [[1] * 9])
     (out,) = d.poll()
     assert isinstance(out, LoadFailed) and out.request_id == "r6"
-    assert d.received("r3")
+    assert d.received("r1") and d.received("r3")
     copier.finish()
-    assert d.poll() == [Loaded("r3"), Start("r5", "s", [[5, 6, 7, 8, 9]])]  # r5 still fits
+    # r5 fits the 8 slots around the quarantined ones, though they do not lie in one run.
+    assert d.poll() == [Loaded("r1"), Loaded("r3"), Start("r5", "s", [[0, 1, 2, 5, 6, 7, 8, 9]])]
     assert d.counts()["staging_quarantined_slots"] == 2
-    assert d.released("r2")  # P can no longer write 3..4: a 7-run is possible again
-    d.load("r7", "s", [[1] * 7])
+    assert d.released("r2")  # P can no longer write 3..4: a 9-slot load can wait again
+    d.load("r7", "s", [[1] * 9])
     assert d.poll() == [] and d.waiting == 1
     assert d.counts()["staging_quarantined_slots"] == 0
 
@@ -234,6 +260,27 @@ def test_d_refuses_a_load_larger_than_the_budget_at_once():
     d.load("r1", "s", [[0, 1, 2]])
     (out,) = d.poll()
     assert isinstance(out, LoadFailed) and "3 blocks" in out.reason
+
+
+def test_a_wait_watch_names_the_start_a_standstill_and_the_end_of_a_wait_each_once():
+    d = DecodeStaging(StagingSlots(1, 4), ManualCopier())
+    watch = WaitWatch(stall_after_s=30)
+    assert watch.look(d, now=0) is None  # nothing waits
+    d.load("r1", "s", [[0, 1, 2]])
+    d.load("r2", "s", [[3, 4]])  # waits for r1's slots
+    assert watch.look(d, now=1) == "short"
+    assert watch.look(d, now=30) is None  # 29 s without a move
+    assert watch.look(d, now=31) == "stalled"
+    assert watch.look(d, now=500) is None  # once per standstill
+    d.load("r3", "s", [[5]])  # one slot is free, but r3 waits behind r2 (first come, first served)
+    assert d.waiting == 2 and watch.look(d, now=501) is None
+    assert d.failed("r1", held=False)  # slots move: r2 and r3 start
+    assert watch.look(d, now=502) == "clear"
+    d.load("r4", "s", [[6, 7, 8, 9]])
+    assert watch.look(d, now=503) == "short"
+    d.failed("r2", held=False)  # a move while r4 waits: the standstill clock starts again
+    assert watch.look(d, now=520) is None
+    assert watch.look(d, now=549) is None and watch.look(d, now=550) == "stalled"
 
 
 # ---- bytes ----
@@ -260,16 +307,19 @@ def test_the_copier_moves_each_blocks_bytes_between_cache_and_slots_exactly():
     assert [r.num_blocks for r in staged.regions] == [6, 6, 6]
     assert staged.regions[2].block_stride == staged.regions[2].block_bytes == 5 * 7 * 4
     copier = BlockCopier(staged)
-    assert copier.done(copier.to_staging([[9, 2, 4], [11, 0]], [1, 3]))
-    for i, block in enumerate([9, 2, 4]):
-        assert torch.equal(staged.staging[0][1 + i].view(torch.float32), kv[0][block].flatten())
-        assert torch.equal(staged.staging[1][1 + i].view(torch.float32), kv[1][block].flatten())
-    for i, block in enumerate([11, 0]):
-        assert torch.equal(staged.staging[2][3 + i].view(torch.float32),
+    # Group 0's slots in one run, group 1's scattered (as a pool hands them out when the free
+    # slots lie apart).
+    slots = [[1, 2, 3], [5, 0]]
+    assert copier.done(copier.to_staging([[9, 2, 4], [11, 0]], slots))
+    for slot, block in zip(slots[0], [9, 2, 4]):
+        assert torch.equal(staged.staging[0][slot].view(torch.float32), kv[0][block].flatten())
+        assert torch.equal(staged.staging[1][slot].view(torch.float32), kv[1][block].flatten())
+    for slot, block in zip(slots[1], [11, 0]):
+        assert torch.equal(staged.staging[2][slot].view(torch.float32),
                            strided[block].flatten())
     # And back, into other blocks: only those change.
     before = kv.clone(), wide.clone()
-    assert copier.done(copier.from_staging([1, 3], [[0, 1, 5], [7, 3]]))
+    assert copier.done(copier.from_staging(slots, [[0, 1, 5], [7, 3]]))
     for block, source in zip([0, 1, 5], [9, 2, 4]):
         assert torch.equal(kv[:, block], before[0][:, source])  # K and V alike
     assert torch.equal(strided[7], before[1][::2][11]) and torch.equal(strided[3], before[1][::2][0])

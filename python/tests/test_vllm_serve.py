@@ -60,8 +60,15 @@ ABORT_S = 30.0
 AT_ONCE_S = ABORT_S / 3
 LENGTHS = (1, 2, 31, 32, 33, 100, 200, 400)
 # Pair A's D stages loads through this many host slots (of 32 tokens): far fewer than its 16
-# concurrent requests take together (about 110), more than the largest one (12 for 362 tokens).
+# concurrent requests take together (102), more than the largest one (12 for 362 tokens).
 STAGED_D_SLOTS = 24
+# And P through this many, more than the 16 requests take together, so that P's staging never
+# waits. With P's default (its 64 blocks) the two sides' waits can wait on each other (staging.py,
+# docs/vllm.md "Staging budgets"): D's 24 slots taken by loads whose KV P had not staged, P's 64
+# by KV whose loads waited for D's slots. A CI run stood still so for 2 minutes, until the
+# clients gave up. That needs P to hold more than 64 - 12 blocks no load has slots for while D's
+# slots wait on P: 102 blocks in all allow it, P's 128 slots do not.
+STAGED_P_SLOTS = 128
 # Tokens each of fill_d_then_queue's fillers decodes on group B's D (whose max model length is
 # this plus its prompt): far longer than a test holds them.
 FILLER_TOKENS = 4000
@@ -82,7 +89,7 @@ def cluster(tmp_path_factory):
            # P prefills in chunks of 64 tokens: chunked prefill on the handing side.
            prefill_args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
            decode_args=["--max-num-seqs", "16"],
-           prefill_extra={"kv_staging": "host"},
+           prefill_extra={"kv_staging": "host", "kv_staging_blocks": STAGED_P_SLOTS},
            decode_extra={"kv_staging": "host", "kv_staging_blocks": STAGED_D_SLOTS})
     # A D configured with a lease its P does not have: every load fails (a lease mismatch),
     # and the client hears why through the proxy (D's load-failure service).
@@ -256,10 +263,11 @@ def test_pair_a_moves_its_kv_through_host_staging_and_its_tp2_p_does_not(cluster
     # partial prefix hit loading only the rest through it.
     a = cluster.pairs["a"]
     staged = "kvferry stages KV through host memory: {} slots per KV-cache group"
-    assert staged.format(64) in a.prefill.log.read_text(errors="replace")
+    assert staged.format(STAGED_P_SLOTS) in a.prefill.log.read_text(errors="replace")
     d_log = a.decode.log.read_text(errors="replace")
     assert staged.format(STAGED_D_SLOTS) in d_log
     assert "D staging slots are short" in d_log  # loads waited for slots, and were served
+    assert "staging has not moved" not in d_log + a.prefill.log.read_text(errors="replace")
     assert "stages KV" not in cluster.engines["a-prefill-tp2"].log.read_text(errors="replace")
     assert staged.format(128) in cluster.pairs["m"].prefill.log.read_text(errors="replace")
 

@@ -2,9 +2,10 @@
 (a GPU's), through host memory that it does.
 
 kvferry's data plane here registers host memory only (the binding's UCX has no CUDA: its engine
-refuses transport::MemoryKind kCuda), and every real vLLM deployment keeps its KV cache on a GPU. With staging, each worker registers a
-host twin of its KV regions instead — ``kv_staging_blocks`` slots per KV-cache group, each slot
-one block of every region of its group, byte for byte — and copies between the two:
+refuses transport::MemoryKind kCuda), and every real vLLM deployment keeps its KV cache on a
+GPU. With staging, each worker registers a host twin of its KV regions instead —
+``kv_staging_blocks`` slots per KV-cache group, each slot one block of every region of its
+group, byte for byte — and copies between the two:
 
 - P: when a request's prefill is done, its blocks are copied into staging slots, and P's runtime
   holds the *slots* (under the lease, as it would hold the blocks); vLLM gets the blocks back as
@@ -15,10 +16,19 @@ one block of every region of its group, byte for byte — and copies between the
   even when P may still write (the runtime keeps the transfer quarantined): P only ever writes
   the slots, which stay allocated until the runtime releases them, never the blocks.
 
-Slots are a budget. A request waits (first come, first served) while there are not enough free
-slots, and is refused at once, with its reason, if it needs more than the budget holds: a clear
-wait or a clear failure, never a deadlock — P's slots free as leases end and pulls complete,
-D's as loads land, neither waits on the GPU blocks a waiting request holds.
+Slots are a budget. A request waits (first come, first served) while fewer slots than it needs
+are free, and is refused at once, with its reason, if it needs more than the budget holds. P's
+slots free as pulls complete and leases end, D's as loads land — so the two sides' waits can
+wait on each other. A router that sends D's copy of a request together with P's (``kvferry
+proxy``, vLLM's Mooncake proxy) lets D take slots for a load whose KV P has not staged yet; if
+P's staging is short because its slots hold KV for loads that wait for those same D slots,
+neither side moves until abort_request_timeout fails the parked pulls. A CI run met it: 16
+concurrent requests stood still for 2 minutes, D's 24 slots taken by 6 loads P could not stage,
+P's 64 by 7 transfers whose loads waited for D's slots. With D's budget at its default (the KV
+cache's blocks) D's staging does not wait: a load holds no more slots than vLLM gave it blocks,
+and slots are handed out wherever they lie (quarantined slots aside). A smaller D budget is safe
+beside a P whose staging holds what D can leave waiting (docs/vllm.md, "Staging budgets"); the
+worker warns when a wait stands still.
 
 No copy races vLLM reusing a block: a block goes back to vLLM (P's ``finished_sending``, D's
 ``finished_recving``) only once the copy that reads or writes it has completed, and vLLM
@@ -32,6 +42,7 @@ synchronous for host tensors, on a side stream behind an event for CUDA tensors.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import deque
 from collections.abc import Sequence
@@ -46,43 +57,71 @@ BlockIds = list[list[int]]  # per KV-cache group
 
 
 class SlotPool:
-    """Slots ``0..size-1`` of one KV-cache group, handed out as contiguous ranges (first fit),
-    so that a request's blocks move in one copy per region."""
+    """Slots ``0..size-1`` of one KV-cache group. A request takes the first run of free slots
+    long enough for it (its blocks then move in one copy per region), else the lowest free slots
+    wherever they lie (one copy per run of them): a request waits only while fewer slots than it
+    needs are free, never because the free ones lie apart. That is what lets a budget of the
+    cache's own size never wait on D (docs/vllm.md, "Staging budgets")."""
 
     def __init__(self, size: int):
         if size < 1:
             raise ValueError(f"a staging pool needs at least one slot, not {size}")
         self.size = size
         self._free: list[tuple[int, int]] = [(0, size)]  # (start, count), sorted, coalesced
+        self._free_count = size
 
     @property
     def free(self) -> int:
-        return sum(count for _, count in self._free)
+        return self._free_count
 
-    def take(self, count: int) -> int | None:
-        """The start of ``count`` free slots in a row, now taken; None when no run is long
-        enough."""
+    def take(self, count: int) -> list[int] | None:
+        """``count`` free slots, now taken; None (nothing taken) when fewer are free."""
+        if count < 1:
+            return []
+        if count > self._free_count:
+            return None
         for i, (start, run) in enumerate(self._free):
             if run >= count:
                 if run == count:
                     del self._free[i]
                 else:
                     self._free[i] = (start + count, run - count)
-                return start
-        return None
+                self._free_count -= count
+                return list(range(start, start + count))
+        taken: list[int] = []
+        while len(taken) < count:
+            start, run = self._free[0]
+            use = min(run, count - len(taken))
+            taken.extend(range(start, start + use))
+            if use == run:
+                del self._free[0]
+            else:
+                self._free[0] = (start + use, run - use)
+        self._free_count -= count
+        return taken
 
-    def give_back(self, start: int, count: int) -> None:
-        """Returns ``count`` slots from ``start``, which ``take`` handed out; ValueError for a
-        range that is not taken (a double free would hand one slot to two requests)."""
-        if count < 1 or start < 0 or start + count > self.size:
-            raise ValueError(f"slots {start}+{count} are outside the pool of {self.size}")
-        i = 0
-        while i < len(self._free) and self._free[i][0] < start:
-            i += 1
-        if (i > 0 and sum(self._free[i - 1]) > start) or (
-            i < len(self._free) and start + count > self._free[i][0]
-        ):
-            raise ValueError(f"slots {start}+{count} are (partly) free already")
+    def give_back(self, slots: Sequence[int]) -> None:
+        """Returns ``slots``, which ``take`` handed out; ValueError, with nothing returned, for a
+        slot outside the pool, named twice or already free (a double free would hand one slot
+        to two requests)."""
+        ordered = sorted(slots)
+        if any(s < 0 or s >= self.size for s in ordered):
+            raise ValueError(f"slots {ordered} are outside the pool of {self.size}")
+        if any(a == b for a, b in zip(ordered, ordered[1:])):
+            raise ValueError(f"slots {ordered} name a slot twice")
+        runs = slot_runs(ordered)
+        for start, count, _ in runs:
+            i = bisect.bisect_right(self._free, (start, self.size + 1)) - 1
+            if (i >= 0 and sum(self._free[i]) > start) or (
+                i + 1 < len(self._free) and start + count > self._free[i + 1][0]
+            ):
+                raise ValueError(f"slots {start}+{count} are (partly) free already")
+        for start, count, _ in runs:
+            self._insert(start, count)
+        self._free_count += len(ordered)
+
+    def _insert(self, start: int, count: int) -> None:
+        i = bisect.bisect_left(self._free, (start, 0))
         self._free.insert(i, (start, count))
         if i + 1 < len(self._free) and start + count == self._free[i + 1][0]:
             self._free[i] = (start, count + self._free[i + 1][1])
@@ -92,18 +131,29 @@ class SlotPool:
             del self._free[i]
 
 
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``slots`` (in the request's block order) as runs of consecutive slots: (first slot,
+    count, index in ``slots`` of its first)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+        else:
+            runs.append((s, 1, i))
+    return runs
+
+
 class StagingSlots:
     """One pool per KV-cache group; a request takes its slots in every group at once or not at
     all (a partial hold could starve two requests of each other's slots)."""
 
     def __init__(self, num_groups: int, slots_per_group: int):
         self.pools = [SlotPool(slots_per_group) for _ in range(num_groups)]
+        self.moves = 0  # requests that took or gave back slots, ever (WaitWatch reads it)
 
-    def refusal(self, block_ids: BlockIds,
-                lost: Sequence[list[tuple[int, int]]] = ()) -> str | None:
-        """Why a request with these blocks cannot be staged while the ranges ``lost[g]`` (start,
-        count) of group g are out of use for an unknown time (quarantined), or None. Slots are
-        taken in runs, so what counts is the longest run between lost ranges."""
+    def refusal(self, block_ids: BlockIds, lost: Sequence[int] = ()) -> str | None:
+        """Why a request with these blocks cannot be staged while ``lost[g]`` slots of group g
+        are out of use for an unknown time (quarantined), or None."""
         if len(block_ids) != len(self.pools):
             return f"{len(block_ids)} KV-cache groups, staging has {len(self.pools)}"
         for group, ids in enumerate(block_ids):
@@ -111,48 +161,42 @@ class StagingSlots:
             if len(ids) > size:
                 return (f"{len(ids)} blocks in KV-cache group {group}, more than its "
                         f"{size} staging slots (kv_staging_blocks)")
-            ranges = sorted(lost[group]) if group < len(lost) else []
-            if ranges:
-                edges = [0] + [x for start, count in ranges for x in (start, start + count)]
-                edges.append(size)
-                longest = max(edges[i + 1] - edges[i] for i in range(0, len(edges), 2))
-                if len(ids) > longest:
-                    return (f"{len(ids)} blocks in KV-cache group {group}, and quarantined "
-                            f"slots ({sum(c for _, c in ranges)} of {size}: failed writes P may "
-                            f"still land, fence_writes gives them back) leave runs of "
-                            f"{longest} at most")
+            out = lost[group] if group < len(lost) else 0
+            if out and len(ids) > size - out:
+                return (f"{len(ids)} blocks in KV-cache group {group}, and quarantined slots "
+                        f"({out} of {size}: failed writes P may still land, fence_writes gives "
+                        f"them back) leave {size - out}")
         return None
 
-    def take(self, block_ids: BlockIds) -> list[int] | None:
-        """Per group, the start of the request's slots; None (nothing taken) if some group has
-        no run long enough."""
-        starts: list[int] = []
+    def take(self, block_ids: BlockIds) -> BlockIds | None:
+        """Per group, the slots of the request's blocks (in their order); None (nothing taken)
+        if some group has too few free."""
+        taken: BlockIds = []
         for group, ids in enumerate(block_ids):
-            start = self.pools[group].take(len(ids)) if ids else 0
-            if start is None:
-                self.give_back(block_ids[:group], starts)
+            slots = self.pools[group].take(len(ids)) if ids else []
+            if slots is None:
+                self.give_back(taken)
                 return None
-            starts.append(start)
-        return starts
+            taken.append(slots)
+        self.moves += 1
+        return taken
 
-    def give_back(self, block_ids: BlockIds, starts: Sequence[int]) -> None:
-        for group, (ids, start) in enumerate(zip(block_ids, starts)):
-            if ids:
-                self.pools[group].give_back(start, len(ids))
-
-
-def slot_ids(block_ids: BlockIds, starts: Sequence[int]) -> BlockIds:
-    return [list(range(start, start + len(ids))) for ids, start in zip(block_ids, starts)]
+    def give_back(self, slot_ids: BlockIds) -> None:
+        for group, slots in enumerate(slot_ids):
+            if slots:
+                self.pools[group].give_back(slots)
+        self.moves += 1
 
 
 class Copier(Protocol):
     """Copies a request's blocks between the KV cache and its staging slots."""
 
-    def to_staging(self, block_ids: BlockIds, starts: Sequence[int]) -> Any:
-        """Starts copying the blocks into the slots from ``starts``; returns a token."""
+    def to_staging(self, block_ids: BlockIds, slot_ids: BlockIds) -> Any:
+        """Starts copying each block into its slot (the same index in ``slot_ids``); returns a
+        token."""
 
-    def from_staging(self, starts: Sequence[int], block_ids: BlockIds) -> Any:
-        """Starts copying the slots from ``starts`` into the blocks; returns a token."""
+    def from_staging(self, slot_ids: BlockIds, block_ids: BlockIds) -> Any:
+        """Starts copying each slot into its block; returns a token."""
 
     def done(self, token: Any) -> bool:
         """Whether the copy behind ``token`` has finished (its destination is safe to read)."""
@@ -164,7 +208,7 @@ class _Entry:
     request_id: str
     block_ids: BlockIds
     payload: Any = None  # D: where to pull from
-    starts: list[int] | None = None
+    slot_ids: BlockIds | None = None  # per group, the slot of each block, while taken
     copy: Any = None
 
 
@@ -190,11 +234,11 @@ class _SlotQueue:
 
     def _advance(self) -> None:
         while self._waiting:
-            starts = self.slots.take(self._waiting[0].block_ids)
-            if starts is None:
+            taken = self.slots.take(self._waiting[0].block_ids)
+            if taken is None:
                 return
             entry = self._waiting.popleft()
-            entry.starts = starts
+            entry.slot_ids = taken
             self._slots_taken(entry)
 
     def _finished_copies(self) -> list[_Entry]:
@@ -250,17 +294,16 @@ class PrefillStaging(_SlotQueue):
         entry = self._held.pop(transfer_id, None)
         if entry is None:
             return False
-        assert entry.starts is not None
-        self.slots.give_back(entry.block_ids, entry.starts)
+        assert entry.slot_ids is not None
+        self.slots.give_back(entry.slot_ids)
         self._advance()
         return True
 
     def poll(self) -> list[Handed | Refused]:
         for entry in self._finished_copies():
-            assert entry.starts is not None
+            assert entry.slot_ids is not None
             self._held[entry.key] = entry
-            self._out.append(
-                Handed(entry.key, entry.request_id, slot_ids(entry.block_ids, entry.starts)))
+            self._out.append(Handed(entry.key, entry.request_id, entry.slot_ids))
         return self._take_out()
 
     def counts(self) -> dict[str, int]:
@@ -268,8 +311,8 @@ class PrefillStaging(_SlotQueue):
                 "staging_held": len(self._held)}
 
     def _slots_taken(self, entry: _Entry) -> None:
-        assert entry.starts is not None
-        entry.copy = self._copier.to_staging(entry.block_ids, entry.starts)
+        assert entry.slot_ids is not None
+        entry.copy = self._copier.to_staging(entry.block_ids, entry.slot_ids)
         self._copying.append(entry)
 
 
@@ -298,8 +341,8 @@ class DecodeStaging(_SlotQueue):
         super().__init__(slots, copier)
         self._receiving: dict[str, _Entry] = {}  # request id -> entry, pulled into its slots
         self._quarantined: dict[str, _Entry] = {}  # failed while P may still write its slots
-        # Per group: the slot ranges (start, count) of the quarantined entries.
-        self._lost: list[list[tuple[int, int]]] = [[] for _ in slots.pools]
+        # Per group: how many slots the quarantined entries keep.
+        self._lost: list[int] = [0 for _ in slots.pools]
 
     def load(self, request_id: str, source: Any, block_ids: BlockIds) -> None:
         """vLLM allocated ``block_ids`` for the request's KV, to come from ``source``. A load
@@ -328,8 +371,8 @@ class DecodeStaging(_SlotQueue):
         entry = self._receiving.pop(request_id, None)
         if entry is None:
             return False
-        assert entry.starts is not None
-        entry.copy = self._copier.from_staging(entry.starts, entry.block_ids)
+        assert entry.slot_ids is not None
+        entry.copy = self._copier.from_staging(entry.slot_ids, entry.block_ids)
         self._copying.append(entry)
         return True
 
@@ -341,10 +384,8 @@ class DecodeStaging(_SlotQueue):
             return False
         if held:
             self._quarantined[request_id] = entry
-            assert entry.starts is not None
-            for group, (ids, start) in enumerate(zip(entry.block_ids, entry.starts)):
-                if ids:
-                    self._lost[group].append((start, len(ids)))
+            for group, ids in enumerate(entry.block_ids):
+                self._lost[group] += len(ids)
             self._fail_the_unservable()
         else:
             self._give_back(entry)
@@ -355,10 +396,8 @@ class DecodeStaging(_SlotQueue):
         entry = self._quarantined.pop(request_id, None)
         if entry is None:
             return False
-        assert entry.starts is not None
-        for group, (ids, start) in enumerate(zip(entry.block_ids, entry.starts)):
-            if ids:
-                self._lost[group].remove((start, len(ids)))
+        for group, ids in enumerate(entry.block_ids):
+            self._lost[group] -= len(ids)
         self._give_back(entry)
         return True
 
@@ -372,7 +411,7 @@ class DecodeStaging(_SlotQueue):
         return {"staging_waiting": len(self._waiting), "staging_receiving": len(self._receiving),
                 "staging_copying": len(self._copying),
                 "staging_quarantined": len(self._quarantined),
-                "staging_quarantined_slots": sum(c for ranges in self._lost for _, c in ranges)}
+                "staging_quarantined_slots": sum(self._lost)}
 
     def _fail_the_unservable(self) -> None:
         """Waiting loads that the slots not quarantined can no longer hold fail now."""
@@ -383,15 +422,46 @@ class DecodeStaging(_SlotQueue):
                 self._out.append(LoadFailed(entry.request_id, f"cannot stage the load: {reason}"))
 
     def _give_back(self, entry: _Entry) -> None:
-        assert entry.starts is not None
-        self.slots.give_back(entry.block_ids, entry.starts)
-        entry.starts = None
+        assert entry.slot_ids is not None
+        self.slots.give_back(entry.slot_ids)
+        entry.slot_ids = None
         self._advance()
 
     def _slots_taken(self, entry: _Entry) -> None:
-        assert entry.starts is not None
+        assert entry.slot_ids is not None
         self._receiving[entry.key] = entry
-        self._out.append(Start(entry.key, entry.payload, slot_ids(entry.block_ids, entry.starts)))
+        self._out.append(Start(entry.key, entry.payload, entry.slot_ids))
+
+
+class WaitWatch:
+    """When the worker logs about one side's waits for slots: ``"short"`` when requests start
+    waiting, ``"stalled"`` once a wait has stood still for ``stall_after_s`` (no request took or
+    gave back slots meanwhile: the waits may be waiting on each other, see the module doc),
+    ``"clear"`` when none waits any more; each once per wait. ``now`` in seconds, any epoch."""
+
+    def __init__(self, stall_after_s: float):
+        self.stall_after_s = stall_after_s
+        self._short = False
+        self._stalled = False
+        self._moves = -1
+        self._still_since = 0.0
+
+    def look(self, queue: _SlotQueue, now: float) -> str | None:
+        moves = queue.slots.moves
+        if moves != self._moves:
+            self._moves, self._still_since, self._stalled = moves, now, False
+        if queue.waiting == 0:
+            if not self._short:
+                return None
+            self._short = False
+            return "clear"
+        if not self._short:
+            self._short = True
+            return "short"
+        if not self._stalled and now - self._still_since >= self.stall_after_s:
+            self._stalled = True
+            return "stalled"
+        return None
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -452,9 +522,10 @@ def stage_regions(
 
 
 class BlockCopier:
-    """The real Copier: one gather (or scatter) per region and request. Host caches copy at once;
-    a CUDA cache copies on a side stream that first waits for the compute stream (the KV the
-    engine wrote), and ``done`` asks the event recorded after the copy."""
+    """The real Copier: one gather (or scatter) per region and request, one copy per run of
+    consecutive slots (one run unless the pool had to hand out scattered slots). Host caches
+    copy at once; a CUDA cache copies on a side stream that first waits for the compute stream
+    (the KV the engine wrote), and ``done`` asks the event recorded after the copy."""
 
     def __init__(self, staged: StagedRegions):
         self.staged = staged
@@ -462,23 +533,32 @@ class BlockCopier:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.device = device
 
-    def _ranges(self, block_ids: BlockIds, starts: Sequence[int]):
+    def _regions(self, block_ids: BlockIds, slot_ids: BlockIds):
+        """Per region with blocks to move: its cache view, its twin, the blocks' index on the
+        cache's device and the runs of their slots (slot_runs)."""
         for cache, twin, region in zip(self.staged.caches, self.staged.staging,
                                        self.staged.regions):
             ids = block_ids[region.group]
             if ids:
                 index = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-                start = starts[region.group]
-                yield cache, twin[start:start + len(ids)], index
+                yield cache, twin, index, slot_runs(slot_ids[region.group])
 
-    def to_staging(self, block_ids: BlockIds, starts: Sequence[int]) -> Any:
-        return self._run(lambda: [twin.copy_(cache.index_select(0, index), non_blocking=True)
-                                  for cache, twin, index in self._ranges(block_ids, starts)])
+    def to_staging(self, block_ids: BlockIds, slot_ids: BlockIds) -> Any:
+        def copies() -> None:
+            for cache, twin, index, runs in self._regions(block_ids, slot_ids):
+                gathered = cache.index_select(0, index)
+                for start, count, first in runs:
+                    twin[start:start + count].copy_(gathered[first:first + count],
+                                                    non_blocking=True)
+        return self._run(copies)
 
-    def from_staging(self, starts: Sequence[int], block_ids: BlockIds) -> Any:
-        return self._run(lambda: [cache.index_copy_(0, index, twin.to(self.device,
-                                                                      non_blocking=True))
-                                  for cache, twin, index in self._ranges(block_ids, starts)])
+    def from_staging(self, slot_ids: BlockIds, block_ids: BlockIds) -> Any:
+        def copies() -> None:
+            for cache, twin, index, runs in self._regions(block_ids, slot_ids):
+                for start, count, first in runs:
+                    cache.index_copy_(0, index[first:first + count],
+                                      twin[start:start + count].to(self.device, non_blocking=True))
+        return self._run(copies)
 
     def _run(self, copies: Any) -> Any:
         if self.stream is None:

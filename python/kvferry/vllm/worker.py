@@ -40,6 +40,7 @@ from kvferry.vllm.staging import (
     Refused,
     StagingSlots,
     Start,
+    WaitWatch,
     stage_regions,
 )
 
@@ -48,6 +49,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("kvferry.vllm")
+
+# How long a wait for staging slots may stand still (no request taking or giving back slots)
+# before the worker warns: a load lands in milliseconds to seconds and a lease ends within one
+# lease, so half a minute without either means the waits depend on each other or on a peer gone
+# silent (staging.py; a CI run stood still for 2 minutes, docs/vllm.md "Staging budgets").
+STAGING_STALL_S = 30.0
 
 # Why P dropped a transfer before a decoder took it (the hold table's reasons, native.py take_events).
 _UNCLAIMED = {
@@ -214,7 +221,7 @@ class KvferryConnectorWorker:
         # With host staging (staging.py): P's and D's halves of it.
         self._p_staging: PrefillStaging | None = None
         self._d_staging: DecodeStaging | None = None
-        self._staging_short: set[str] = set()  # "P", "D": requests waited at the last look
+        self._staging_watch = {"P": WaitWatch(STAGING_STALL_S), "D": WaitWatch(STAGING_STALL_S)}
 
         # D: requests whose load was started and not yet reported to vLLM, with their blocks.
         self._loading: dict[str, list[list[int]]] = {}
@@ -338,18 +345,23 @@ class KvferryConnectorWorker:
             self._pump_prefill_staging()
 
     def _note_staging_wait(self, side: str, staging: PrefillStaging | DecodeStaging) -> None:
-        """Logs when requests start waiting for staging slots, and when none waits again: a
-        budget that is often short is an operator's to raise (kv_staging_blocks)."""
-        short = staging.waiting > 0
-        if short == (side in self._staging_short):
-            return
-        if short:
-            self._staging_short.add(side)
+        """Logs when requests start waiting for staging slots, when such a wait stands still,
+        and when none waits again: a budget that is often short is an operator's to raise
+        (kv_staging_blocks)."""
+        note = self._staging_watch[side].look(staging, time.monotonic())
+        if note == "short":
             logger.info("kvferry: %s staging slots are short: %d request(s) wait for them (%s; "
                         "raise kv_staging_blocks if this is frequent)", side, staging.waiting,
                         staging.counts())
-        else:
-            self._staging_short.discard(side)
+        elif note == "stalled":
+            logger.warning(
+                "kvferry: %s staging has not moved for %.0f s: %d request(s) wait for slots "
+                "that no load or transfer gave back (%s). D's loads may be waiting for KV P "
+                "cannot stage while P's slots hold KV for loads waiting on D's slots; then "
+                "nothing moves until abort_request_timeout fails the waiting pulls. Raise "
+                "kv_staging_blocks (docs/vllm.md, \"Staging budgets\")", side,
+                STAGING_STALL_S, staging.waiting, staging.counts())
+        elif note == "clear":
             logger.info("kvferry: no request waits for %s staging slots any more", side)
 
     def _pump_prefill_staging(self) -> None:
