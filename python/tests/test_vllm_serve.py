@@ -111,7 +111,10 @@ def cluster(tmp_path_factory):
            decode_args=["--max-model-len", str(FILLER_TOKENS + 64), "--num-gpu-blocks-override",
                         "320"],
            env={"UCX_TLS": "tcp"})
-    c.pair("m", mla, args=["--num-gpu-blocks-override", "128"],
+    # CPU_MLA: on a CPU with AMX tiles vLLM prefers its AMX_MLA backend, which refuses the
+    # tier's float32 weights ("expect weight to be bfloat16, ..."); the reference backend runs
+    # on every CPU, so the tier's MLA KV layout does not depend on the machine.
+    c.pair("m", mla, args=["--num-gpu-blocks-override", "128", "--attention-backend", "CPU_MLA"],
            prefill_extra={"kv_staging": "host"})  # a staged P to a D that does not stage
     try:
         c.start()
