@@ -283,6 +283,57 @@ def test_a_wait_watch_names_the_start_a_standstill_and_the_end_of_a_wait_each_on
     assert watch.look(d, now=549) is None and watch.look(d, now=550) == "stalled"
 
 
+def test_loads_arriving_during_a_standstill_do_not_hide_it():
+    # Each new load tries to take slots and fails: that moves nothing, so the standstill that
+    # began when r2 started waiting is still one 30 s later.
+    d = DecodeStaging(StagingSlots(1, 4), ManualCopier())
+    watch = WaitWatch(stall_after_s=30)
+    d.load("r1", "s", [[0, 1, 2, 3]])
+    d.load("r2", "s", [[4]])
+    assert watch.look(d, now=0) == "short"
+    d.load("r3", "s", [[5]])
+    assert watch.look(d, now=20) is None
+    d.load("r4", "s", [[6]])
+    assert watch.look(d, now=30) == "stalled"
+    assert d.waiting == 3 and d.slots.pools[0].free == 0
+
+
+def test_a_wait_that_begins_after_a_long_quiet_is_not_a_standstill_at_once():
+    d = DecodeStaging(StagingSlots(1, 2), ManualCopier())
+    watch = WaitWatch(stall_after_s=30)
+    d.load("r1", "s", [[0, 1]])  # takes every slot, and then nothing moves for 100 s
+    assert watch.look(d, now=0) is None
+    assert watch.look(d, now=100) is None
+    d.load("r2", "s", [[2]])
+    assert watch.look(d, now=101) == "short"
+    assert watch.look(d, now=130) is None
+    assert watch.look(d, now=131) == "stalled"
+
+
+def test_a_head_that_leaves_the_queue_lets_the_loads_behind_it_start():
+    # Cancelled: r2 (3 slots) waits at the head, r3 (1 slot) would fit behind it.
+    d = DecodeStaging(StagingSlots(1, 3), ManualCopier())
+    d.load("r1", "s", [[0, 1]])
+    d.load("r2", "s", [[2, 3, 4]])
+    d.load("r3", "s", [[5]])
+    assert [o.request_id for o in d.poll()] == ["r1"]
+    d.cancel("r2")
+    out = d.poll()
+    assert [type(o) for o in out] == [LoadFailed, Start]
+    assert out[0].request_id == "r2" and out[1] == Start("r3", "s", [[2]])
+    # Failed as unservable: quarantined slots leave too few for the head, not for the one behind.
+    d = DecodeStaging(StagingSlots(1, 4), ManualCopier())
+    d.load("r1", "s", [[0]])
+    d.load("r2", "s", [[1, 2]])
+    d.load("r3", "s", [[3, 4, 5]])  # waits: one slot free
+    d.load("r4", "s", [[6]])  # waits behind r3
+    assert [o.request_id for o in d.poll()] == ["r1", "r2"]
+    assert d.failed("r2", held=True)  # 2 slots quarantined: r3 can never fit
+    out = d.poll()
+    assert [type(o) for o in out] == [LoadFailed, Start]
+    assert out[0].request_id == "r3" and out[1].request_id == "r4"
+
+
 # ---- bytes ----
 
 

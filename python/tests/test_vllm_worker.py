@@ -395,6 +395,35 @@ def test_a_staged_p_hands_slots_to_the_runtime_and_the_blocks_back_to_vllm_at_on
     assert connector.connector_worker._p_staging.slots.pools[0].free == 8
 
 
+def test_an_engine_both_p_and_d_stages_through_one_pool_of_slots(model_dir, monkeypatch):
+    # One staging memory, so one pool: a slot P holds for a decoder is never also a slot D
+    # pulls a load into.
+    connector, _ = staged_connector(model_dir, "kv_both", monkeypatch, slots=8)
+    worker = connector.connector_worker
+    assert worker._p_staging.slots is worker._d_staging.slots
+    p_slots = worker._p_staging.slots.take([[0, 1, 2]])
+    worker._d_staging.load("r1", "source", [[5, 6]])
+    (start,) = worker._d_staging.poll()
+    assert not set(start.slot_ids[0]) & set(p_slots[0])
+
+
+def test_a_staged_d_whose_wait_stands_still_warns_once_naming_its_budget(
+        model_dir, monkeypatch, caplog):
+    connector, _ = staged_connector(model_dir, "kv_consumer", monkeypatch, slots=4)
+    worker = connector.connector_worker
+    clock = [1000.0]
+    monkeypatch.setattr(worker_module.time, "monotonic", lambda: clock[0])
+    worker._d_staging.load("r1", "source", [[1, 2, 3]])
+    worker._d_staging.load("r2", "source", [[4, 5]])  # waits for r1's slots
+    with caplog.at_level(logging.INFO, logger="kvferry.vllm"):
+        for now in (1000.0, 1029.0, 1031.0, 1100.0):
+            clock[0] = now
+            worker._note_staging_wait("D", worker._d_staging)
+    stalled = [r.getMessage() for r in caplog.records if "has not moved" in r.getMessage()]
+    assert len(stalled) == 1, caplog.text
+    assert "kv_staging_blocks (4 now" in stalled[0] and "D's loads never wait" in stalled[0]
+
+
 def test_a_staged_p_refuses_a_request_larger_than_its_staging(model_dir, monkeypatch, caplog):
     p = make_scheduler(make_vllm_config(model_dir, "kv_producer"))
     connector, _ = staged_connector(model_dir, "kv_producer", monkeypatch, slots=2)

@@ -35,9 +35,10 @@ No copy races vLLM reusing a block: a block goes back to vLLM (P's ``finished_se
 preempts neither a finished request on P nor a request waiting for its KV on D.
 
 The classes here have no clock, thread or socket; the copy is an object passed in (``Copier``),
-whose ``done`` the worker polls each step. ``BlockCopier`` is the real one: a batched copy per
-region (one gather or scatter per region and request, the shape of vLLM's ``CopyBlocksOp``),
-synchronous for host tensors, on a side stream behind an event for CUDA tensors.
+whose ``done`` the worker polls each step. ``BlockCopier`` is the real one: batched copies per
+region (one gather or scatter per region and request, one copy per run of consecutive slots, the
+shape of vLLM's ``CopyBlocksOp``), synchronous for host tensors, on a side stream behind an event
+for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -175,7 +176,12 @@ class StagingSlots:
         for group, ids in enumerate(block_ids):
             slots = self.pools[group].take(len(ids)) if ids else []
             if slots is None:
-                self.give_back(taken)
+                # Rolled back through the pools, not give_back: a take that failed moved
+                # nothing, and counting it would keep WaitWatch from ever seeing a standstill
+                # while new requests keep arriving.
+                for g, got in enumerate(taken):
+                    if got:
+                        self.pools[g].give_back(got)
                 return None
             taken.append(slots)
         self.moves += 1
@@ -363,6 +369,7 @@ class DecodeStaging(_SlotQueue):
                 self._waiting.remove(entry)
                 self._out.append(LoadFailed(request_id, "the request ended before its load "
                                                         "started (waiting for staging slots)"))
+                self._advance()  # the head may have left: the next ones may fit now
                 return
 
     def received(self, request_id: str) -> bool:
@@ -420,6 +427,7 @@ class DecodeStaging(_SlotQueue):
             if reason is not None:
                 self._waiting.remove(entry)
                 self._out.append(LoadFailed(entry.request_id, f"cannot stage the load: {reason}"))
+        self._advance()  # a failed head no longer blocks the loads behind it
 
     def _give_back(self, entry: _Entry) -> None:
         assert entry.slot_ids is not None
@@ -456,7 +464,8 @@ class WaitWatch:
             self._short = False
             return "clear"
         if not self._short:
-            self._short = True
+            # A wait starts now: slots that sat unmoved before it are not a standstill of it.
+            self._short, self._still_since, self._stalled = True, now, False
             return "short"
         if not self._stalled and now - self._still_since >= self.stall_after_s:
             self._stalled = True

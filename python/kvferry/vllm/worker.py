@@ -295,10 +295,13 @@ class KvferryConnectorWorker:
         # One pool per transfer group: block ids come one list per transfer group.
         groups = max(len(self.kv_cache_config.transfer_group_ids),
                      1 + max(r.group for r in regions))
+        # One pool for one staging memory: an engine both P and D (kv_both) hands each slot to
+        # a transfer it holds or to a load it pulls, never to both at once.
+        pool = StagingSlots(groups, slots)
         if self.is_producer:
-            self._p_staging = PrefillStaging(StagingSlots(groups, slots), copier)
+            self._p_staging = PrefillStaging(pool, copier)
         if self.is_consumer:
-            self._d_staging = DecodeStaging(StagingSlots(groups, slots), copier)
+            self._d_staging = DecodeStaging(pool, copier)
         logger.info(
             "kvferry stages KV through host memory: %d slots per KV-cache group, %.1f MiB "
             "(the KV cache is on %s)", slots, staged.nbytes / (1 << 20), ", ".join(sorted(devices)))
@@ -358,9 +361,12 @@ class KvferryConnectorWorker:
                 "kvferry: %s staging has not moved for %.0f s: %d request(s) wait for slots "
                 "that no load or transfer gave back (%s). D's loads may be waiting for KV P "
                 "cannot stage while P's slots hold KV for loads waiting on D's slots; then "
-                "nothing moves until abort_request_timeout fails the waiting pulls. Raise "
-                "kv_staging_blocks (docs/vllm.md, \"Staging budgets\")", side,
-                STAGING_STALL_S, staging.waiting, staging.counts())
+                "nothing moves until abort_request_timeout fails the waiting pulls. Raise this "
+                "engine's kv_staging_blocks (%d now; %s) (docs/vllm.md, \"Staging budgets\")",
+                side, STAGING_STALL_S, staging.waiting, staging.counts(),
+                staging.slots.pools[0].size,
+                "at its default, the KV cache's blocks, D's loads never wait" if side == "D"
+                else "P's must hold what its decoders can leave waiting")
         elif note == "clear":
             logger.info("kvferry: no request waits for %s staging slots any more", side)
 
