@@ -25,4 +25,7 @@ export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
 # Small requests: the fixed cost of a copy (events, index uploads) shows.
 "$PYTHON" scripts/staging_check.py --device cuda --layers 32 --blocks 256 --requests 16 \
   --request-blocks 1 --rounds 5
+# D's free slots one apart (a pool handing out scattered slots): one copy per slot.
+"$PYTHON" scripts/staging_check.py --device cuda --layers 32 --blocks 2048 --requests 8 \
+  --request-blocks 64 --rounds 5 --scattered
 echo "gpu-check: passed"

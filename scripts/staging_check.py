@@ -30,6 +30,7 @@ from kvferry.vllm.staging import (
     PrefillStaging,
     StagingSlots,
     Start,
+    slot_runs,
     stage_regions,
 )
 
@@ -83,6 +84,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--request-blocks", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds; the best is shown")
+    parser.add_argument("--scattered", action="store_true",
+                        help="D's loads get every other slot (a pool whose free slots lie apart: "
+                             "one copy per slot instead of one per request)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.requests * args.request_blocks > args.blocks:
@@ -96,7 +100,9 @@ def main() -> int:
     p_regions, p_tensors = regions_of(p_cache)
     d_regions, d_tensors = regions_of(d_cache)
     p_staged = stage_regions(p_regions, p_tensors, slots)
-    d_staged = stage_regions(d_regions, d_tensors, slots)
+    # Scattered: D's staging twice the size, every other slot taken before the loads come.
+    d_slots = 2 * slots if args.scattered else slots
+    d_staged = stage_regions(d_regions, d_tensors, d_slots)
     if device.type == "cuda" and not all(t.is_pinned() for t in p_staged.staging):
         print("staging_check: FAIL: staging on a CUDA host is not pinned")
         return 1
@@ -126,7 +132,12 @@ def main() -> int:
 
     for _ in range(args.rounds):
         p = PrefillStaging(StagingSlots(1, slots), p_copier)
-        d = DecodeStaging(StagingSlots(1, slots), d_copier)
+        d = DecodeStaging(StagingSlots(1, d_slots), d_copier)
+        if args.scattered:
+            pool = d.slots.pools[0]
+            every = pool.take(d_slots)
+            assert every is not None
+            pool.give_back(every[1::2])
         handed: list = []
         starts: list = []
 
@@ -151,6 +162,9 @@ def main() -> int:
         for i, ids in enumerate(d_blocks):
             d.load(f"req-{i}", "source", [ids])
         starts[:] = wait(d.poll, Start, args.requests)
+        if args.scattered and any(len(slot_runs(ids[0])) != len(ids[0]) for _, _, ids in starts):
+            print("staging_check: FAIL: --scattered handed D runs of slots")
+            return 1
         timed("host: P's slots -> D's slots (memcpy)", wire)
         for dc in d_cache:
             dc.zero_()  # what D's blocks hold now came through staging, or the check fails

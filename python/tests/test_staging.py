@@ -411,10 +411,11 @@ def test_the_gpu_checks_staging_script_moves_every_byte_on_the_cpu():
     # scripts/gpu-check.sh runs it on a GPU; run small here so that it works when one is lent.
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root / "python")}
-    done = subprocess.run(
-        [sys.executable, str(root / "scripts/staging_check.py"), "--device", "cpu", "--layers",
-         "2", "--blocks", "64", "--requests", "3", "--request-blocks", "5", "--rounds", "1",
-         "--heads", "2", "--head-dim", "16"],
-        env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "every byte of 3 requests' blocks on D equals P's" in done.stdout, done.stdout
+    for extra in ([], ["--scattered"]):  # D's slots in runs, then one apart from the next
+        done = subprocess.run(
+            [sys.executable, str(root / "scripts/staging_check.py"), "--device", "cpu",
+             "--layers", "2", "--blocks", "64", "--requests", "3", "--request-blocks", "5",
+             "--rounds", "1", "--heads", "2", "--head-dim", "16", *extra],
+            env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "every byte of 3 requests' blocks on D equals P's" in done.stdout, done.stdout
