@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ from vllm_serve import (  # noqa: E402
     prompts,
     running,
     start_completion,
+    stream_completion,
     wait_for,
 )
 
@@ -544,29 +546,30 @@ def test_a_decoder_stopped_by_sigterm_drains_its_requests_then_stops_kvferry(clu
     b = cluster.pairs["b"]
     batch = prompts(19, [120, 240, 60])
     want = [complete(b.prefill.url, b.model, p, 48) for p in batch]
-    # SIGTERM once D decodes all 3: vLLM 0.32's drain waits for the requests its engine runs, not
-    # for those still waiting for their KV (two clean-clone CI runs on 2026-12-02 sent SIGTERM
-    # while loads were in flight; their requests failed with EngineDeadError, the engine core
-    # having drained nothing). D's running gauge is set at each step, so after an earlier request it
-    # can read 1 while D is idle: tokens generated since now, by the batch alone, show it is fresh.
-    generated = metric(b.decode.metrics(), "vllm:generation_tokens_total")
-
-    def decoding_all() -> bool:
-        m = b.decode.metrics()
-        return (metric(m, "vllm:generation_tokens_total") > generated
-                and metric(m, "vllm:num_requests_running") >= len(batch))
-
+    # SIGTERM once every request has streamed a token from D: vLLM 0.32's drain covers the
+    # requests its engine runs, not those still waiting for their KV (two clean-clone CI runs on
+    # 2026-12-02 sent SIGTERM while loads were in flight; those requests failed with
+    # EngineDeadError, the engine core having drained nothing). Waiting for all of them to run
+    # at once (the running gauge) failed in a clean-clone CI run on 2026-12-03: the loads came
+    # in one after another and the first request had decoded its 48 tokens before the last began.
+    # So some may be done before the signal; the last to start still has 47 tokens to decode.
+    started = [threading.Event() for _ in batch]
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
-        futures = [pool.submit(complete, b.proxy.url, b.model, p, 48, timeout_s=60)
-                   for p in batch]
-        wait_for("D decodes the whole batch", decoding_all, 30, poll_s=0.02)
+        began = time.monotonic()
+        futures = [pool.submit(stream_completion, b.proxy.url, b.model, p, 48, first, 60)
+                   for p, first in zip(batch, started)]
+        wait_for("every request streams a token from D", lambda: all(e.is_set() for e in started),
+                 60, poll_s=0.01)
         sent = time.monotonic()
         code = b.decode.stop()
         exited = time.monotonic() - sent
         got = [f.result() for f in futures]
+    in_flight = sum(began + g.seconds > sent for g in got)
     log = b.decode.log.read_text(errors="replace")
-    print(f"[ measured ] SIGTERM to D with {len(batch)} requests in flight: D exited {exited:.2f} s "
-          f"later (status {code}); {sum(g.status == 200 for g in got)} of them completed")
+    print(f"[ measured ] SIGTERM to D with {in_flight} of {len(batch)} requests in flight: D exited "
+          f"{exited:.2f} s later (status {code}); {sum(g.status == 200 for g in got)} of them "
+          f"completed")
+    assert in_flight >= 1, "every request was done before the signal: the drain went untested"
     for g, w in zip(got, want):
         assert g.status == 200, g.body
         assert g.tokens == w.tokens

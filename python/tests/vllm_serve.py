@@ -141,6 +141,43 @@ def complete(url: str, model: str, prompt: Sequence[int], max_tokens: int = 16, 
     return out
 
 
+def stream_completion(url: str, model: str, prompt: Sequence[int], max_tokens: int,
+                      first_token: threading.Event, timeout_s: float = 120.0) -> Completion:
+    """A streamed greedy /v1/completions read as it comes: ``first_token`` is set when the first
+    token arrives (through a P/D proxy: D has its KV and decodes), and ``seconds`` is when the
+    stream ended, from the start."""
+    body = json.dumps({"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
+                       "temperature": 0, "return_token_ids": True, "stream": True,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    start = time.monotonic()
+    out = Completion(status=0)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            out.status = response.status
+            for raw in response:
+                line = raw.decode(errors="replace").strip()
+                out.body += line + "\n"
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.status = int(event["error"].get("code") or 500)
+                    break
+                for choice in event.get("choices", ()):
+                    out.tokens += list(choice.get("token_ids") or [])
+                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
+                if out.tokens:
+                    first_token.set()
+    except urllib.error.HTTPError as e:
+        out.status, out.body = e.code, e.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError) as e:
+        out.body = str(e)
+    out.seconds = time.monotonic() - start
+    return out
+
+
 def start_completion(url: str, model: str, prompt: Sequence[int],
                      max_tokens: int = 16) -> socket.socket:
     """Sends a streamed greedy /v1/completions and returns its connection unread: a client
