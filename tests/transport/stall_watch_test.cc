@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <future>
 #include <mutex>
 #include <string>
@@ -101,6 +102,59 @@ TEST(StallWatch, ASpinningPhaseIsReportedWithTheOtherThreadsWaitingOnSockets) {
   const char byte = 1;
   ASSERT_EQ(send(server, &byte, 1, 0), 1);
   holder.join();
+  close(client);
+  close(server);
+}
+
+TEST(StallWatch, ASpinningPhaseNamesTheSocketWaiterAheadOfManyLockWaiters) {
+  // A vLLM worker parks dozens of torch threads in futexes; started first (lower thread ids,
+  // listed first by /proc), they must not crowd the thread in a socket call out of the report.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool go = false;
+  std::vector<std::thread> parked;
+  for (int i = 0; i < 16; ++i) {
+    parked.emplace_back([&] {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return go; });
+    });
+  }
+  auto [client, server] = TcpPair();
+  std::thread holder([client = client] {
+    char byte = 0;
+    (void)recv(client, &byte, 1, 0);
+  });
+  std::atomic<bool> release{false};
+  std::promise<std::string> reported;
+  {
+    StallWatch watch(200ms, [&](const std::string& what) { reported.set_value(what); });
+    std::thread spinner([&] {
+      watch.Attach();
+      watch.Enter("a spin", StallWatch::Clock::now());
+      while (!release.load()) {
+      }
+      watch.Leave();
+    });
+    std::future<std::string> got = reported.get_future();
+    const bool ready = got.wait_for(10s) == std::future_status::ready;
+    release.store(true);
+    spinner.join();
+    ASSERT_TRUE(ready);
+    const std::string r = got.get();
+    const std::size_t socket_at = r.find("recvfrom");
+    EXPECT_NE(socket_at, std::string::npos) << r;
+    EXPECT_LT(socket_at, r.find("futex")) << r;
+    EXPECT_NE(r.find("more)"), std::string::npos) << r;  // 16 parked: over the listed 12
+  }
+  const char byte = 1;
+  ASSERT_EQ(send(server, &byte, 1, 0), 1);
+  holder.join();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    go = true;
+  }
+  cv.notify_all();
+  for (auto& t : parked) t.join();
   close(client);
   close(server);
 }
