@@ -72,8 +72,13 @@ STAGED_D_SLOTS = 24
 # slots wait on P: 102 blocks in all allow it, P's 128 slots do not.
 STAGED_P_SLOTS = 128
 # Tokens each of fill_d_then_queue's fillers decodes on group B's D (whose max model length is
-# this plus its prompt): far longer than a test holds them.
-FILLER_TOKENS = 4000
+# this plus its prompt, within llama8's 8,192 positions): far longer than a test holds them. A
+# clean-clone CI run on 2026-12-03 decoded 4,000-token fillers at ~565 tokens/s together (four at
+# ~140/s each): done in 27 s, while P, stalled ~14 s (its UCX engine spun 5.5 s), prefilled the
+# queued requests only at their end, so P never held them all before D pulled them.
+FILLER_TOKENS = 8000
+# D's blocks (64 tokens each): the 4 fillers whole (4 x 126) and the 6 queued requests (6 x 5).
+FILLER_D_BLOCKS = 640
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +116,7 @@ def cluster(tmp_path_factory):
            args=["--block-size", "64", "--num-gpu-blocks-override", "48", "--max-num-seqs", "4"],
            # D takes long requests (fill_d_then_queue's fillers) and has the blocks for them.
            decode_args=["--max-model-len", str(FILLER_TOKENS + 64), "--num-gpu-blocks-override",
-                        "320"],
+                        str(FILLER_D_BLOCKS)],
            env={"UCX_TLS": "tcp"})
     # CPU_MLA: on a CPU with AMX tiles vLLM prefers its AMX_MLA backend, which refuses the
     # tier's float32 weights ("expect weight to be bfloat16, ..."); the reference backend runs
@@ -438,8 +443,8 @@ def fill_d_then_queue(b, seed: int, warm: bool = True) -> tuple[list, list]:
     no waiting request: so 4 fillers go first, and once D runs them, 6 more queue on D with
     their KV held on P (6 x 5 blocks: 62% of P's KV). A request waiting for its KV does not
     count against the 4, so the fillers must still run when the 6 arrive and while the test
-    measures: they decode FILLER_TOKENS tokens (a minute and more on these machines) unless
-    the test closes them first. Returns (fillers, queued): client connections, unread.
+    measures: they decode FILLER_TOKENS tokens (about a minute at CI's fastest) unless the test
+    closes them first. Returns (fillers, queued): client connections, unread.
 
     Measured on 2026-12-02: 500-token fillers decoded at ~200 tokens/s together, so they were
     done in 10 s — as long as P took to prefill the 6 queued requests (1,800 tokens at ~190/s):
