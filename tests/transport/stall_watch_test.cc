@@ -36,6 +36,25 @@ std::pair<int, int> TcpPair() {
   return {client, accept(listener.fd(), nullptr, nullptr)};
 }
 
+// What a StallWatch reports of a thread spinning in a phase (empty if nothing within 10 s).
+std::string ReportOfASpin() {
+  std::atomic<bool> release{false};
+  std::promise<std::string> reported;
+  StallWatch watch(200ms, [&](const std::string& what) { reported.set_value(what); });
+  std::thread spinner([&] {
+    watch.Attach();
+    watch.Enter("a spin", StallWatch::Clock::now());
+    while (!release.load()) {
+    }
+    watch.Leave();
+  });
+  std::future<std::string> got = reported.get_future();
+  const bool ready = got.wait_for(10s) == std::future_status::ready;
+  release.store(true);
+  spinner.join();
+  return ready ? got.get() : std::string();
+}
+
 TEST(StallWatch, ABlockedPhaseIsReportedOnceWithTheSocketItWaitsOn) {
   auto [client, server] = TcpPair();
   std::mutex mu;
@@ -78,27 +97,10 @@ TEST(StallWatch, ASpinningPhaseIsReportedWithTheOtherThreadsWaitingOnSockets) {
     char byte = 0;
     (void)recv(client, &byte, 1, 0);  // "holds the lock" until the test writes
   });
-  std::atomic<bool> release{false};
-  std::promise<std::string> reported;
-  {
-    StallWatch watch(200ms, [&](const std::string& what) { reported.set_value(what); });
-    std::thread spinner([&] {
-      watch.Attach();
-      watch.Enter("a spin", StallWatch::Clock::now());
-      while (!release.load()) {
-      }
-      watch.Leave();
-    });
-    std::future<std::string> got = reported.get_future();
-    const bool ready = got.wait_for(10s) == std::future_status::ready;
-    release.store(true);
-    spinner.join();
-    ASSERT_TRUE(ready);
-    const std::string r = got.get();
-    EXPECT_NE(r.find("running, not in a system call"), std::string::npos) << r;
-    EXPECT_NE(r.find("recvfrom"), std::string::npos) << r;
-    EXPECT_NE(r.find("ESTABLISHED"), std::string::npos) << r;
-  }
+  const std::string r = ReportOfASpin();
+  EXPECT_NE(r.find("running, not in a system call"), std::string::npos) << r;
+  EXPECT_NE(r.find("recvfrom"), std::string::npos) << r;
+  EXPECT_NE(r.find("ESTABLISHED"), std::string::npos) << r;
   const char byte = 1;
   ASSERT_EQ(send(server, &byte, 1, 0), 1);
   holder.join();
@@ -124,28 +126,11 @@ TEST(StallWatch, ASpinningPhaseNamesTheSocketWaiterAheadOfManyLockWaiters) {
     char byte = 0;
     (void)recv(client, &byte, 1, 0);
   });
-  std::atomic<bool> release{false};
-  std::promise<std::string> reported;
-  {
-    StallWatch watch(200ms, [&](const std::string& what) { reported.set_value(what); });
-    std::thread spinner([&] {
-      watch.Attach();
-      watch.Enter("a spin", StallWatch::Clock::now());
-      while (!release.load()) {
-      }
-      watch.Leave();
-    });
-    std::future<std::string> got = reported.get_future();
-    const bool ready = got.wait_for(10s) == std::future_status::ready;
-    release.store(true);
-    spinner.join();
-    ASSERT_TRUE(ready);
-    const std::string r = got.get();
-    const std::size_t socket_at = r.find("recvfrom");
-    EXPECT_NE(socket_at, std::string::npos) << r;
-    EXPECT_LT(socket_at, r.find("futex")) << r;
-    EXPECT_NE(r.find("more)"), std::string::npos) << r;  // 16 parked: over the listed 12
-  }
+  const std::string r = ReportOfASpin();
+  const std::size_t socket_at = r.find("recvfrom");
+  EXPECT_NE(socket_at, std::string::npos) << r;
+  EXPECT_LT(socket_at, r.find("futex")) << r;
+  EXPECT_NE(r.find("more)"), std::string::npos) << r;  // 16 parked: over the listed 12
   const char byte = 1;
   ASSERT_EQ(send(server, &byte, 1, 0), 1);
   holder.join();
