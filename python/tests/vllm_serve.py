@@ -128,17 +128,25 @@ def complete(url: str, model: str, prompt: Sequence[int], max_tokens: int = 16, 
         out.kv_transfer_params = answer.get("kv_transfer_params")
         return out
     for line in text.splitlines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
-        if "error" in event:  # an error inside a stream that had begun
-            out.status = int(event["error"].get("code") or 500)
-            out.body = json.dumps(event)
+        if not add_event(out, line):
+            out.body = line[6:]
             return out
-        for choice in event.get("choices", ()):
-            out.tokens += list(choice.get("token_ids") or [])
-            out.finish_reason = choice.get("finish_reason") or out.finish_reason
     return out
+
+
+def add_event(out: Completion, line: str) -> bool:
+    """Folds one line of a completion stream into ``out``; False for an error event inside a
+    stream that had begun (``out.status`` then says which)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return True
+    event = json.loads(line[6:])
+    if "error" in event:
+        out.status = int(event["error"].get("code") or 500)
+        return False
+    for choice in event.get("choices", ()):
+        out.tokens += list(choice.get("token_ids") or [])
+        out.finish_reason = choice.get("finish_reason") or out.finish_reason
+    return True
 
 
 def stream_completion(url: str, model: str, prompt: Sequence[int], max_tokens: int,
@@ -159,15 +167,9 @@ def stream_completion(url: str, model: str, prompt: Sequence[int], max_tokens: i
             for raw in response:
                 line = raw.decode(errors="replace").strip()
                 out.body += line + "\n"
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out.status = int(event["error"].get("code") or 500)
+                if not add_event(out, line):
+                    first_token.set()  # the waiter hears the error, not a timeout
                     break
-                for choice in event.get("choices", ()):
-                    out.tokens += list(choice.get("token_ids") or [])
-                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
                 if out.tokens:
                     first_token.set()
     except urllib.error.HTTPError as e:
