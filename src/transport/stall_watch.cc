@@ -13,13 +13,19 @@
 #include <fstream>
 #include <sstream>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "kvferry/core/thread_name.h"
+#include "thread_stack.h"
 
 namespace kvferry::transport {
 namespace {
+
+// Stack samples of a spinning thread in its report, and the time between them.
+constexpr int kStackSamples = 3;
+constexpr auto kStackSampleGap = std::chrono::milliseconds(100);
 
 std::string ReadFirstLine(const std::string& path) {
   std::ifstream in(path);
@@ -172,6 +178,18 @@ std::string StallWatch::DescribeWait(pid_t tid) {
   // futexes, and listed in /proc's order they filled the list (a clean-clone CI run's report of
   // a 5.5 s spin named eight gloo threads and nothing of UCX's).
   what += " (a spin or a long computation)";
+  // Where it spins: a few samples of its stack, apart enough to tell a loop (the same frames
+  // each time, the innermost one moving) from one long call.
+  for (int i = 0; i < kStackSamples; ++i) {
+    if (i > 0) std::this_thread::sleep_for(kStackSampleGap);
+    Result<std::vector<std::string>> frames = SampleStack(tid, std::chrono::milliseconds(500));
+    if (!frames) {
+      what += fmt::format("; no stack sample: {}", frames.error().message());
+      break;
+    }
+    what += fmt::format("; stack sample {} of {}:", i + 1, kStackSamples);
+    for (std::size_t f = 0; f < frames->size(); ++f) what += fmt::format("\n    #{} {}", f, (*frames)[f]);
+  }
   struct Other {
     int rank;
     std::string line;

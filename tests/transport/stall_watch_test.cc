@@ -2,6 +2,9 @@
 // and, for a socket, the TCP connection it waits on.
 #include "stall_watch.h"
 
+#include <signal.h>
+#include <sys/syscall.h>
+
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -18,6 +21,7 @@
 #include <vector>
 
 #include "support/raw_socket.h"
+#include "thread_stack.h"
 
 namespace kvferry::transport {
 namespace {
@@ -36,6 +40,19 @@ std::pair<int, int> TcpPair() {
   return {client, accept(listener.fd(), nullptr, nullptr)};
 }
 
+}  // namespace
+}  // namespace kvferry::transport
+
+// The loop the spin tests catch, exported (the test binary has ENABLE_EXPORTS) so that dladdr
+// names it in a stack sample, and never inlined into its caller.
+extern "C" __attribute__((noinline)) void KvferryTestSpinUntil(const std::atomic<bool>* release) {
+  while (!release->load()) {
+  }
+}
+
+namespace kvferry::transport {
+namespace {
+
 // What a StallWatch reports of a thread spinning in a phase (empty if nothing within 10 s).
 std::string ReportOfASpin() {
   std::atomic<bool> release{false};
@@ -44,8 +61,7 @@ std::string ReportOfASpin() {
   std::thread spinner([&] {
     watch.Attach();
     watch.Enter("a spin", StallWatch::Clock::now());
-    while (!release.load()) {
-    }
+    KvferryTestSpinUntil(&release);
     watch.Leave();
   });
   std::future<std::string> got = reported.get_future();
@@ -106,6 +122,54 @@ TEST(StallWatch, ASpinningPhaseIsReportedWithTheOtherThreadsWaitingOnSockets) {
   holder.join();
   close(client);
   close(server);
+}
+
+TEST(StallWatch, ASpinningPhaseIsReportedWithSamplesOfItsStackThatNameTheLoop) {
+  const std::string r = ReportOfASpin();
+  for (const char* sample : {"stack sample 1 of 3:", "stack sample 3 of 3:"}) {
+    EXPECT_NE(r.find(sample), std::string::npos) << r;
+  }
+  // Each sample's innermost frame is the loop itself, in the test binary.
+  std::size_t at = 0;
+  int innermost_in_loop = 0;
+  while ((at = r.find("#0 ", at)) != std::string::npos) {
+    const std::size_t end = r.find('\n', at);
+    if (r.substr(at, end - at).find("KvferryTestSpinUntil+") != std::string::npos) ++innermost_in_loop;
+    at = end;
+  }
+  EXPECT_EQ(innermost_in_loop, 3) << r;
+}
+
+TEST(StallWatch, AStackSampleOfAThreadThatIsNotThereIsAnErrorAndSendsNothing) {
+  // No thread of this process has this id: a kernel pid is at most 2^22.
+  Result<std::vector<std::string>> frames = SampleStack(1 << 23, 500ms);
+  ASSERT_FALSE(frames.has_value());
+  EXPECT_EQ(frames.error().code(), ErrorCode::kNotFound) << frames.error().message();
+}
+
+TEST(StallWatch, AStackSampleOfAThreadBlockingTheSignalTimesOutAndALateHandlerRecordsNothing) {
+  // Install the handler first (the first sample does), then block every signal in a thread.
+  ASSERT_TRUE(SampleStack(static_cast<pid_t>(::syscall(SYS_gettid)), 500ms).has_value());
+  std::atomic<pid_t> tid{0};
+  std::atomic<bool> unblock{false};
+  std::thread blocked([&] {
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, nullptr);
+    tid.store(static_cast<pid_t>(::syscall(SYS_gettid)));
+    while (!unblock.load()) std::this_thread::sleep_for(1ms);
+    pthread_sigmask(SIG_UNBLOCK, &all, nullptr);  // the pending signal's handler runs here
+  });
+  while (tid.load() == 0) std::this_thread::sleep_for(1ms);
+  Result<std::vector<std::string>> frames = SampleStack(tid.load(), 100ms);
+  ASSERT_FALSE(frames.has_value());
+  EXPECT_EQ(frames.error().code(), ErrorCode::kTimeout) << frames.error().message();
+  unblock.store(true);
+  blocked.join();
+  // The late handler left the slot alone: the next sample is this thread's own.
+  Result<std::vector<std::string>> mine = SampleStack(static_cast<pid_t>(::syscall(SYS_gettid)), 500ms);
+  ASSERT_TRUE(mine.has_value()) << mine.error().message();
+  EXPECT_FALSE(mine->empty());
 }
 
 TEST(StallWatch, ASpinningPhaseNamesTheSocketWaiterAheadOfManyLockWaiters) {
