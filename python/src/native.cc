@@ -2,8 +2,10 @@
 // service), for serving engines written in Python (kvferry.vllm.KvferryConnector).
 //
 // Contracts, on top of the C++ ones (runtime/prefill_worker.h, runtime/decode_worker.h):
-//  - KV memory is the engine's own tensors, passed as planes (address, bytes): host memory only.
-//    A CUDA tensor is refused with a clear error (the UCX this binding links has no CUDA). The
+//  - KV memory is the engine's own tensors, passed as planes (address, bytes), all in one
+//    `memory`: "host", or "cuda" (GPU-direct), which the UCX data plane registers only where its
+//    UCX has CUDA support and itself sees device memory at each plane; otherwise the worker's
+//    construction raises INVALID_ARGUMENT with the reason (Debian's UCX has no CUDA). The
 //    memory must outlive the worker: the Python classes keep no reference to the tensors, so
 //    the caller holds them until stop() returned.
 //  - No Python runs on a kvferry thread: P's hold events and D's results are queued in C++ and
@@ -70,13 +72,21 @@ T Take(Result<T> result) {
 
 // Planes from Python: (address, bytes) pairs, as torch's tensor.data_ptr() and
 // tensor.untyped_storage().nbytes() (or numel() × element_size()) give them.
-std::vector<runtime::KvPlane> Planes(const std::vector<std::pair<std::uintptr_t, std::size_t>>& in) {
+std::vector<runtime::KvPlane> Planes(const std::vector<std::pair<std::uintptr_t, std::size_t>>& in,
+                                     transport::MemoryKind kind) {
   std::vector<runtime::KvPlane> out;
   out.reserve(in.size());
   for (const auto& [address, bytes] : in) {
-    out.push_back({reinterpret_cast<std::byte*>(address), bytes});
+    out.push_back({reinterpret_cast<std::byte*>(address), bytes, kind});
   }
   return out;
+}
+
+// "host" or "cuda" (raises otherwise).
+transport::MemoryKind Memory(const std::string& memory) {
+  if (memory == "host") return transport::MemoryKind::kHost;
+  if (memory == "cuda") return transport::MemoryKind::kCuda;
+  Raise(Status(ErrorCode::kInvalidArgument, "memory must be 'host' or 'cuda', not '" + memory + "'"));
 }
 
 std::shared_ptr<const control::ClusterSecret> Secret(const std::optional<std::string>& file) {
@@ -151,6 +161,7 @@ struct RankConfig {
   std::uint64_t block_len = 0;
   std::uint32_t num_blocks = 0;
   std::vector<std::pair<std::uintptr_t, std::size_t>> planes;
+  transport::MemoryKind memory = transport::MemoryKind::kHost;  // of every plane
   double lease_s = 0;
   double abort_request_timeout_s = 480;
   std::string data_plane = "ucx";
@@ -169,7 +180,7 @@ void FillRank(Options& o, const RankConfig& c) {
   o.tp_rank = c.tp_rank;
   o.block_len = c.block_len;
   o.num_blocks = c.num_blocks;
-  o.planes = Planes(c.planes);
+  o.planes = Planes(c.planes, c.memory);
   o.head_slices = c.head_slices;
   o.cluster_secret = Secret(c.cluster_secret_file);
 }
@@ -551,8 +562,10 @@ void SetRank(RankConfig& c, std::string engine_id, std::uint32_t tp_size, std::u
              std::uint64_t block_len, std::uint32_t num_blocks,
              std::vector<std::pair<std::uintptr_t, std::size_t>> planes, double lease_s,
              double abort_request_timeout_s, std::string data_plane,
-             std::optional<std::string> cluster_secret_file, bool head_slices) {
+             std::optional<std::string> cluster_secret_file, bool head_slices,
+             const std::string& memory) {
   c.head_slices = head_slices;
+  c.memory = Memory(memory);
   c.engine_id = std::move(engine_id);
   c.tp_size = tp_size;
   c.tp_rank = tp_rank;
@@ -645,6 +658,8 @@ PYBIND11_MODULE(_native, m) {
                                 "A kvferry Status that is not OK; `code` names its ErrorCode.",
                                 PyExc_RuntimeError, nullptr));
   m.attr("KvferryError") = ErrorType();
+  m.def("ucx_version", &kvferry::transport::UcxLibraryVersion,
+        "The version of the UCX library this process loaded (transport/ucx.h), e.g. '1.22.0'.");
 
   py::class_<PyPrefillWorker>(m, "PrefillWorker")
       .def(py::init([](std::string engine_id, std::uint32_t tp_size, std::uint32_t tp_rank,
@@ -654,11 +669,12 @@ PYBIND11_MODULE(_native, m) {
                        double lease_s, double abort_request_timeout_s,
                        std::string bootstrap_address, std::string side_channel_host,
                        std::string incarnation, std::string data_plane,
-                       std::optional<std::string> cluster_secret_file, bool head_slices) {
+                       std::optional<std::string> cluster_secret_file, bool head_slices,
+                       const std::string& memory) {
              PyPrefillWorker::Config c;
              SetRank(c, std::move(engine_id), tp_size, tp_rank, block_len, num_blocks,
                      std::move(planes), lease_s, abort_request_timeout_s, std::move(data_plane),
-                     std::move(cluster_secret_file), head_slices);
+                     std::move(cluster_secret_file), head_slices, memory);
              c.dp_rank = dp_rank;
              c.kv_heads = kv_heads;
              c.bootstrap_address = std::move(bootstrap_address);
@@ -672,7 +688,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("abort_request_timeout_s") = 480.0, py::arg("bootstrap_address") = "",
            py::arg("side_channel_host") = "127.0.0.1", py::arg("incarnation"),
            py::arg("data_plane") = "ucx", py::arg("cluster_secret_file") = py::none(),
-           py::arg("head_slices") = true)
+           py::arg("head_slices") = true, py::arg("memory") = "host")
       .def("admit", &PyPrefillWorker::Admit, py::arg("transfer_id"), py::arg("handle"))
       .def("prefill_done", &PyPrefillWorker::PrefillDone, py::arg("transfer_id"),
            py::arg("block_ids"), py::arg("handle") = py::none())
@@ -689,11 +705,11 @@ PYBIND11_MODULE(_native, m) {
                        std::vector<std::pair<std::uintptr_t, std::size_t>> planes,
                        double lease_s, double abort_request_timeout_s, std::string data_plane,
                        std::optional<std::string> cluster_secret_file, bool send_releases,
-                       bool head_slices, bool fence_writes) {
+                       bool head_slices, bool fence_writes, const std::string& memory) {
              PyDecodeWorker::Config c;
              SetRank(c, std::move(engine_id), tp_size, tp_rank, block_len, num_blocks,
                      std::move(planes), lease_s, abort_request_timeout_s, std::move(data_plane),
-                     std::move(cluster_secret_file), head_slices);
+                     std::move(cluster_secret_file), head_slices, memory);
              c.send_releases = send_releases;
              c.fence_writes = fence_writes;
              return std::make_unique<PyDecodeWorker>(c);
@@ -703,7 +719,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("lease_s") = 0.0, py::arg("abort_request_timeout_s") = 480.0,
            py::arg("data_plane") = "ucx", py::arg("cluster_secret_file") = py::none(),
            py::arg("send_releases") = true, py::arg("head_slices") = true,
-           py::arg("fence_writes") = false)
+           py::arg("fence_writes") = false, py::arg("memory") = "host")
       .def("on_new_request", &PyDecodeWorker::OnNewRequest, py::arg("request_id"),
            py::arg("source"))
       .def("start_load", &PyDecodeWorker::StartLoad, py::arg("request_id"), py::arg("source"),

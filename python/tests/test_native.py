@@ -6,6 +6,8 @@ while waiting, Status errors raised as KvferryError, hold events taken without P
 threads. The lifetime rules themselves are the C++ tests' (docs/design.md, rule -> test).
 """
 
+import os
+import re
 import threading
 import time
 import uuid
@@ -200,6 +202,32 @@ def test_a_lease_mismatch_fails_naming_both_values():
         assert "5" in error and "7" in error, error
     finally:
         stop(d, p, bootstrap)
+
+
+def test_the_module_says_which_ucx_it_loaded():
+    version = native.ucx_version()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    # scripts/test.sh runs these tests again on the wheel's UCX, and says which it expects.
+    expected = os.environ.get("KVFERRY_EXPECT_UCX")
+    if expected:
+        assert version.startswith(expected + "."), (version, expected)
+
+
+def test_gpu_direct_registration_of_memory_ucx_cannot_register_as_cuda_is_refused_with_why():
+    # Debian's UCX has no CUDA; the wheel's has, but loads no CUDA module without a driver; and
+    # where it does, this host tensor is not device memory. Every case refuses, naming CUDA.
+    host = torch.zeros(NUM_BLOCKS * BLOCK_LEN, dtype=torch.uint8)
+    for make in (native.DecodeWorker, native.PrefillWorker):
+        extra = {"incarnation": "i", "data_plane": "ucx"} if make is native.PrefillWorker else {}
+        with pytest.raises(native.KvferryError) as error:
+            make(engine_id=f"gpu-direct-{uuid.uuid4().hex[:6]}", block_len=BLOCK_LEN,
+                 num_blocks=NUM_BLOCKS, planes=[(host.data_ptr(), host.numel())], memory="cuda",
+                 **extra)
+        assert error.value.code == "INVALID_ARGUMENT"
+        assert "CUDA" in str(error.value), str(error.value)
+    with pytest.raises(native.KvferryError, match="memory must be 'host' or 'cuda'"):
+        native.DecodeWorker(engine_id="d", block_len=BLOCK_LEN, num_blocks=NUM_BLOCKS,
+                            planes=[(host.data_ptr(), host.numel())], memory="gpu")
 
 
 def test_bad_arguments_raise_kvferry_error_with_the_status_code():

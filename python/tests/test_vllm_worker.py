@@ -501,6 +501,34 @@ def test_a_gpu_kv_cache_with_staging_off_is_refused_before_anything_is_registere
     assert connector.connector_worker.decode is None
 
 
+def test_kv_staging_decides_between_the_cache_itself_gpu_direct_and_staging():
+    assert worker_module.kv_registration("auto", {"cpu"}) == "host"
+    assert worker_module.kv_registration("off", {"cpu"}) == "host"
+    assert worker_module.kv_registration("host", {"cpu"}) == "stage"
+    assert worker_module.kv_registration("auto", {"cuda:0"}) == "stage"  # staging: the default
+    assert worker_module.kv_registration("host", {"cuda:0"}) == "stage"
+    assert worker_module.kv_registration("off", {"cuda:0"}) == "cuda"
+    with pytest.raises(ValueError, match="kv_staging is off"):
+        worker_module.kv_registration("off", {"meta"})
+    with pytest.raises(ValueError, match="kv_staging is off"):
+        worker_module.kv_registration("off", {"cuda:0", "cpu"})
+
+
+def test_a_gpu_direct_cache_reaches_the_data_plane_as_cuda_memory_which_refuses_it_here(
+        model_dir, monkeypatch):
+    # The real native module and UCX: the worker registers a (host-standing-in) cache as CUDA
+    # memory, and this machine's UCX, which has no CUDA, refuses it before anything runs.
+    native = pytest.importorskip("kvferry._native")
+    monkeypatch.setattr(worker_module, "kv_registration", lambda mode, devices: "cuda")
+    config = make_vllm_config(model_dir, "kv_consumer", extra_config={"kv_staging": "off"})
+    connector = KvferryConnector(config, KVConnectorRole.WORKER, make_kv_cache_config())
+    cache = torch.zeros(2, 200, BLOCK_SIZE, 1, 1)
+    with pytest.raises(native.KvferryError, match="CUDA") as error:
+        connector.register_kv_caches({"layer.0": cache})
+    assert error.value.code == "INVALID_ARGUMENT"
+    assert connector.connector_worker.decode is None
+
+
 def layer_bytes(region, block):
     """The bytes of one block of one region, read through its pointer as the runtime will."""
     return ctypes.string_at(region.data_ptr + block * region.block_stride, region.block_bytes)

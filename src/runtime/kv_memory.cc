@@ -64,8 +64,7 @@ Result<KvMemory> KvMemory::Register(std::shared_ptr<transport::Engine> engine,
   for (const KvPlane& plane : planes) {
     // Registered exactly as long as the blocks need: the rest of a caller's tensor is none of
     // the data plane's business.
-    auto region =
-        memory.engine_->RegisterMemory(plane.base, plane_bytes, transport::MemoryKind::kHost);
+    auto region = memory.engine_->RegisterMemory(plane.base, plane_bytes, plane.kind);
     if (!region) return tl::unexpected(region.error());  // ~KvMemory deregisters the others
     memory.regions_.push_back(*region);
   }

@@ -29,10 +29,13 @@
 
 namespace kvferry::runtime {
 
-// One caller-owned plane: `length` bytes at `base`, at least num_blocks × block_len.
+// One caller-owned plane: `length` bytes at `base`, at least num_blocks × block_len, in host
+// memory or, GPU-direct, in a GPU's (kCuda: the engine registers it only where its UCX has CUDA
+// memory support and itself sees device memory at `base`; transport.h).
 struct KvPlane {
   std::byte* base = nullptr;
   std::size_t length = 0;
+  transport::MemoryKind kind = transport::MemoryKind::kHost;
 };
 
 // The most planes one rank may register: 2 × 512 layers. Every plane costs D's pull
@@ -47,8 +50,9 @@ class KvMemory {
   // Errors: kInvalidArgument for block_len or num_blocks 0, a size that overflows, more than
   // kMaxKvPlanes planes, a null plane, one shorter than num_blocks × block_len, or two planes
   // whose num_blocks × block_len bytes overlap; the engine's errors (nothing stays registered
-  // then). Only num_blocks × block_len bytes of each plane are registered. That the memory
-  // exists is the caller's word: an address is not checked.
+  // then; a kCuda plane the engine cannot register GPU-direct is its kInvalidArgument, with the
+  // reason). Only num_blocks × block_len bytes of each plane are registered, as the plane's
+  // kind. That the memory exists is the caller's word: an address is not checked.
   [[nodiscard]] static Result<KvMemory> Register(std::shared_ptr<transport::Engine> engine,
                                                  std::span<const KvPlane> planes,
                                                  std::uint64_t block_len,

@@ -1719,6 +1719,8 @@ Result<PeerInfo> UcxEngine::DescribePeer(ConnectionId peer_id) {
   return PeerInfo{p.use_put ? "put" : "am", p.transports, static_cast<std::size_t>(p.batches)};
 }
 
+std::string UcxLibraryVersion() { return ucp_get_version_string(); }
+
 Result<std::unique_ptr<Engine>> MakeUcxEngine(const UcxOptions& options) {
   auto engine = std::make_unique<UcxEngine>(options);
   Status s = engine->Init();

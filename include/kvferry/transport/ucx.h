@@ -53,4 +53,9 @@ struct UcxOptions {
 // when UCX cannot initialise (no usable transport, bad config).
 Result<std::unique_ptr<Engine>> MakeUcxEngine(const UcxOptions& options);
 
+// The version of the UCX library loaded in this process ("1.13.1"), which may differ from the
+// headers it was built against: which one the dynamic loader picked (Debian's libucp.so.0 or a
+// libucx wheel's) decides, for one, whether CUDA memory can be registered.
+std::string UcxLibraryVersion();
+
 }  // namespace kvferry::transport

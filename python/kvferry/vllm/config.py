@@ -32,9 +32,11 @@ Keys of ``kv_connector_extra_config``:
 ``kv_staging``
     ``"auto"`` (default), ``"host"`` or ``"off"``: whether the worker moves KV through host
     staging (staging.py) instead of registering the KV cache itself. ``auto`` stages a cache
-    that is not in host memory (a GPU's: kvferry's data plane registers host memory only);
-    ``host`` stages any cache (a host cache too: how the tests run the staging path without a
-    GPU); ``off`` registers the cache as it is, so a GPU cache is refused.
+    that is not in host memory (a GPU's); ``host`` stages any cache (a host cache too: how the
+    tests run the staging path without a GPU); ``off`` registers the cache as it is: a GPU's
+    cache GPU-direct, which needs kvferry's module built against a UCX with CUDA on a machine
+    whose driver it loads (the libucx wheels), and no ``fence_writes``; otherwise the worker's
+    start fails with the reason (docs/vllm.md).
 ``kv_staging_blocks``
     Staging slots per KV-cache group, 1..16777216; default: as many as the KV cache has blocks
     (a request that needs more than this is refused, one that finds too few free waits). Host

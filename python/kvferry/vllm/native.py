@@ -43,6 +43,10 @@ class KvRegion:
     # Whether a block keeps each KV head's bytes together (heads outermost inside the block),
     # so that a TP rank of another size can take a head slice of it as one byte range.
     heads_outermost: bool = True
+    # Where the bytes live: "host", or "cuda" (a GPU's memory registered GPU-direct: the data
+    # plane's UCX must have CUDA support and see device memory there, else the worker's start
+    # raises with the reason; kv_staging off).
+    memory: str = "host"
 
 
 @dataclass(frozen=True)

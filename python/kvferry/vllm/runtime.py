@@ -57,6 +57,16 @@ def head_slices(regions: Sequence[KvRegion], kv_heads: int) -> bool:
     return kv_heads == 1 or all(r.heads_outermost for r in regions)
 
 
+def memory_of(regions: Sequence[KvRegion]) -> str:
+    """The one memory ("host" or "cuda") every region lives in; the runtime registers one kind
+    per rank."""
+    kinds = sorted({r.memory for r in regions})
+    if len(kinds) != 1:
+        raise LayoutError(f"KV regions in several memories ({', '.join(kinds)}): kvferry "
+                          "registers a rank's KV in one")
+    return kinds[0]
+
+
 def planes_of(regions: Sequence[KvRegion], kv_heads: int) -> tuple[list[tuple[int, int]], int, int]:
     """(planes as (address, bytes), block_len, num_blocks) for the runtime; see the module doc."""
     if not regions:
@@ -150,7 +160,7 @@ class PrefillRuntime:
                 bootstrap_address=address, side_channel_host=options.side_channel_host,
                 incarnation=options.incarnation, data_plane=options.data_plane,
                 cluster_secret_file=options.cluster_secret_file,
-                head_slices=head_slices(regions, options.kv_heads))
+                head_slices=head_slices(regions, options.kv_heads), memory=memory_of(regions))
         except BaseException:
             if self._bootstrap is not None:
                 self._bootstrap.stop()
@@ -221,7 +231,7 @@ class DecodeRuntime:
             abort_request_timeout_s=options.abort_request_timeout,
             data_plane=options.data_plane, cluster_secret_file=options.cluster_secret_file,
             send_releases=options.kv_release, head_slices=head_slices(regions, options.kv_heads),
-            fence_writes=options.fence_writes)
+            fence_writes=options.fence_writes, memory=memory_of(regions))
         # Loads refused before the adapter started them: nothing was sent, nothing can write.
         self._refused: list[tuple[str, str, bool]] = []
 
@@ -301,4 +311,7 @@ def load_native() -> NativeModule:
             "and install the kvferry package with the native module (CMake option "
             f"KVFERRY_PYTHON=ON, see pyproject.toml). Import error: {e}"
         ) from e
+    # Which UCX the loader picked (Debian's or a libucx wheel's) decides whether GPU-direct
+    # registration can work: said once, where a refusal's reader will look.
+    logger.info("kvferry._native runs on UCX %s", module.ucx_version())
     return NativeRuntime(module)

@@ -11,6 +11,8 @@ vLLM's rules this half enforces, because breaking them crashes vLLM's scheduler:
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import logging
 import os
@@ -182,6 +184,23 @@ def _host_ip() -> str:
         return os.environ.get("VLLM_HOST_IP", "127.0.0.1")
 
 
+
+def kv_registration(mode: str, devices: set[str]) -> str:
+    """How a worker registers a KV cache held on ``devices`` (torch's names) under ``kv_staging``
+    ``mode``: ``"host"`` (the cache itself, host memory), ``"cuda"`` (the cache itself,
+    GPU-direct) or ``"stage"`` (host staging twins, staging.py). ValueError for a cache kvferry
+    cannot register: off the host and not on CUDA devices with staging off."""
+    on_host = devices == {"cpu"}
+    if mode == "host" or (mode == "auto" and not on_host):
+        return "stage"
+    if on_host:
+        return "host"
+    if all(d.startswith("cuda") for d in devices):
+        return "cuda"
+    raise ValueError(
+        f"the KV cache lives on {', '.join(sorted(devices))} and kv_staging is off: kvferry "
+        "registers host memory or, GPU-direct, CUDA memory; use kv_staging auto or host")
+
 class KvferryConnectorWorker:
     def __init__(
         self,
@@ -280,15 +299,15 @@ class KvferryConnectorWorker:
     ) -> list[KvRegion]:
         """The regions the runtime registers: the KV cache's, or its host staging twins."""
         devices = {str(t.device) for t in tensors}
-        on_host = devices == {"cpu"}
-        mode = self.settings.kv_staging
-        if mode == "off" or (mode == "auto" and on_host):
-            if not on_host:
-                raise ValueError(
-                    f"the KV cache lives on {', '.join(sorted(devices))} and kv_staging is off: "
-                    "kvferry's data plane registers host memory only (its CUDA memory kind is "
-                    "reserved, docs/vllm.md); use kv_staging auto or host")
+        how = kv_registration(self.settings.kv_staging, devices)
+        if how == "host":
             return regions
+        if how == "cuda":
+            # GPU-direct: the data plane registers the GPU's memory itself, or the worker's
+            # start raises with the reason (a UCX without CUDA: kv_staging auto stages instead).
+            logger.info("kvferry registers the KV cache GPU-direct (kv_staging off; it is on %s)",
+                        ", ".join(sorted(devices)))
+            return [dataclasses.replace(r, memory="cuda") for r in regions]
         slots = self.settings.kv_staging_blocks or num_blocks
         staged = stage_regions(regions, tensors, slots)
         copier = BlockCopier(staged)
