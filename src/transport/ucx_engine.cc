@@ -325,7 +325,7 @@ class UcxEngine final : public Engine {
     return !options_.fence_writes || (key != kNoWriteKey && revoked_.count(key) == 0);
   }
   void SenderFailed(std::uint64_t uid);
-  void BackEndpointFailed(ucp_ep_h ep);
+  void BackEndpointFailed(ucp_ep_h ep, ucs_status_t status);
   std::string DescribeLanes(ucp_ep_h ep, bool* rma_ok);
 
   static ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* data,
@@ -377,6 +377,7 @@ class UcxEngine final : public Engine {
   std::vector<void*> close_requests_;
   int ucx_work_ = 0;             // UCX requests in flight that need progress (spin while > 0)
   std::uint64_t blocked_warnings_ = 0;  // phases of the loop that took kBlockedWarning or more
+  std::uint64_t unacked_batches_ = 0;   // inbound batches that landed with no sender to ack
   // Says what the progress thread waits in while a phase blocks (stall_watch.h); outlives it.
   std::unique_ptr<StallWatch> stall_watch_;
   bool pack_small_ops_ = false;  // am path: WRITEV for runs of small ops (see Init)
@@ -1012,8 +1013,8 @@ ucs_status_t UcxEngine::OnHello(void* arg, const void* header, size_t header_len
     // The engine, not the Sender, is the handler's argument: a Sender forgotten meanwhile (a
     // Bye, an earlier failure) is destroyed while UCX may still report its endpoint failing
     // (found by the real-vLLM tier: SIGFPE in SenderFailed through a dangling Sender).
-    ep.err_handler.cb = [](void* a, ucp_ep_h failed, ucs_status_t) {
-      static_cast<UcxEngine*>(a)->BackEndpointFailed(failed);
+    ep.err_handler.cb = [](void* a, ucp_ep_h failed, ucs_status_t status) {
+      static_cast<UcxEngine*>(a)->BackEndpointFailed(failed, status);
     };
     ep.err_handler.arg = self;
     if (ucp_ep_create(self->worker_, &ep, &slot->ep) != UCS_OK) {
@@ -1511,13 +1512,28 @@ void UcxEngine::InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id
   ErrorCode result = ib.code;
   inbound_.erase(key);
   auto sit = senders_.find(sender_uid);
-  if (sit == senders_.end() || sit->second->ep == nullptr) return;  // sender gone: no one to ack
+  if (sit == senders_.end() || sit->second->ep == nullptr) {
+    // Nobody to ack: the sender said goodbye or its endpoint back failed. Its side times the
+    // batch out (and counts it unsettled) unless it is gone too; said, because the real-vLLM
+    // tier met writes whose every op landed while the sender waited 30 s for the ack.
+    ++unacked_batches_;
+    spdlog::warn("kvferry UCX engine {}: batch {} of sender {:x} landed, but no endpoint back to "
+                 "that sender is left (it said goodbye, or its endpoint back failed): not "
+                 "acknowledged ({} such batches so far)",
+                 options_.name, batch_id, sender_uid, unacked_batches_);
+    return;
+  }
   SendSmall(sit->second->ep, kAmAck, AckHeader{batch_id, static_cast<std::uint32_t>(result), 0});
 }
 
-void UcxEngine::BackEndpointFailed(ucp_ep_h ep) {
+void UcxEngine::BackEndpointFailed(ucp_ep_h ep, ucs_status_t status) {
   for (const auto& [uid, sender] : senders_) {
     if (sender->ep == ep) {
+      // A sender that died, or a live one whose connection back UCX gave up on: only the
+      // second costs anything (its batches in flight stay unacknowledged), and both are rare.
+      spdlog::warn("kvferry UCX engine {}: the endpoint back to sender {:x} failed ({}); its "
+                   "batches still landing are not acknowledged",
+                   options_.name, uid, ucs_status_string(status));
       SenderFailed(uid);
       return;
     }
