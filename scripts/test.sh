@@ -3,8 +3,8 @@
 #
 #   scripts/test.sh            install packages, build (build/), run ctest, the Python tests of the
 #                              vLLM connector (.venv from scripts/install-python.sh), then the
-#                              transport tests again on UCX 1.22 (the libucx-cu13 wheel,
-#                              build-ucx122/), the core and wire tests under AddressSanitizer +
+#                              transport tests and the Python module's tests again on UCX 1.22
+#                              (the libucx-cu13 wheel, build-ucx122/), the core and wire tests under AddressSanitizer +
 #                              UndefinedBehaviorSanitizer (build-asan/), and a bounded fuzz run
 #                              when clang is present.
 #
@@ -36,11 +36,14 @@ echo "== python: kvferry._native and the vLLM connector against vLLM's real sche
 if [ "${KVFERRY_SKIP_UCX_WHEEL:-0}" != 1 ]; then
   # The data plane on a current UCX as well: users' UCX is rarely Debian's 1.13. The wheel's
   # libraries come by the test binaries' RPATH, and its transport modules from beside them.
-  echo "== transport tests on UCX 1.22 (the libucx-cu13 wheel; build-ucx122/)"
+  # The Python module too: built so, it is the GPU-direct build of docs/vllm.md.
+  echo "== transport tests and kvferry._native on UCX 1.22 (the libucx-cu13 wheel; build-ucx122/)"
   ucx_dir=$(.venv/bin/python -c 'import libucx, os; print(os.path.join(os.path.dirname(libucx.__file__), "lib", "cmake", "ucx"))')
   cmake -S . -B build-ucx122 -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVFERRY_BENCH=OFF \
-    -DKVFERRY_MODULES="core;transport" -Ducx_DIR="$ucx_dir" >/dev/null
-  cmake --build build-ucx122 -j "$jobs" --target kvferry_transport_tests
+    -DKVFERRY_MODULES="core;wire;protocol;control;transport;runtime" -DKVFERRY_PYTHON=ON \
+    -DPython_EXECUTABLE="$PWD/.venv/bin/python" \
+    -Dpybind11_DIR="$(.venv/bin/python -m pybind11 --cmakedir)" -Ducx_DIR="$ucx_dir" >/dev/null
+  cmake --build build-ucx122 -j "$jobs" --target kvferry_transport_tests kvferry_native
   # The same soname as Debian's: make sure the tests load the wheel's (LD_LIBRARY_PATH, searched
   # before RUNPATH, could hand them Debian's and this stage would test 1.13 twice).
   if ! ldd build-ucx122/tests/transport/kvferry_transport_tests | grep -q 'libucx/lib/libucp.so'; then
@@ -49,6 +52,9 @@ if [ "${KVFERRY_SKIP_UCX_WHEEL:-0}" != 1 ]; then
     exit 1
   fi
   (cd build-ucx122 && ctest --output-on-failure -j "$jobs" --timeout 300 -L transport)
+  KVFERRY_BUILD_DIR=build-ucx122 KVFERRY_EXPECT_UCX=1.22 .venv/bin/python -m pytest -q \
+    python/tests/test_native.py \
+    python/tests/test_vllm_worker.py::test_a_gpu_direct_cache_reaches_the_data_plane_as_cuda_memory_which_refuses_it_here
 fi
 
 if [ "${KVFERRY_SKIP_ASAN:-0}" != 1 ]; then
