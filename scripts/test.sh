@@ -46,11 +46,17 @@ if [ "${KVFERRY_SKIP_UCX_WHEEL:-0}" != 1 ]; then
   cmake --build build-ucx122 -j "$jobs" --target kvferry_transport_tests kvferry_native
   # The same soname as Debian's: make sure the tests load the wheel's (LD_LIBRARY_PATH, searched
   # before RUNPATH, could hand them Debian's and this stage would test 1.13 twice).
-  if ! ldd build-ucx122/tests/transport/kvferry_transport_tests | grep -q 'libucx/lib/libucp.so'; then
-    echo "test.sh: build-ucx122's tests do not load the wheel's libucp" >&2
-    ldd build-ucx122/tests/transport/kvferry_transport_tests | grep -i ucp >&2
-    exit 1
-  fi
+  # (ldd's output taken whole first: `grep -q` quits at its first match, and under pipefail the
+  # SIGPIPE that leaves ldd with turned a found library into a failure in one CI run.)
+  for binary in build-ucx122/tests/transport/kvferry_transport_tests \
+                build-ucx122/python/kvferry/_native.*.so; do
+    libs=$(ldd "$binary")
+    if ! grep -q 'libucx/lib/libucp.so' <<<"$libs"; then
+      echo "test.sh: $binary does not load the wheel's libucp" >&2
+      grep -i ucp <<<"$libs" >&2
+      exit 1
+    fi
+  done
   (cd build-ucx122 && ctest --output-on-failure -j "$jobs" --timeout 300 -L transport)
   KVFERRY_BUILD_DIR=build-ucx122 KVFERRY_EXPECT_UCX=1.22 .venv/bin/python -m pytest -q \
     python/tests/test_native.py \
