@@ -8,13 +8,7 @@
 // thread spins while it has UCX work in flight and otherwise sleeps on the worker's event fd
 // plus an eventfd that commands poke.
 //
-// Wire protocol between engines (UCX active messages, ids below):
-//   HELLO     sender -> receiver on connect: sender uid + nonce, data = sender worker address.
-//             The receiver opens (or reuses) an endpoint back to the sender for acks.
-//   HELLO_ACK receiver -> sender: nonce + receiver uid. Connect returns only after it.
-//   WRITE     am path only: {sender uid, batch id, region, offset, length, op count} + data.
-//   ACK       receiver -> sender once every WRITE of a batch has landed (or was refused).
-//   BYE       sender -> receiver on ClosePeer: drop one reference on the back endpoint.
+// The protocol between engines (active messages, their headers): ucx_am_protocol.h.
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -41,63 +35,14 @@
 #include "descriptor.h"
 #include "kvferry/core/thread_name.h"
 #include "kvferry/transport/ucx.h"
+#include "sender_table.h"
 #include "stall_watch.h"
+#include "ucx_am_protocol.h"
 
 namespace kvferry::transport {
 namespace {
 
-constexpr unsigned kAmHello = 0x4b10;
-constexpr unsigned kAmHelloAck = 0x4b11;
-constexpr unsigned kAmWrite = 0x4b12;
-constexpr unsigned kAmAck = 0x4b13;
-constexpr unsigned kAmBye = 0x4b14;
-constexpr unsigned kAmWriteV = 0x4b15;
-
-// am path: consecutive small ops of one batch into the same remote region travel as one WRITEV
-// message (header lists the extents, data is gathered with an iov datatype), so 16 x 64 KiB cost
-// one message instead of 16. Ops above kPackMaxOp keep their own zero-copy WRITE.
-constexpr std::size_t kPackMaxOp = 256 * 1024;
-constexpr std::size_t kPackMaxBytes = 1024 * 1024;
-constexpr std::size_t kPackMaxOps = 64;
-
-struct HelloHeader {
-  std::uint64_t sender_uid;
-  std::uint64_t nonce;
-};
-struct HelloAckHeader {
-  std::uint64_t nonce;
-  std::uint64_t receiver_uid;
-};
-struct WriteHeader {
-  std::uint64_t sender_uid;
-  std::uint64_t batch_id;
-  std::uint64_t write_key;  // the receiver's credential (Engine::RevokeWriteKeys)
-  std::uint64_t remote_offset;
-  std::uint64_t length;
-  std::uint32_t remote_region;
-  std::uint32_t op_count;
-};
-struct WriteVHeader {  // followed by `extents` x WriteExtent
-  std::uint64_t sender_uid;
-  std::uint64_t batch_id;
-  std::uint64_t write_key;
-  std::uint32_t remote_region;
-  std::uint32_t op_count;  // ops in the whole batch
-  std::uint32_t extents;   // ops carried by this message, data in this order
-  std::uint32_t reserved;
-};
-struct WriteExtent {
-  std::uint64_t remote_offset;
-  std::uint64_t length;
-};
-struct AckHeader {
-  std::uint64_t batch_id;
-  std::uint32_t code;  // ErrorCode
-  std::uint32_t reserved;
-};
-struct ByeHeader {
-  std::uint64_t sender_uid;
-};
+using namespace ucx_am;
 
 ErrorCode CodeOf(ucs_status_t s) {
   switch (s) {
@@ -159,13 +104,6 @@ std::size_t ParseSize(const std::string& text) {
     default:
       return static_cast<std::size_t>(v);
   }
-}
-
-template <typename T>
-bool ReadHeader(const void* header, std::size_t length, T* out) {
-  if (length != sizeof(T)) return false;
-  std::memcpy(out, header, sizeof(T));
-  return true;
 }
 
 }  // namespace
@@ -266,12 +204,6 @@ class UcxEngine final : public Engine {
   };
 
   // Inbound side (progress thread only).
-  struct Sender {
-    std::uint64_t uid = 0;
-    ucp_ep_h ep = nullptr;
-    int refs = 0;
-    bool dead = false;
-  };
   struct InboundBatch {
     std::uint32_t landed = 0;
     ErrorCode code = ErrorCode::kOk;
@@ -324,7 +256,9 @@ class UcxEngine final : public Engine {
   bool KeyAdmitted(WriteKey key) const {
     return !options_.fence_writes || (key != kNoWriteKey && revoked_.count(key) == 0);
   }
-  void SenderFailed(std::uint64_t uid);
+  // A sender forgotten (its last BYE, or its endpoint back failed): `ep` closes, and what of its
+  // batches was still landing is dropped.
+  void SenderGone(std::uint64_t uid, ucp_ep_h ep);
   void BackEndpointFailed(ucp_ep_h ep, ucs_status_t status);
   std::string DescribeLanes(ucp_ep_h ep, bool* rma_ok);
 
@@ -371,7 +305,8 @@ class UcxEngine final : public Engine {
   std::unordered_map<BatchId, Batch*> batches_;
   std::vector<std::shared_ptr<Peer>> closing_;
   std::vector<std::shared_ptr<Peer>> graveyard_;  // every peer ever connected (err-handler args)
-  std::unordered_map<std::uint64_t, std::unique_ptr<Sender>> senders_;
+  // Receiver side: the engines writing here, their connections and endpoints back.
+  SenderTable<ucp_ep_h> senders_;
   std::map<std::pair<std::uint64_t, std::uint64_t>, InboundBatch> inbound_;
   std::vector<ucp_ep_h> eps_to_close_;
   std::vector<void*> close_requests_;
@@ -514,8 +449,8 @@ Status UcxEngine::Init() {
     ucp_am_recv_callback_t cb;
   };
   for (Handler h :
-       {Handler{kAmHello, &OnHello}, Handler{kAmHelloAck, &OnHelloAck}, Handler{kAmWrite, &OnWrite},
-        Handler{kAmWriteV, &OnWriteV}, Handler{kAmAck, &OnAck}, Handler{kAmBye, &OnBye}}) {
+       {Handler{kHello, &OnHello}, Handler{kHelloAck, &OnHelloAck}, Handler{kWrite, &OnWrite},
+        Handler{kWriteV, &OnWriteV}, Handler{kAck, &OnAck}, Handler{kBye, &OnBye}}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                     UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
@@ -676,10 +611,7 @@ void UcxEngine::Loop() {
     (void)!read(wake_fd_, &drained, sizeof(drained));
   }
   // Final cleanup of endpoints still open (receiver-side back endpoints, failed ones).
-  for (auto& [uid, s] : senders_) {
-    if (s->ep != nullptr) eps_to_close_.push_back(s->ep);
-  }
-  senders_.clear();
+  for (ucp_ep_h ep : senders_.Clear()) eps_to_close_.push_back(ep);
   DriveCloses();
   auto until = Clock::now() + std::chrono::seconds(2);
   while (!close_requests_.empty() && Clock::now() < until) {
@@ -929,7 +861,7 @@ void UcxEngine::StartConnect(const std::shared_ptr<Peer>& peer) {
     ucp_request_free(request);
     delete c;
   };
-  ucs_status_ptr_t sp = ucp_am_send_nbx(peer->ep, kAmHello, &ctx->header, sizeof(ctx->header),
+  ucs_status_ptr_t sp = ucp_am_send_nbx(peer->ep, kHello, &ctx->header, sizeof(ctx->header),
                                         worker_address_.data(), worker_address_.size(), &rp);
   if (sp == nullptr) {
     delete ctx;
@@ -1001,10 +933,11 @@ ucs_status_t UcxEngine::OnHello(void* arg, const void* header, size_t header_len
       length == 0) {
     return UCS_OK;  // malformed: ignore (the sender's Connect times out)
   }
-  auto& slot = self->senders_[h.sender_uid];
-  if (!slot || slot->ep == nullptr) {
-    slot = std::make_unique<Sender>();
-    slot->uid = h.sender_uid;
+  const SenderTable<ucp_ep_h>::HelloResult hello = self->senders_.Hello(h.sender_uid, h.nonce);
+  if (hello == SenderTable<ucp_ep_h>::HelloResult::kRefused) {
+    return UCS_OK;  // over its connection bound: unanswered, the sender's Connect times out
+  }
+  if (hello == SenderTable<ucp_ep_h>::HelloResult::kOpenEndpoint) {
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -1017,13 +950,15 @@ ucs_status_t UcxEngine::OnHello(void* arg, const void* header, size_t header_len
       static_cast<UcxEngine*>(a)->BackEndpointFailed(failed, status);
     };
     ep.err_handler.arg = self;
-    if (ucp_ep_create(self->worker_, &ep, &slot->ep) != UCS_OK) {
-      self->senders_.erase(h.sender_uid);
+    ucp_ep_h back = nullptr;
+    if (ucp_ep_create(self->worker_, &ep, &back) != UCS_OK) {
+      (void)self->senders_.Forget(h.sender_uid);  // it had no endpoint: nothing to close
       return UCS_OK;
     }
+    self->senders_.SetEndpoint(h.sender_uid, back);
   }
-  ++slot->refs;
-  self->SendSmall(slot->ep, kAmHelloAck, HelloAckHeader{h.nonce, self->uid_});
+  self->SendSmall(self->senders_.Endpoint(h.sender_uid), kHelloAck,
+                  HelloAckHeader{h.nonce, self->uid_});
   return UCS_OK;
 }
 
@@ -1244,7 +1179,7 @@ void UcxEngine::PostBatch(Batch* b) {
         ucp_request_param_t op_rp = rp;
         op_rp.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
         op_rp.datatype = ucp_dt_make_iov();
-        track(ucp_am_send_nbx(p.ep, kAmWriteV, pk.header.data(), pk.header.size(), pk.iov.data(),
+        track(ucp_am_send_nbx(p.ep, kWriteV, pk.header.data(), pk.header.size(), pk.iov.data(),
                               pk.iov.size(), &op_rp),
               "am send");
         i = j;
@@ -1261,7 +1196,7 @@ void UcxEngine::PostBatch(Batch* b) {
       ucp_request_param_t op_rp = rp;
       op_rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
       op_rp.memh = b->resolved[i].memh;
-      track(ucp_am_send_nbx(p.ep, kAmWrite, &b->headers[i], sizeof(WriteHeader),
+      track(ucp_am_send_nbx(p.ep, kWrite, &b->headers[i], sizeof(WriteHeader),
                             b->resolved[i].local, b->resolved[i].length, &op_rp),
             "am send");
       ++i;
@@ -1511,8 +1446,8 @@ void UcxEngine::InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id
   if (ib.landed < op_count) return;
   ErrorCode result = ib.code;
   inbound_.erase(key);
-  auto sit = senders_.find(sender_uid);
-  if (sit == senders_.end() || sit->second->ep == nullptr) {
+  ucp_ep_h back = senders_.Endpoint(sender_uid);
+  if (back == nullptr) {
     // Nobody to ack: the sender said goodbye or its endpoint back failed. Its side times the
     // batch out (and counts it unsettled) unless it is gone too; said, because the real-vLLM
     // tier met writes whose every op landed while the sender waited 30 s for the ack.
@@ -1523,29 +1458,22 @@ void UcxEngine::InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id
                  options_.name, batch_id, sender_uid, unacked_batches_);
     return;
   }
-  SendSmall(sit->second->ep, kAmAck, AckHeader{batch_id, static_cast<std::uint32_t>(result), 0});
+  SendSmall(back, kAck, AckHeader{batch_id, static_cast<std::uint32_t>(result), 0});
 }
 
 void UcxEngine::BackEndpointFailed(ucp_ep_h ep, ucs_status_t status) {
-  for (const auto& [uid, sender] : senders_) {
-    if (sender->ep == ep) {
-      // A sender that died, or a live one whose connection back UCX gave up on: only the
-      // second costs anything (its batches in flight stay unacknowledged), and both are rare.
-      spdlog::warn("kvferry UCX engine {}: the endpoint back to sender {:x} failed ({}); its "
-                   "batches still landing are not acknowledged",
-                   options_.name, uid, ucs_status_string(status));
-      SenderFailed(uid);
-      return;
-    }
-  }
-  // Not a live sender's endpoint: one forgotten already, whose close is under way.
+  const std::optional<std::uint64_t> uid = senders_.EndpointFailed(ep);
+  if (!uid) return;  // not a live sender's endpoint: one forgotten already, whose close is under way
+  // A sender that died, or a live one whose connection back UCX gave up on: only the second
+  // costs anything (its batches in flight stay unacknowledged), and both are rare.
+  spdlog::warn("kvferry UCX engine {}: the endpoint back to sender {:x} failed ({}); its "
+               "batches still landing are not acknowledged",
+               options_.name, *uid, ucs_status_string(status));
+  SenderGone(*uid, ep);
 }
 
-void UcxEngine::SenderFailed(std::uint64_t uid) {
-  auto it = senders_.find(uid);
-  if (it == senders_.end()) return;
-  if (it->second->ep != nullptr) eps_to_close_.push_back(it->second->ep);
-  senders_.erase(it);
+void UcxEngine::SenderGone(std::uint64_t uid, ucp_ep_h ep) {
+  if (ep != nullptr) eps_to_close_.push_back(ep);
   for (auto i = inbound_.lower_bound({uid, 0}); i != inbound_.end() && i->first.first == uid;) {
     i = inbound_.erase(i);
   }
@@ -1556,8 +1484,11 @@ ucs_status_t UcxEngine::OnBye(void* arg, const void* header, size_t header_lengt
   auto* self = static_cast<UcxEngine*>(arg);
   ByeHeader h;
   if (!ReadHeader(header, header_length, &h)) return UCS_OK;
-  auto it = self->senders_.find(h.sender_uid);
-  if (it != self->senders_.end() && --it->second->refs <= 0) self->SenderFailed(h.sender_uid);
+  // The sender's last connection closes its endpoint back; a connection this table does not
+  // hold (counted before the sender's record was dropped) changes nothing (sender_table.h).
+  if (std::optional<ucp_ep_h> back = self->senders_.Bye(h.sender_uid, h.nonce)) {
+    self->SenderGone(h.sender_uid, *back);
+  }
   return UCS_OK;
 }
 
@@ -1677,7 +1608,7 @@ void UcxEngine::DriveCloses() {
       if (p.ep != nullptr) {
         // Tell the peer it can drop its back endpoint (best effort: a lost BYE only leaves that
         // endpoint open until this engine goes away).
-        if (!dead) SendSmall(p.ep, kAmBye, ByeHeader{uid_});
+        if (!dead) SendSmall(p.ep, kBye, ByeHeader{uid_, p.id});
         for (ucp_rkey_h k : p.rkeys) {
           if (k != nullptr) ucp_rkey_destroy(k);
         }

@@ -1,0 +1,118 @@
+// SenderTable: a receiving engine's record of the engines that write to it, each with the one
+// endpoint back to it (for acks) and the connections it has open.
+//
+// Why connections and not a count: the record used to count HELLOs and BYEs, and a record
+// dropped while some of the sender's connections were open (its endpoint back failed, which
+// UCX reports while the sender lives on) left those connections' BYEs to arrive later and
+// count down the record of the sender's next connection: at zero that record went, and every
+// ack of the connection still open was dropped (the sender's batches timed out with every op
+// landed). A BYE now names its connection (the nonce of its HELLO), and a BYE of a connection
+// the record does not hold changes nothing.
+//
+// Contract (sans-IO: no UCX call here; `Ep` is the caller's endpoint handle, default-constructed
+// meaning none): Hello counts connection `nonce` of sender `uid` and says whether the caller must
+// open the endpoint back (then SetEndpoint, or Forget if it cannot). A sender holds at most
+// kMaxConnections open connections; a HELLO beyond them is refused (kRefused: no answer, so the
+// sender's Connect times out) and changes nothing. Bye forgets one connection and, with the
+// last, the sender, returning its endpoint for the caller to close. EndpointFailed and Forget
+// drop a sender whatever it holds, returning what to close. Ids are the peer's words: any value
+// is accepted and bounds the table only by connection count per sender.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace kvferry::transport {
+
+template <typename Ep>
+class SenderTable {
+ public:
+  static constexpr std::size_t kMaxConnections = 1024;
+
+  enum class HelloResult { kKnown, kOpenEndpoint, kRefused };
+
+  HelloResult Hello(std::uint64_t uid, std::uint64_t nonce) {
+    Sender& s = senders_[uid];
+    if (s.connections.size() >= kMaxConnections && s.connections.count(nonce) == 0) {
+      if (s.connections.empty()) senders_.erase(uid);
+      return HelloResult::kRefused;
+    }
+    s.connections.insert(nonce);
+    return s.ep == Ep{} ? HelloResult::kOpenEndpoint : HelloResult::kKnown;
+  }
+
+  void SetEndpoint(std::uint64_t uid, Ep ep) {
+    auto it = senders_.find(uid);
+    if (it != senders_.end()) it->second.ep = ep;
+  }
+
+  // The endpoint back to `uid`, or none.
+  Ep Endpoint(std::uint64_t uid) const {
+    auto it = senders_.find(uid);
+    return it == senders_.end() ? Ep{} : it->second.ep;
+  }
+
+  // When `nonce` was the sender's last connection: the sender is forgotten, and its endpoint
+  // back (possibly none) comes back for the caller to close. nullopt otherwise: connections
+  // remain, or the table does not hold this one.
+  std::optional<Ep> Bye(std::uint64_t uid, std::uint64_t nonce) {
+    auto it = senders_.find(uid);
+    if (it == senders_.end() || it->second.connections.erase(nonce) == 0) return std::nullopt;
+    if (!it->second.connections.empty()) return std::nullopt;
+    Ep ep = it->second.ep;
+    senders_.erase(it);
+    return ep;
+  }
+
+  // The sender whose endpoint back is `ep`, forgotten; nullopt when no sender has it (one
+  // forgotten already, whose close is under way).
+  std::optional<std::uint64_t> EndpointFailed(Ep ep) {
+    if (ep == Ep{}) return std::nullopt;
+    for (auto it = senders_.begin(); it != senders_.end(); ++it) {
+      if (it->second.ep != ep) continue;
+      const std::uint64_t uid = it->first;
+      senders_.erase(it);
+      return uid;
+    }
+    return std::nullopt;
+  }
+
+  // Drops `uid`; returns its endpoint back (or none) for the caller to close.
+  Ep Forget(std::uint64_t uid) {
+    auto it = senders_.find(uid);
+    if (it == senders_.end()) return Ep{};
+    Ep ep = it->second.ep;
+    senders_.erase(it);
+    return ep;
+  }
+
+  // Every endpoint back, and the table emptied (shutdown).
+  std::vector<Ep> Clear() {
+    std::vector<Ep> eps;
+    for (auto& [uid, s] : senders_) {
+      if (s.ep != Ep{}) eps.push_back(s.ep);
+    }
+    senders_.clear();
+    return eps;
+  }
+
+  std::size_t size() const { return senders_.size(); }
+  std::size_t connections(std::uint64_t uid) const {
+    auto it = senders_.find(uid);
+    return it == senders_.end() ? 0 : it->second.connections.size();
+  }
+
+ private:
+  struct Sender {
+    Ep ep{};
+    std::unordered_set<std::uint64_t> connections;  // HELLO nonces not yet said goodbye to
+  };
+  std::unordered_map<std::uint64_t, Sender> senders_;
+};
+
+}  // namespace kvferry::transport
