@@ -2,8 +2,9 @@
 // endpoint back to it (for acks) and the connections it has open.
 //
 // Why connections and not a count: the record used to count HELLOs and BYEs, and a record
-// dropped while some of the sender's connections were open (its endpoint back failed, which
-// UCX reports while the sender lives on) left those connections' BYEs to arrive later and
+// dropped while some of the sender's connections were open (its endpoint back failed: UCX had
+// paired it with one of the sender's connections, and closing that one reset it; the endpoints
+// back now live on a worker of their own, ucx_engine.cc) left those connections' BYEs to arrive later and
 // count down the record of the sender's next connection: at zero that record went, and every
 // ack of the connection still open was dropped (the sender's batches timed out with every op
 // landed). A BYE now names its connection (the nonce of its HELLO), and a BYE of a connection
@@ -21,6 +22,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
@@ -113,6 +116,53 @@ class SenderTable {
     std::unordered_set<std::uint64_t> connections;  // HELLO nonces not yet said goodbye to
   };
   std::unordered_map<std::uint64_t, Sender> senders_;
+};
+
+// AckMemory: the verdicts a receiving engine sent lately, so that a sender whose ACK was lost can
+// ask again (ucx_am_protocol.h, QUERY) and get the same verdict.
+//
+// Contract (sans-IO): Remember records the verdict `code` of batch `batch` of sender `uid`;
+// Find returns it while it is among the last `capacity` keys remembered, nullopt otherwise
+// (never remembered, or pushed out by newer keys). Remembering a key again replaces its verdict
+// and keeps its place. Memory is bounded by `capacity` whatever the ids: they are the peer's
+// words.
+class AckMemory {
+ public:
+  explicit AckMemory(std::size_t capacity) : capacity_(capacity) {}
+
+  void Remember(std::uint64_t uid, std::uint64_t batch, std::uint32_t code) {
+    const Key key{uid, batch};
+    auto [it, inserted] = verdicts_.insert_or_assign(key, code);
+    if (!inserted) return;  // keeps its place in the order
+    order_.push_back(key);
+    while (order_.size() > capacity_) {
+      verdicts_.erase(order_.front());
+      order_.pop_front();
+    }
+  }
+
+  std::optional<std::uint32_t> Find(std::uint64_t uid, std::uint64_t batch) const {
+    auto it = verdicts_.find(Key{uid, batch});
+    if (it == verdicts_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  std::size_t size() const { return verdicts_.size(); }
+
+ private:
+  struct Key {
+    std::uint64_t uid;
+    std::uint64_t batch;
+    bool operator==(const Key&) const = default;
+  };
+  struct KeyHash {
+    std::size_t operator()(const Key& k) const {
+      return std::hash<std::uint64_t>()(k.uid) ^ (std::hash<std::uint64_t>()(k.batch) * 31);
+    }
+  };
+  std::size_t capacity_;
+  std::unordered_map<Key, std::uint32_t, KeyHash> verdicts_;
+  std::deque<Key> order_;
 };
 
 }  // namespace kvferry::transport

@@ -12,6 +12,12 @@
 //   BYE       sender -> receiver on ClosePeer: ByeHeader, ends that connection (its HELLO's
 //             nonce) on the receiver; the sender's last one closes the endpoint back
 //             (sender_table.h).
+//   QUERY     sender -> receiver when a batch's sends have all completed and its ACK has not come
+//             for kAckQueryAfter (then again every kAckQueryAfter): QueryHeader. A receiver that
+//             acknowledged that batch lately (AckMemory) sends the same ACK again; otherwise it
+//             logs what it knows of the batch (landing, or never seen) and answers nothing.
+//             So a lost ACK costs seconds, not the sender's write bound, and a batch that never
+//             landed is named on the receiver.
 //
 // Contract: both engines run the same kvferry (no version field): a header whose length is not
 // its struct's exactly is ignored by ReadHeader's caller (a HELLO so ignored makes the sender's
@@ -33,6 +39,7 @@ constexpr unsigned kWrite = 0x4b12;
 constexpr unsigned kAck = 0x4b13;
 constexpr unsigned kBye = 0x4b14;
 constexpr unsigned kWriteV = 0x4b15;
+constexpr unsigned kQuery = 0x4b16;
 
 // am path: consecutive small ops of one batch into the same remote region travel as one WRITEV
 // message (header lists the extents, data is gathered with an iov datatype), so 16 x 64 KiB cost
@@ -80,10 +87,17 @@ struct ByeHeader {
   std::uint64_t sender_uid;
   std::uint64_t nonce;  // the closing connection's, as its HELLO carried it
 };
+struct QueryHeader {
+  std::uint64_t sender_uid;
+  std::uint64_t batch_id;
+  std::uint32_t attempt;  // 1 for the batch's first query
+  std::uint32_t reserved;
+};
 
 static_assert(sizeof(HelloHeader) == 16 && sizeof(HelloAckHeader) == 16);
 static_assert(sizeof(WriteHeader) == 48 && sizeof(WriteVHeader) == 40);
 static_assert(sizeof(WriteExtent) == 16 && sizeof(AckHeader) == 16 && sizeof(ByeHeader) == 16);
+static_assert(sizeof(QueryHeader) == 24);
 
 // Copies a received header of exactly sizeof(T) bytes into `out`; false (and `out` untouched)
 // for any other length. The copy, not a cast: UCX does not promise the header's alignment.

@@ -123,6 +123,17 @@ class UcxEngine final : public Engine {
   static constexpr Duration kBlockedWarning = std::chrono::seconds(1);
   // A phase still running this long is described while it blocks (StallWatch).
   static constexpr Duration kStallReport = std::chrono::seconds(5);
+  // A batch whose sends all completed and whose ACK has not come this long is asked after
+  // (QUERY, ucx_am_protocol.h), and again at this interval: far above a healthy ACK's delay (a
+  // round trip after the last op lands: milliseconds even on a loaded 2-core machine), far
+  // below the 30 s write bound, so a lost ACK costs seconds.
+  static constexpr Duration kAckQueryAfter = std::chrono::seconds(2);
+  // How many verdicts a receiver remembers for QUERYs: about a minute of batches at the tier's
+  // rates and more than any sender keeps in flight; 4,096 x ~60 bytes.
+  static constexpr std::size_t kAckMemory = 4096;
+  // A receiver logs at most one QUERY per this interval (the rest are counted): the query's
+  // fields are the peer's words.
+  static constexpr Duration kQueryLogInterval = std::chrono::seconds(1);
 
   std::string_view backend() const override { return "ucx"; }
   Result<Region> RegisterMemory(void* base, std::size_t length, MemoryKind kind) override;
@@ -197,6 +208,9 @@ class UcxEngine final : public Engine {
     CompletionFn done;
     int outstanding = 1;  // guard held while posting
     bool awaiting_ack = false;
+    TimePoint sends_done_at{};   // am: when only the ACK was left to wait for
+    TimePoint last_query{};      // am: when its ACK was last asked for (QUERY)
+    std::uint32_t queries = 0;   // QUERYs sent for it
     Status status;
     void Fail(Status s) {
       if (status.ok()) status = std::move(s);
@@ -206,6 +220,7 @@ class UcxEngine final : public Engine {
   // Inbound side (progress thread only).
   struct InboundBatch {
     std::uint32_t landed = 0;
+    std::uint32_t op_count = 0;
     ErrorCode code = ErrorCode::kOk;
   };
   struct RecvContext {
@@ -260,6 +275,8 @@ class UcxEngine final : public Engine {
   // batches was still landing is dropped.
   void SenderGone(std::uint64_t uid, ucp_ep_h ep);
   void BackEndpointFailed(ucp_ep_h ep, ucs_status_t status);
+  // Sends a QUERY for every batch whose ACK is kAckQueryAfter late (sender side).
+  void QueryLateAcks(TimePoint now);
   std::string DescribeLanes(ucp_ep_h ep, bool* rma_ok);
 
   static ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* data,
@@ -274,14 +291,27 @@ class UcxEngine final : public Engine {
                             size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnBye(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnQuery(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
 
   UcxOptions options_;
   const std::uint64_t uid_;
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
+  // The receiver's endpoints back to its senders (acks, HELLO_ACKs) live on a worker of their
+  // own. UCX pairs endpoints that two workers create to each other (by sequence number), so an
+  // endpoint back created on worker_ became the far end of one of the sender's connections, and
+  // the sender closing that connection reset it while its other connections were open: every
+  // later ack to that sender was lost (reproduced with tcp: two connections, the first closed,
+  // the second's writes all landed and none was acknowledged once the reset arrived, 1-2 s
+  // later; UcxTest.ClosingEitherOfTwoConnectionsLeavesTheOtherOneAcknowledged). Endpoints of
+  // another worker never pair with the sender's, so only the sender's worker going away fails
+  // them.
+  ucp_worker_h ack_worker_ = nullptr;
   std::vector<std::byte> worker_address_;
   int worker_fd_ = -1;
+  int ack_worker_fd_ = -1;
   int wake_fd_ = -1;
   std::thread thread_;
   std::thread::id thread_id_;
@@ -308,6 +338,10 @@ class UcxEngine final : public Engine {
   // Receiver side: the engines writing here, their connections and endpoints back.
   SenderTable<ucp_ep_h> senders_;
   std::map<std::pair<std::uint64_t, std::uint64_t>, InboundBatch> inbound_;
+  AckMemory acks_sent_{kAckMemory};  // verdicts sent lately, for QUERYs
+  TimePoint next_query_log_{};
+  std::uint64_t queries_unlogged_ = 0;
+  TimePoint next_ack_check_{};  // sender side: when QueryLateAcks runs next
   std::vector<ucp_ep_h> eps_to_close_;
   std::vector<void*> close_requests_;
   int ucx_work_ = 0;             // UCX requests in flight that need progress (spin while > 0)
@@ -441,6 +475,10 @@ Status UcxEngine::Init() {
   ucp_worker_release_address(worker_, address);
   s = ucp_worker_get_efd(worker_, &worker_fd_);
   if (s != UCS_OK) return FromUcs(s, "ucp_worker_get_efd");
+  s = ucp_worker_create(context_, &wp, &ack_worker_);
+  if (s != UCS_OK) return FromUcs(s, "ucp_worker_create (endpoints back)");
+  s = ucp_worker_get_efd(ack_worker_, &ack_worker_fd_);
+  if (s != UCS_OK) return FromUcs(s, "ucp_worker_get_efd (endpoints back)");
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) return Status(ErrorCode::kInternal, "eventfd failed");
 
@@ -450,7 +488,8 @@ Status UcxEngine::Init() {
   };
   for (Handler h :
        {Handler{kHello, &OnHello}, Handler{kHelloAck, &OnHelloAck}, Handler{kWrite, &OnWrite},
-        Handler{kWriteV, &OnWriteV}, Handler{kAck, &OnAck}, Handler{kBye, &OnBye}}) {
+        Handler{kWriteV, &OnWriteV}, Handler{kAck, &OnAck}, Handler{kBye, &OnBye},
+        Handler{kQuery, &OnQuery}}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                     UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
@@ -495,6 +534,7 @@ void UcxEngine::Shutdown() {
   }
   regions_.clear();
   if (wake_fd_ >= 0) close(wake_fd_);
+  if (ack_worker_ != nullptr) ucp_worker_destroy(ack_worker_);
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
 }
@@ -570,6 +610,7 @@ void UcxEngine::Loop() {
     const Duration t1 = CoarseNow();
     stall_watch_->Enter("ucp_worker_progress", StallWatch::Clock::time_point(t1));
     unsigned progressed = ucp_worker_progress(worker_);
+    progressed += ucp_worker_progress(ack_worker_);
     const Duration t2 = CoarseNow();
     stall_watch_->Enter("closing endpoints", StallWatch::Clock::time_point(t2));
     DriveCloses();
@@ -579,6 +620,10 @@ void UcxEngine::Loop() {
     WarnIfBlocked("ucp_worker_progress", t2 - t1);
     WarnIfBlocked("closing endpoints", t3 - t2);
     TimePoint now = Clock::now();
+    if (!batches_.empty() && now >= next_ack_check_) {
+      QueryLateAcks(now);
+      next_ack_check_ = now + std::chrono::milliseconds(100);
+    }
     if (stop_.load()) {
       if (stop_at == TimePoint::max()) stop_at = now + std::chrono::seconds(2);
       if ((closing_.empty() && close_requests_.empty() && ucx_work_ == 0) || now > stop_at) break;
@@ -600,12 +645,13 @@ void UcxEngine::Loop() {
       std::lock_guard<std::mutex> lock(mu_);
       have_cmds = !commands_.empty();
     }
-    if (have_cmds || stop_.load() || ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
+    if (have_cmds || stop_.load() || ucp_worker_arm(worker_) == UCS_ERR_BUSY ||
+        ucp_worker_arm(ack_worker_) == UCS_ERR_BUSY) {
       sleeping_.store(false);
       continue;
     }
-    pollfd fds[2] = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    (void)poll(fds, 2, 100);
+    pollfd fds[3] = {{worker_fd_, POLLIN, 0}, {ack_worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    (void)poll(fds, 3, 100);
     sleeping_.store(false);
     std::uint64_t drained;
     (void)!read(wake_fd_, &drained, sizeof(drained));
@@ -616,6 +662,7 @@ void UcxEngine::Loop() {
   auto until = Clock::now() + std::chrono::seconds(2);
   while (!close_requests_.empty() && Clock::now() < until) {
     ucp_worker_progress(worker_);
+    ucp_worker_progress(ack_worker_);
     DriveCloses();
   }
 }
@@ -951,7 +998,7 @@ ucs_status_t UcxEngine::OnHello(void* arg, const void* header, size_t header_len
     };
     ep.err_handler.arg = self;
     ucp_ep_h back = nullptr;
-    if (ucp_ep_create(self->worker_, &ep, &back) != UCS_OK) {
+    if (ucp_ep_create(self->ack_worker_, &ep, &back) != UCS_OK) {
       (void)self->senders_.Forget(h.sender_uid);  // it had no endpoint: nothing to close
       return UCS_OK;
     }
@@ -1218,6 +1265,9 @@ void UcxEngine::OpDone(Batch* b, ucs_status_t status) {
 }
 
 void UcxEngine::MaybeComplete(Batch* b) {
+  if (b->outstanding == 1 && b->awaiting_ack && b->sends_done_at == TimePoint{}) {
+    b->sends_done_at = Clock::now();  // only the ACK is left
+  }
   if (b->outstanding > 0) return;
   batches_.erase(b->id);
   {
@@ -1242,6 +1292,14 @@ ucs_status_t UcxEngine::OnAck(void* arg, const void* header, size_t header_lengt
   if (it == self->batches_.end() || !it->second->awaiting_ack) return UCS_OK;
   Batch* b = it->second;
   b->awaiting_ack = false;
+  if (b->queries > 0) {
+    spdlog::warn("kvferry UCX engine {}: the ACK of batch {} came on query {}, {} ms after its "
+                 "last send completed: the receiver's first ACK was lost",
+                 self->options_.name, b->id, b->queries,
+                 std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() -
+                                                                       b->sends_done_at)
+                     .count());
+  }
   auto code = static_cast<ErrorCode>(h.code);
   if (code != ErrorCode::kOk) {
     const char* why = "peer failed to receive the batch";
@@ -1442,10 +1500,12 @@ void UcxEngine::InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id
   auto key = std::make_pair(sender_uid, batch_id);
   InboundBatch& ib = inbound_[key];
   ib.landed += ops;
+  ib.op_count = op_count;
   if (ib.code == ErrorCode::kOk) ib.code = code;
   if (ib.landed < op_count) return;
   ErrorCode result = ib.code;
   inbound_.erase(key);
+  acks_sent_.Remember(sender_uid, batch_id, static_cast<std::uint32_t>(result));
   ucp_ep_h back = senders_.Endpoint(sender_uid);
   if (back == nullptr) {
     // Nobody to ack: the sender said goodbye or its endpoint back failed. Its side times the
@@ -1489,6 +1549,52 @@ ucs_status_t UcxEngine::OnBye(void* arg, const void* header, size_t header_lengt
   if (std::optional<ucp_ep_h> back = self->senders_.Bye(h.sender_uid, h.nonce)) {
     self->SenderGone(h.sender_uid, *back);
   }
+  return UCS_OK;
+}
+
+void UcxEngine::QueryLateAcks(TimePoint now) {
+  for (auto& [id, b] : batches_) {
+    if (!b->awaiting_ack || b->outstanding != 1 || b->sends_done_at == TimePoint{}) continue;
+    const TimePoint since = b->queries == 0 ? b->sends_done_at : b->last_query;
+    if (now - since < kAckQueryAfter || b->peer->ep == nullptr) continue;
+    ++b->queries;
+    b->last_query = now;
+    SendSmall(b->peer->ep, kQuery, QueryHeader{uid_, b->id, b->queries, 0});
+  }
+}
+
+ucs_status_t UcxEngine::OnQuery(void* arg, const void* header, size_t header_length, void*,
+                                size_t, const ucp_am_recv_param_t*) {
+  auto* self = static_cast<UcxEngine*>(arg);
+  QueryHeader h;
+  if (!ReadHeader(header, header_length, &h)) return UCS_OK;
+  const ucp_ep_h back = self->senders_.Endpoint(h.sender_uid);
+  const std::optional<std::uint32_t> verdict = self->acks_sent_.Find(h.sender_uid, h.batch_id);
+  if (verdict && back != nullptr) {
+    self->SendSmall(back, kAck, AckHeader{h.batch_id, *verdict, 0});
+  }
+  const TimePoint now = Clock::now();
+  if (now < self->next_query_log_) {
+    ++self->queries_unlogged_;
+    return UCS_OK;
+  }
+  self->next_query_log_ = now + kQueryLogInterval;
+  std::string known;
+  if (verdict) {
+    known = back != nullptr ? "acknowledged already: acknowledged again (the first ACK was lost)"
+                            : "acknowledged already, but no endpoint back to it is left";
+  } else if (auto it = self->inbound_.find({h.sender_uid, h.batch_id}); it != self->inbound_.end()) {
+    known = fmt::format("still landing: {} of its {} ops landed", it->second.landed,
+                        it->second.op_count);
+  } else {
+    known = "no op of it has landed here (or its sender was forgotten)";
+  }
+  spdlog::warn("kvferry UCX engine {}: sender {:x} asks for batch {} (query {}): {}{}",
+               self->options_.name, h.sender_uid, h.batch_id, h.attempt, known,
+               self->queries_unlogged_ > 0
+                   ? fmt::format(" ({} queries not logged before this one)", self->queries_unlogged_)
+                   : std::string());
+  self->queries_unlogged_ = 0;
   return UCS_OK;
 }
 
@@ -1603,7 +1709,11 @@ void UcxEngine::DriveCloses() {
                        fmt::format("peer closed with the batch in flight: {} {} request(s) of "
                                    "{} op(s) not completed{}",
                                    sends, p.use_put ? "put/flush" : "send", b->ops.size(),
-                                   b->awaiting_ack ? ", the receiver's ack not received" : "")));
+                                   b->awaiting_ack
+                                       ? fmt::format(", the receiver's ack not received ({} "
+                                                     "queries for it unanswered)",
+                                                     b->queries)
+                                       : std::string())));
       }
       if (p.ep != nullptr) {
         // Tell the peer it can drop its back endpoint (best effort: a lost BYE only leaves that

@@ -86,6 +86,25 @@ struct Step {
 // Against a model: a sender's endpoint back is handed out for closing exactly when the last
 // connection counted since its record was made says goodbye, or when it fails; never while a
 // connection counted since then is open.
+TEST(AckMemory, AVerdictIsFoundUntilCapacityNewerOnesPushItOut) {
+  AckMemory m(3);
+  EXPECT_FALSE(m.Find(1, 1));
+  m.Remember(1, 1, 0);
+  m.Remember(2, 1, 7);  // another sender's batch of the same id
+  EXPECT_EQ(m.Find(1, 1), std::optional<std::uint32_t>(0));
+  EXPECT_EQ(m.Find(2, 1), std::optional<std::uint32_t>(7));
+  m.Remember(1, 1, 5);  // again: the verdict is replaced, nothing is added
+  EXPECT_EQ(m.Find(1, 1), std::optional<std::uint32_t>(5));
+  EXPECT_EQ(m.size(), 2u);
+  m.Remember(1, 2, 0);
+  m.Remember(1, 3, 0);  // a fourth key: the oldest goes
+  EXPECT_FALSE(m.Find(1, 1));
+  EXPECT_TRUE(m.Find(2, 1) && m.Find(1, 2) && m.Find(1, 3));
+  for (std::uint64_t b = 0; b < 10000; ++b) m.Remember(~0ull, b, 1);  // any ids: still 3 held
+  EXPECT_EQ(m.size(), 3u);
+  EXPECT_TRUE(m.Find(~0ull, 9999));
+}
+
 RC_GTEST_PROP(SenderTableProperties, AnEndpointClosesOnlyWithItsRecordsLastConnection, ()) {
   const auto steps = *rc::gen::container<std::vector<Step>>(rc::gen::build<Step>(
       rc::gen::set(&Step::kind, rc::gen::inRange(0, 3)),

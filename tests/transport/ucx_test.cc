@@ -146,30 +146,33 @@ TEST_P(UcxTest, ScatteredBlocksAndOneRunArriveIntact) {
 TEST_P(UcxTest, ClosingEitherOfTwoConnectionsLeavesTheOtherOneAcknowledged) {
   // Two senders of one engine that connect to the same receiver at once keep one connection
   // and close the other (TransportKvWriter::PeerFor), and a sender reconnects after a close.
-  // Writes on the one kept must still be acknowledged: the receiver acks through one endpoint
-  // back per sending engine, which UCX may pair with any of the sender's endpoints (it matches
-  // endpoints the two sides create to each other by sequence number).
-  auto write_on = [&](ConnectionId c) {
-    for (int i = 0; i < 4; ++i) {
+  // Writes on the one kept must still be acknowledged, also once the close has reached the
+  // receiver's UCX in full: UCX pairs the endpoints two workers create to each other, and an
+  // endpoint back on the receiving worker was paired with the sender's first connection, whose
+  // close reset it 1-2 s later (tcp), losing every later ack. So the writes go on for 3 s.
+  auto write_on = [&](ConnectionId c, Duration for_how_long) {
+    const TimePoint until = Clock::now() + for_how_long;
+    int i = 0;
+    do {
       BatchWaiter w;
-      auto op = Op(i * kBlock, i * kBlock, kBlock);
+      auto op = Op((i % 4) * kBlock, (i % 4) * kBlock, kBlock);
       ASSERT_TRUE(engine_->SubmitWrites(c, std::span(&op, 1), kNoWriteKey, w.Callback()));
       Status s = w.Wait(In(10s));
       ASSERT_TRUE(s.ok()) << "write " << i << ": " << s.ToString();
       ExpectLanded(op);
-    }
+      ++i;
+      std::this_thread::sleep_for(50ms);
+    } while (Clock::now() < until);
   };
   auto first = engine_->Connect(peer_.descriptor(), In(10s));
   auto second = engine_->Connect(peer_.descriptor(), In(10s));
   ASSERT_TRUE(first && second);
   ASSERT_TRUE(engine_->ClosePeer(*second, In(2s)).ok());  // the later one
-  std::this_thread::sleep_for(200ms);  // the close reaches the receiver first
-  ASSERT_NO_FATAL_FAILURE(write_on(*first));
+  ASSERT_NO_FATAL_FAILURE(write_on(*first, 3s));
   auto third = engine_->Connect(peer_.descriptor(), In(10s));
   ASSERT_TRUE(third) << third.error().ToString();
   ASSERT_TRUE(engine_->ClosePeer(*first, In(2s)).ok());  // the earlier one
-  std::this_thread::sleep_for(200ms);
-  ASSERT_NO_FATAL_FAILURE(write_on(*third));
+  ASSERT_NO_FATAL_FAILURE(write_on(*third, 3s));
 }
 
 TEST_P(UcxTest, ConnectionChurnLeavesEveryWriteAcknowledged) {
