@@ -354,19 +354,28 @@ def test_a_client_leaving_p_while_its_request_queues_fails_ds_half_at_once(clust
     # transfer (hole 5 of the engine-adapter issue: it left no tombstone, and D waited
     # abort_request_timeout, 30 s here), so D fails its half at once with P's reason.
     b = cluster.pairs["b"]
-    hogs = prompts(15, [40] * 4)
+    # The hogs are as long as P's max model length (512) allows. A fixed wait of 1 s before the
+    # client left once outlasted them (450 tokens each, ~2 s on an idle machine): P admitted and
+    # prefilled its half, and the test had nothing to test. Now the client leaves as soon as P's
+    # half is seen queued.
+    hogs = prompts(15, [8] * 4)
     prompt, = prompts(16, [100])
     transfer = f"xfer-left-p-{uuid.uuid4().hex}"
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        busy = [pool.submit(complete, b.prefill.url, b.model, h, 450, timeout_s=60) for h in hogs]
+        busy = [pool.submit(complete, b.prefill.url, b.model, h, 500, timeout_s=60) for h in hogs]
         wait_for("P runs 4 requests",
                  lambda: metric(b.prefill.metrics(), "vllm:num_requests_running") == 4, 20)
         d_half = pool.submit(complete, b.decode.url, b.model, prompt,
                              params=b.d_params(transfer), timeout_s=60)
-        p_half = complete(b.prefill.url, b.model, prompt, 1, params=p_params(transfer),
-                          timeout_s=1.0)
+        p_half = start_completion(b.prefill.url, b.model, prompt, 1, params=p_params(transfer))
+        try:
+            # The client leaves once P's half is seen queued, not after a fixed time.
+            wait_for("P's half queued behind the 4", lambda: metric(
+                b.prefill.metrics(), "vllm:num_requests_waiting") >= 1, 10)
+            assert running(b.prefill) == 4, "P's half must still queue when its client leaves"
+        finally:
+            p_half.close()
         left = time.monotonic()
-        assert p_half.status == 0, "P's half must still queue when its client leaves"
         got = d_half.result()
         after = time.monotonic() - left
         for f in busy:

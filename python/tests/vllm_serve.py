@@ -181,12 +181,16 @@ def stream_completion(url: str, model: str, prompt: Sequence[int], max_tokens: i
 
 
 def start_completion(url: str, model: str, prompt: Sequence[int],
-                     max_tokens: int = 16) -> socket.socket:
-    """Sends a streamed greedy /v1/completions and returns its connection unread: a client
-    that closes it leaves, whenever the test decides."""
+                     max_tokens: int = 16, *,
+                     params: Mapping[str, Any] | None = None) -> socket.socket:
+    """Sends a streamed greedy /v1/completions (with ``params`` as its kv_transfer_params) and
+    returns its connection unread: a client that closes it leaves, whenever the test decides."""
     host, _, port = url.split("://", 1)[-1].rstrip("/").partition(":")
-    body = json.dumps({"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    request: dict[str, Any] = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
+                               "temperature": 0, "stream": True, "ignore_eos": True}
+    if params is not None:
+        request["kv_transfer_params"] = dict(params)
+    body = json.dumps(request).encode()
     sock = socket.create_connection((host, int(port)), timeout=10)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() +
                  b"\r\nContent-Type: application/json\r\nContent-Length: " +
