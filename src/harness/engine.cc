@@ -1092,18 +1092,13 @@ void ServingEngine::Impl::FailAll() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Metrics
+// Metrics: RenderMetrics gathers a snapshot (under the locks it needs); the functions below only
+// render it, one per concern.
 
-std::string ServingEngine::RenderMetrics() {
-  Impl& impl = *impl_;
-  const EngineOptions& o = options_;
-  Stats s;
-  {
-    std::lock_guard<std::mutex> lock(impl.stats_mu);
-    s = impl.stats;
-  }
-  const std::string role = ToString(o.role);
-  PromWriter w;
+namespace {
+
+// What every engine shows, whatever its role.
+void RenderEngineMetrics(PromWriter& w, const EngineOptions& o, const Stats& s) {
   w.Single("kvferry_kv_blocks_total", "gauge", "KV blocks in the pool (per rank region)",
            o.num_blocks);
   w.Single("kvferry_kv_blocks_used", "gauge", "KV blocks allocated",
@@ -1135,7 +1130,104 @@ std::string ServingEngine::RenderMetrics() {
   }
   w.Single("kvferry_block_double_frees_total", "counter", "Frees of a free block (a bug)",
            static_cast<double>(s.double_frees));
+}
 
+// P's hold table, summed over ranks: entries and blocks by state, releases by reason, renewals.
+void RenderHoldMetrics(PromWriter& w, const core::HoldStats& hold, const Stats& s,
+                       std::uint64_t rank_bytes) {
+  w.Family("kvferry_hold_entries", "gauge", "P hold-table entries by state (all ranks)");
+  for (core::HoldPhase phase : core::kAllHoldPhases) {
+    w.Sample("kvferry_hold_entries", static_cast<double>(hold.entries[phase]),
+             {{"state", core::ToString(phase)}});
+  }
+  w.Family("kvferry_held_blocks", "gauge", "P blocks of transfers by hold state");
+  for (core::HoldPhase phase : core::kAllHoldPhases) {
+    w.Sample("kvferry_held_blocks", static_cast<double>(s.held_blocks[phase]),
+             {{"state", core::ToString(phase)}});
+  }
+  w.Family("kvferry_held_bytes", "gauge", "P KV bytes of transfers by hold state (all ranks)");
+  for (core::HoldPhase phase : core::kAllHoldPhases) {
+    w.Sample("kvferry_held_bytes", static_cast<double>(s.held_blocks[phase] * rank_bytes),
+             {{"state", core::ToString(phase)}});
+  }
+  w.Single("kvferry_renewals_extended_total", "counter", "Transfers whose lease a renewal extended",
+           static_cast<double>(hold.renewals_extended));
+  w.Single("kvferry_renewals_unknown_total", "counter", "Renewed ids this P does not hold",
+           static_cast<double>(hold.renewals_unknown));
+  w.Family("kvferry_hold_released_total", "counter", "Hold entries released, by reason");
+  for (core::ReleaseReason reason : core::kAllReleaseReasons) {
+    w.Sample("kvferry_hold_released_total", static_cast<double>(hold.released[reason]),
+             {{"reason", core::ToString(reason)}});
+  }
+  w.Family("kvferry_hold_expiries_total", "counter",
+           "Hold entries that timed out (lease/timeout, dead decoder, wait timeout)");
+  for (core::ReleaseReason reason : {core::ReleaseReason::kExpired,
+                                     core::ReleaseReason::kDeadDecoder,
+                                     core::ReleaseReason::kWaitTimeout}) {
+    w.Sample("kvferry_hold_expiries_total", static_cast<double>(hold.released[reason]),
+             {{"reason", core::ToString(reason)}});
+  }
+  w.Single("kvferry_tombstone_hits_total", "counter", "Calls that found a tombstone",
+           static_cast<double>(hold.tombstone_hits));
+  w.Single("kvferry_tombstones", "gauge", "Remembered freed transfer ids",
+           static_cast<double>(hold.tombstones));
+}
+
+// P: its sessions' and sockets' counters (summed over ranks), its hold table and its writes.
+void RenderPrefillMetrics(PromWriter& w, const EngineOptions& o, const Stats& s,
+                          const control::ListenerStats& ls, std::uint64_t bytes_sent,
+                          std::uint64_t rank_bytes) {
+  w.Fields<protocol::PrefillStats>(ls, protocol::kPrefillStatFields);
+  w.Fields<control::ListenerStats>(ls, control::kListenerStatFields);
+  RenderHoldMetrics(w, ls.hold, s, rank_bytes);
+  if (o.bootstrap_auth_refusals) {
+    w.Single("kvferry_bootstrap_auth_refusals_total", "counter",
+             "Registrations the embedded bootstrap service refused with 401 (unsigned, forged "
+             "or stale)",
+             static_cast<double>(o.bootstrap_auth_refusals()));
+  }
+  w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");
+  w.Sample("kvferry_transfer_bytes_total", static_cast<double>(bytes_sent),
+           {{"direction", "sent"}});
+  w.Family("kvferry_write_latency_seconds", "histogram", "P: one KV WRITE batch, start to end");
+  w.Histo("kvferry_write_latency_seconds", s.write_latency);
+}
+
+// D: its sessions' counters (summed over ranks), its quarantine, receives and their failures.
+void RenderDecodeMetrics(PromWriter& w, const Stats& s, const runtime::DecodeWorkerStats& d) {
+  w.Fields<protocol::DecodeStats>(d, protocol::kDecodeStatFields);
+  w.Single("kvferry_blocks_awaiting_release", "gauge",
+           "D blocks of finished requests not yet back in the pool",
+           static_cast<double>(s.quarantined_blocks));
+  w.Family("kvferry_receive_failures_total", "counter",
+           "D: requests whose receive failed, by the first error's code");
+  for (const auto& [code, n] : s.receive_failures) {
+    w.Sample("kvferry_receive_failures_total", static_cast<double>(n), {{"code", code}});
+  }
+  w.Single("kvferry_corrupt_blocks_total", "counter", "Received blocks whose bytes were wrong",
+           static_cast<double>(s.corrupt_blocks));
+  w.Single("kvferry_verified_blocks_total", "counter", "Received blocks verified",
+           static_cast<double>(s.verified_blocks));
+  w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");
+  w.Sample("kvferry_transfer_bytes_total", static_cast<double>(s.received_bytes),
+           {{"direction", "received"}});
+  w.Family("kvferry_transfer_latency_seconds", "histogram",
+           "D: StartLoad to every rank's receive settled");
+  w.Histo("kvferry_transfer_latency_seconds", s.transfer_latency);
+}
+
+}  // namespace
+
+std::string ServingEngine::RenderMetrics() {
+  Impl& impl = *impl_;
+  const EngineOptions& o = options_;
+  Stats s;
+  {
+    std::lock_guard<std::mutex> lock(impl.stats_mu);
+    s = impl.stats;
+  }
+  PromWriter w;
+  RenderEngineMetrics(w, o, s);
   if (o.role == Role::kPrefill) {
     control::ListenerStats ls;  // summed over ranks
     std::uint64_t bytes = 0;
@@ -1143,92 +1235,16 @@ std::string ServingEngine::RenderMetrics() {
       const control::ListenerStats x = worker->listener().Stats(std::chrono::milliseconds(200));
       core::AddStats<protocol::PrefillStats>(ls, x, protocol::kPrefillStatFields);
       core::AddStats<control::ListenerStats>(ls, x, control::kListenerStatFields);
-      for (core::HoldPhase phase : core::kAllHoldPhases) {
-        ls.hold.entries[phase] += x.hold.entries[phase];
-      }
-      for (core::ReleaseReason reason : core::kAllReleaseReasons) {
-        ls.hold.released[reason] += x.hold.released[reason];
-      }
-      ls.hold.renewals_extended += x.hold.renewals_extended;
-      ls.hold.renewals_unknown += x.hold.renewals_unknown;
-      ls.hold.tombstone_hits += x.hold.tombstone_hits;
-      ls.hold.tombstones += x.hold.tombstones;
+      ls.hold += x.hold;
       bytes += worker->writer().bytes_written();
     }
-    w.Fields<protocol::PrefillStats>(ls, protocol::kPrefillStatFields);
-    w.Fields<control::ListenerStats>(ls, control::kListenerStatFields);
-    const std::uint64_t rank_bytes = impl.block_len * o.geometry.tp;
-    w.Family("kvferry_hold_entries", "gauge", "P hold-table entries by state (all ranks)");
-    for (core::HoldPhase phase : core::kAllHoldPhases) {
-      w.Sample("kvferry_hold_entries", static_cast<double>(ls.hold.entries[phase]),
-               {{"state", core::ToString(phase)}});
-    }
-    w.Family("kvferry_held_blocks", "gauge", "P blocks of transfers by hold state");
-    for (core::HoldPhase phase : core::kAllHoldPhases) {
-      w.Sample("kvferry_held_blocks", static_cast<double>(s.held_blocks[phase]),
-               {{"state", core::ToString(phase)}});
-    }
-    w.Family("kvferry_held_bytes", "gauge", "P KV bytes of transfers by hold state (all ranks)");
-    for (core::HoldPhase phase : core::kAllHoldPhases) {
-      w.Sample("kvferry_held_bytes", static_cast<double>(s.held_blocks[phase] * rank_bytes),
-               {{"state", core::ToString(phase)}});
-    }
-    w.Single("kvferry_renewals_extended_total", "counter",
-             "Transfers whose lease a renewal extended",
-             static_cast<double>(ls.hold.renewals_extended));
-    w.Single("kvferry_renewals_unknown_total", "counter", "Renewed ids this P does not hold",
-             static_cast<double>(ls.hold.renewals_unknown));
-    w.Family("kvferry_hold_released_total", "counter", "Hold entries released, by reason");
-    for (core::ReleaseReason reason : core::kAllReleaseReasons) {
-      w.Sample("kvferry_hold_released_total", static_cast<double>(ls.hold.released[reason]),
-               {{"reason", core::ToString(reason)}});
-    }
-    w.Family("kvferry_hold_expiries_total", "counter",
-             "Hold entries that timed out (lease/timeout, dead decoder, wait timeout)");
-    for (core::ReleaseReason reason :
-         {core::ReleaseReason::kExpired, core::ReleaseReason::kDeadDecoder,
-          core::ReleaseReason::kWaitTimeout}) {
-      w.Sample("kvferry_hold_expiries_total", static_cast<double>(ls.hold.released[reason]),
-               {{"reason", core::ToString(reason)}});
-    }
-    w.Single("kvferry_tombstone_hits_total", "counter", "Calls that found a tombstone",
-             static_cast<double>(ls.hold.tombstone_hits));
-    w.Single("kvferry_tombstones", "gauge", "Remembered freed transfer ids",
-             static_cast<double>(ls.hold.tombstones));
-    if (o.bootstrap_auth_refusals) {
-      w.Single("kvferry_bootstrap_auth_refusals_total", "counter",
-               "Registrations the embedded bootstrap service refused with 401 (unsigned, forged "
-               "or stale)",
-               static_cast<double>(o.bootstrap_auth_refusals()));
-    }
-    w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");
-    w.Sample("kvferry_transfer_bytes_total", static_cast<double>(bytes), {{"direction", "sent"}});
-    w.Family("kvferry_write_latency_seconds", "histogram", "P: one KV WRITE batch, start to end");
-    w.Histo("kvferry_write_latency_seconds", s.write_latency);
+    RenderPrefillMetrics(w, o, s, ls, bytes, impl.block_len * o.geometry.tp);
   } else {
     runtime::DecodeWorkerStats d;  // summed over ranks
     for (auto& worker : impl.decode) {
       core::AddStats<protocol::DecodeStats>(d, worker->Stats(), protocol::kDecodeStatFields);
     }
-    w.Fields<protocol::DecodeStats>(d, protocol::kDecodeStatFields);
-    w.Single("kvferry_blocks_awaiting_release", "gauge",
-             "D blocks of finished requests not yet back in the pool",
-             static_cast<double>(s.quarantined_blocks));
-    w.Family("kvferry_receive_failures_total", "counter",
-             "D: requests whose receive failed, by the first error's code");
-    for (const auto& [code, n] : s.receive_failures) {
-      w.Sample("kvferry_receive_failures_total", static_cast<double>(n), {{"code", code}});
-    }
-    w.Single("kvferry_corrupt_blocks_total", "counter", "Received blocks whose bytes were wrong",
-             static_cast<double>(s.corrupt_blocks));
-    w.Single("kvferry_verified_blocks_total", "counter", "Received blocks verified",
-             static_cast<double>(s.verified_blocks));
-    w.Family("kvferry_transfer_bytes_total", "counter", "KV bytes sent (P) or received (D)");
-    w.Sample("kvferry_transfer_bytes_total", static_cast<double>(s.received_bytes),
-             {{"direction", "received"}});
-    w.Family("kvferry_transfer_latency_seconds", "histogram",
-             "D: StartLoad to every rank's receive settled");
-    w.Histo("kvferry_transfer_latency_seconds", s.transfer_latency);
+    RenderDecodeMetrics(w, s, d);
   }
   return w.Take();
 }

@@ -137,6 +137,10 @@ struct HoldStats {
   std::uint64_t tombstones_evicted = 0;
   std::uint64_t decoder_releases = 0;          // ReleaseByDecoder calls that changed something
   std::uint64_t decoder_releases_ignored = 0;  // ... that did not (unknown, repeated, mismatch)
+
+  // Every field of `other` added to this one (the tables of several ranks, summed). Fields
+  // added to the struct must be added there too: hold_table.cc checks the struct's size.
+  HoldStats& operator+=(const HoldStats& other);
 };
 
 class HoldTable {
