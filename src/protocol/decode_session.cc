@@ -118,7 +118,8 @@ DecodeSession::DecodeSession(DecodeSessionOptions options, const LedgerFactory& 
                                  : options_.lease / 12),
       ledger_(make_ledger ? make_ledger() : std::make_unique<CoreLedger>()),
       renewals_(options_.lease),
-      endpoints_(options_.max_endpoints, options_.max_idle_endpoints) {}
+      endpoints_(options_.max_endpoints, options_.max_idle_endpoints),
+      fences_(kFenceRetryFirst, kFenceRetryMax) {}
 
 // ---- engine ----
 
@@ -472,24 +473,12 @@ void DecodeSession::CloseIdleEndpoints() {
 }
 
 void DecodeSession::EndpointClosed(EndpointId id) {
-  for (auto peer = peers_.lower_bound(PeerKey{id, "", 0});
-       peer != peers_.end() && peer->first.endpoint == id;) {
-    peer_keys_.erase(peer->second);
-    quiesced_.erase(peer->second);
-    fence_backoff_.erase(peer->second);
-    peer = peers_.erase(peer);
-  }
+  fences_.ForgetEndpoint(id);
   ++counters_.endpoints_closed;
 }
 
 core::PeerId DecodeSession::PeerFor(EndpointId endpoint, const std::string& incarnation) {
-  const PeerKey key{endpoint, incarnation, endpoints_.At(endpoint).epoch};
-  auto [it, inserted] = peers_.try_emplace(key, 0);
-  if (inserted) {
-    it->second = next_peer_++;
-    peer_keys_.emplace(it->second, key);
-  }
-  return it->second;
+  return fences_.PeerFor({endpoint, incarnation, endpoints_.At(endpoint).epoch});
 }
 
 void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
@@ -634,7 +623,7 @@ void DecodeSession::OnPullResponse(EndpointId endpoint, const wire::PullResponse
     if (!op->second.timed_out) {
       ++counters_.unsettled_writes;
       op->second.timed_out = true;
-      AskFence(endpoint, &peer_keys_.at(op->second.peer).incarnation);
+      AskFence(endpoint, &IncarnationOf(op->second.peer));
     }
     DrainLedger(now);
     return;
@@ -750,7 +739,7 @@ void DecodeSession::ExpirePulls(TimePoint now) {
     // releases its quarantine; and the fence is tried again now (the engine may have died
     // since a first fence failed, and a fence of a dead peer succeeds).
     if (op->second.timed_out) {
-      AskFence(endpoint, &peer_keys_.at(op->second.peer).incarnation);
+      AskFence(endpoint, &IncarnationOf(op->second.peer));
       continue;
     }
     if (!ledger_->IsPending(op->second.request, op->second.peer)) {
@@ -763,7 +752,7 @@ void DecodeSession::ExpirePulls(TimePoint now) {
                  Status(ErrorCode::kTimeout, fmt::format("no answer from prefill worker {} within {}",
                                                          ep.address, Secs(options_.pull_timeout))));
     MarkViewsStale(ep.address);  // the engine may have restarted elsewhere: ask again
-    AskFence(endpoint, &peer_keys_.at(op->second.peer).incarnation);
+    AskFence(endpoint, &IncarnationOf(op->second.peer));
   }
   DrainLedger(now);
 }
@@ -805,7 +794,7 @@ void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation
   std::set<core::PeerId> epochs;
   for (const auto& [id, op] : ep.pulls) {
     if (incarnation == nullptr || op.timed_out ||
-        peer_keys_.at(op.peer).incarnation == *incarnation) {
+        IncarnationOf(op.peer) == *incarnation) {
       epochs.insert(op.peer);
     }
   }
@@ -813,34 +802,30 @@ void DecodeSession::AskFence(EndpointId endpoint, const std::string* incarnation
 }
 
 bool DecodeSession::PullsWaitFor(core::PeerId peer) const {
-  auto key = peer_keys_.find(peer);
-  if (key == peer_keys_.end()) return false;
-  const Endpoint* ep = endpoints_.Find(key->second.endpoint);
+  const FenceBook::PeerKey* key = fences_.Find(peer);
+  if (key == nullptr) return false;
+  const Endpoint* ep = endpoints_.Find(key->endpoint);
   if (ep == nullptr) return false;
   return std::any_of(ep->pulls.begin(), ep->pulls.end(),
                      [&](const auto& op) { return op.second.peer == peer; });
 }
 
 void DecodeSession::IssueFence(core::PeerId peer, std::uint32_t through) {
-  if (quiesced_.count(peer) != 0 || fencing_.count(peer) != 0) return;
-  const EndpointId endpoint = peer_keys_.at(peer).endpoint;
+  const std::optional<std::uint64_t> id = fences_.Start(peer);
+  if (!id) return;  // proved stopped, or a fence of it is in flight
+  const EndpointId endpoint = fences_.At(peer).endpoint;
   Endpoint& ep = endpoints_.At(endpoint);
   ++ep.fences_in_flight;
-  const std::uint64_t id = next_fence_++;
   ++counters_.fences_requested;
-  fencing_.insert(peer);
-  fences_.emplace(id, Fence{endpoint, peer});
   std::vector<std::uint64_t> keys;
   if (options_.write_key_base != 0) keys.push_back(WriteKeyOf(peer));
-  fences_out_.push_back({id, endpoint, ep.address, through, std::move(keys)});
+  fences_out_.push_back({*id, endpoint, ep.address, through, std::move(keys)});
 }
 
 void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, TimePoint now) {
-  auto it = fences_.find(fence_id);
-  if (it == fences_.end()) return;
-  const Fence fence = it->second;
-  fences_.erase(it);
-  fencing_.erase(fence.peer);
+  const std::optional<FenceBook::Fence> done = fences_.Finish(fence_id);
+  if (!done) return;
+  const FenceBook::Fence fence = *done;
   Endpoint& ep = endpoints_.At(fence.endpoint);  // kept while a fence of it is in flight
   --ep.fences_in_flight;
   NoteMaybeIdle(fence.endpoint);
@@ -859,18 +844,15 @@ void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, Ti
     // that epoch still wait for proof. A data plane that cannot fence at all (kRejected) is
     // not asked again here: only a pull's deadline or the engine's death asks again.
     if (result.code() == ErrorCode::kTimeout && PullsWaitFor(fence.peer)) {
-      core::Duration& backoff = fence_backoff_[fence.peer];
-      backoff = backoff.count() == 0 ? kFenceRetryFirst : std::min(2 * backoff, kFenceRetryMax);
-      fence_retries_.insert({now + backoff, fence.peer});
+      fences_.ScheduleRetry(fence.peer, now);
     } else {
-      fence_backoff_.erase(fence.peer);
+      fences_.ClearBackoff(fence.peer);
     }
     return;
   }
   // Nothing of this epoch can land any more: its unknown writers are known stopped, and its
   // pulls need no answer any more.
-  fence_backoff_.erase(fence.peer);
-  quiesced_.insert(fence.peer);
+  fences_.MarkQuiesced(fence.peer);
   ledger_->PeerQuiesced(fence.peer);
   for (auto op = ep.pulls.begin(); op != ep.pulls.end();) {
     if (op->second.peer == fence.peer) {
@@ -984,7 +966,7 @@ void DecodeSession::GiveUpOnProcess(const std::string& incarnation, const Status
   for (auto& [endpoint, ep] : endpoints_) {
     bool any = false;
     for (auto& [id, op] : ep.pulls) {
-      if (peer_keys_.at(op.peer).incarnation != incarnation) {
+      if (IncarnationOf(op.peer) != incarnation) {
         any = any || op.timed_out;
         continue;
       }
@@ -1326,13 +1308,11 @@ void DecodeSession::OnTimeout(TimePoint now) {
     NoteMaybeIdle(endpoint);
   }
   if (release_due_ <= now) FlushReleases(now);
-  while (!fence_retries_.empty() && fence_retries_.begin()->first <= now) {
-    const core::PeerId peer = fence_retries_.begin()->second;
-    fence_retries_.erase(fence_retries_.begin());
+  for (core::PeerId peer : fences_.TakeDueRetries(now)) {
     if (PullsWaitFor(peer)) {
-      IssueFence(peer, peer_keys_.at(peer).epoch);
+      IssueFence(peer, fences_.At(peer).epoch);
     } else {
-      fence_backoff_.erase(peer);  // answered meanwhile (late replies): nothing to prove
+      fences_.ClearBackoff(peer);  // answered meanwhile (late replies): nothing to prove
     }
   }
   ExpirePulls(now);
@@ -1371,7 +1351,7 @@ TimePoint DecodeSession::NextDeadline() const {
     next = std::min(next, std::get<0>(*release_deadlines_.begin()));
   }
   next = std::min(next, release_due_);
-  if (!fence_retries_.empty()) next = std::min(next, fence_retries_.begin()->first);
+  next = std::min(next, fences_.NextRetry());
   for (const auto& [engine, state] : engines_) {
     for (const auto& [address, lookup] : state.lookups) next = std::min(next, lookup.deadline);
   }

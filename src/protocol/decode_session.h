@@ -83,6 +83,7 @@
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"
 #include "protocol/endpoint_pool.h"
+#include "protocol/fence_book.h"
 #include "protocol/ledger.h"
 #include "wire/messages.h"
 
@@ -534,18 +535,6 @@ class DecodeSession {
     core::TransferId transfer;
     core::EngineId engine;
   };
-  // A ledger peer: one epoch of one P rank of one incarnation, reached through one endpoint.
-  struct PeerKey {
-    EndpointId endpoint;
-    std::string incarnation;
-    std::uint32_t epoch;
-    auto operator<=>(const PeerKey&) const = default;
-  };
-  struct Fence {
-    EndpointId endpoint;
-    core::PeerId peer;  // the epoch it covers
-  };
-
   EngineState& Engine(const core::EngineId& engine, const std::string& bootstrap_address);
   // Asks for a lookup of `engine` at `address` (default: the latest address a request named)
   // unless one is in flight there, or kMaxLookupsPerEngine are.
@@ -628,6 +617,10 @@ class DecodeSession {
   void AskFence(EndpointId endpoint, const std::string* incarnation = nullptr);
   // Asks for a fence of one epoch, unless it is proved stopped or a fence of it is in flight.
   void IssueFence(core::PeerId peer, std::uint32_t through);
+  // The process a ledger peer of an open endpoint belongs to.
+  const std::string& IncarnationOf(core::PeerId peer) const {
+    return fences_.At(peer).incarnation;
+  }
   // Whether pulls of this epoch are still known (given up on and awaiting proof, or in flight).
   bool PullsWaitFor(core::PeerId peer) const;
   // The write key of a ledger peer's pulls (0 when keys are off).
@@ -651,10 +644,8 @@ class DecodeSession {
   // Wire ids of pulls, renewals and releases: unique across the session (so across the
   // endpoints ever made for one address), which per endpoint is what the protocol needs.
   std::uint64_t next_wire_id_ = 0;
-  std::map<PeerKey, core::PeerId> peers_;
-  std::unordered_map<core::PeerId, PeerKey> peer_keys_;
-  core::PeerId next_peer_ = 0;
-  std::unordered_set<core::PeerId> quiesced_;  // epochs a fence proved stopped
+  // Ledger peers (epochs), the fences in flight, the epochs they proved stopped, and retries.
+  FenceBook fences_;
   // Pulls not yet timed out, renewals and releases not yet answered.
   std::set<Deadline> pull_deadlines_;
   std::set<Deadline> renewal_deadlines_;
@@ -664,13 +655,6 @@ class DecodeSession {
   std::unordered_multimap<core::TransferId, core::RequestId> by_transfer_;
   std::unordered_set<core::RequestId> loading_;      // StartLoad until its ReceiveDone
   std::unordered_set<core::RequestId> quarantined_;  // ReceiveDone quarantined, not released
-  std::map<std::uint64_t, Fence> fences_;
-  std::unordered_set<core::PeerId> fencing_;  // epochs with a fence in flight
-  // A fence that timed out (writes still landing) is asked again: when, and how long the next
-  // wait will be (doubling from kFenceRetryFirst to kFenceRetryMax).
-  std::set<std::pair<core::TimePoint, core::PeerId>> fence_retries_;
-  std::unordered_map<core::PeerId, core::Duration> fence_backoff_;
-  std::uint64_t next_fence_ = 1;
   bool warned_fence_ = false;
 
   std::vector<LookupRequest> lookups_out_;
