@@ -734,23 +734,36 @@ class Sim {
     for (const auto& session : d_sessions_) {
       if (session->stats().endpoints_exhausted > 0) return;
     }
-    // Nor does it cover what D renews before it can know of the new process: D renews at the
-    // old addresses until one of its messages fails unsent (connect_wait after the first one
+    // Nor does it cover what D renews before it can know of the new process: a D rank renews at
+    // the old addresses until one of its messages fails unsent (connect_wait after its first one
     // since the restart), then looks P up (lookup_timeout); the new process may drop a transfer
     // D tracks one lease later. (The vLLM connector's lease, 30 s, is far above the 3 s wait.)
-    if (p_up_at_.size() > 1 &&
-        (d_sent_since_up_ == kNever ||
-         now() < d_sent_since_up_ + c_.d.connect_wait +
-                     d_sessions_.front()->options().lookup_timeout + c_.p.hold.lease +
-                     std::chrono::seconds(1))) {
-      return;
-    }
+    // Each D rank learns on its own: one that sent nothing since the restart still holds the
+    // old view when its next request comes, however long ago another rank learned (seed
+    // 124098: D rank 1 learned 1.9 s after the restart, D rank 0 sent nothing for 8 s, then
+    // renewed a new request of P rank 0 at the dead address for 3 s, past P's 1.09 s lease).
+    if (p_up_at_.size() > 1 && RenewalsMayMissTheNewProcess(r)) return;
     const DReq& d = dreqs_[idx];
     const bool renewed = (d.st == DReq::St::kQueued || d.st == DReq::St::kReceiving) &&
                          d.ranks_completed == 0 && !Ended(idx);
     if (!renewed) return;
     Violation(fmt::format("P rank {} let {} expire ({}) while a live D renews it", r,
                           preqs_[idx].xfer, core::ToString(reason)));
+  }
+
+  // Whether a D rank renewing at P rank `p_rank` may still hold the view of the process before the
+  // last restart: none has sent to it since (nothing renews there yet), or one that did has not
+  // had the time to hear its message fail, look P up and renew the new process (CheckLeaseKept).
+  bool RenewalsMayMissTheNewProcess(std::uint32_t p_rank) const {
+    const Duration learn = c_.d.connect_wait + d_sessions_.front()->options().lookup_timeout +
+                           c_.p.hold.lease + std::chrono::seconds(1);
+    bool any = false;
+    for (const auto& [ranks, first] : d_first_sent_since_up_) {
+      if (ranks.second != p_rank) continue;
+      any = true;
+      if (now() < first + learn) return true;
+    }
+    return !any;
   }
 
   // Forgets the simulator's record of an entry the table no longer holds (any call may release
@@ -1175,7 +1188,7 @@ class Sim {
     p_dead_ = false;
     ++res_.p_restarts;
     p_up_at_.push_back(now());
-    d_sent_since_up_ = kNever;
+    d_first_sent_since_up_.clear();
     loop_.Note(0x4e5, p_gen_);
     for (PReq& p : preqs_) {
       if (p.arrived) p.st = PReq::St::kGone;
@@ -1521,7 +1534,7 @@ class Sim {
     const std::uint32_t p = PRankOf(t.address);
     const std::uint32_t gen = GenOf(t.address);
     d_sockets_[r].insert(t.endpoint);  // the runtime opens a socket for an endpoint's first message
-    if (d_sent_since_up_ == kNever) d_sent_since_up_ = now();
+    d_first_sent_since_up_.try_emplace({r, p}, now());
     if (!p_dead_ && p_gen_ > 0 && now() >= FindableFrom(p_gen_)) {
       if (first_send_findable_.size() <= p_gen_) {
         first_send_findable_.resize(p_gen_ + 1, std::vector<TimePoint>(c_.d.tp, kNever));
@@ -1877,7 +1890,9 @@ class Sim {
   std::uint32_t p_gen_ = 0;             // the P process running, or the last one (p_dead_)
   std::vector<TimePoint> p_up_at_;      // [gen]: when P process gen started
   std::vector<TimePoint> p_down_at_;    // [gen]: when it died
-  TimePoint d_sent_since_up_ = kNever;  // D's first message to P since P last started
+  // (D rank, P rank) -> the D rank's first message to that P rank (at any address) since P last
+  // started.
+  std::map<std::pair<std::uint32_t, std::uint32_t>, TimePoint> d_first_sent_since_up_;
   // [gen][d_rank]: the rank's first message to P once it could find P process gen.
   std::vector<std::vector<TimePoint>> first_send_findable_;
   bool p_was_full_ = false;
