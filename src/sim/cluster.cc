@@ -742,6 +742,7 @@ class Sim {
     // old view when its next request comes, however long ago another rank learned (seed
     // 124098: D rank 1 learned 1.9 s after the restart, D rank 0 sent nothing for 8 s, then
     // renewed a new request of P rank 0 at the dead address for 3 s, past P's 1.09 s lease).
+    // So the window is each renewing D rank's own, and closes once any of them has had it.
     if (p_up_at_.size() > 1 && RenewalsMayMissTheNewProcess(r)) return;
     const DReq& d = dreqs_[idx];
     const bool renewed = (d.st == DReq::St::kQueued || d.st == DReq::St::kReceiving) &&
@@ -751,19 +752,23 @@ class Sim {
                           preqs_[idx].xfer, core::ToString(reason)));
   }
 
-  // Whether a D rank renewing at P rank `p_rank` may still hold the view of the process before the
-  // last restart: none has sent to it since (nothing renews there yet), or one that did has not
-  // had the time to hear its message fail, look P up and renew the new process (CheckLeaseKept).
+  // Whether every D rank that renews at P rank `p_rank` may still hold the view of the process
+  // before the last restart: P keeps a lease renewed by any of them, so one that has had the
+  // time to hear a message of its own fail, look P up and renew the new process (from its first
+  // message since the restart, or from the restart if it sent none) keeps the promise whole.
+  // Learning is per D rank: a failed message marks its whole view of the engine stale, and the
+  // lookup names every P rank.
   bool RenewalsMayMissTheNewProcess(std::uint32_t p_rank) const {
     const Duration learn = c_.d.connect_wait + d_sessions_.front()->options().lookup_timeout +
                            c_.p.hold.lease + std::chrono::seconds(1);
-    bool any = false;
-    for (const auto& [ranks, first] : d_first_sent_since_up_) {
-      if (ranks.second != p_rank) continue;
-      any = true;
-      if (now() < first + learn) return true;
+    auto paired = core::PairedDecoderRanks(p_rank, c_.p.tp, c_.d.tp);
+    if (!paired) return true;  // no D rank renews there
+    for (std::uint32_t d : *paired) {
+      const TimePoint first = d < d_first_sent_since_up_.size() ? d_first_sent_since_up_[d] : kNever;
+      const TimePoint from = first == kNever ? p_up_at_.back() : first;
+      if (now() >= from + learn) return false;
     }
-    return !any;
+    return true;
   }
 
   // Forgets the simulator's record of an entry the table no longer holds (any call may release
@@ -1188,7 +1193,7 @@ class Sim {
     p_dead_ = false;
     ++res_.p_restarts;
     p_up_at_.push_back(now());
-    d_first_sent_since_up_.clear();
+    d_first_sent_since_up_.assign(c_.d.tp, kNever);
     loop_.Note(0x4e5, p_gen_);
     for (PReq& p : preqs_) {
       if (p.arrived) p.st = PReq::St::kGone;
@@ -1534,7 +1539,9 @@ class Sim {
     const std::uint32_t p = PRankOf(t.address);
     const std::uint32_t gen = GenOf(t.address);
     d_sockets_[r].insert(t.endpoint);  // the runtime opens a socket for an endpoint's first message
-    d_first_sent_since_up_.try_emplace({r, p}, now());
+    if (r < d_first_sent_since_up_.size() && d_first_sent_since_up_[r] == kNever) {
+      d_first_sent_since_up_[r] = now();
+    }
     if (!p_dead_ && p_gen_ > 0 && now() >= FindableFrom(p_gen_)) {
       if (first_send_findable_.size() <= p_gen_) {
         first_send_findable_.resize(p_gen_ + 1, std::vector<TimePoint>(c_.d.tp, kNever));
@@ -1890,9 +1897,9 @@ class Sim {
   std::uint32_t p_gen_ = 0;             // the P process running, or the last one (p_dead_)
   std::vector<TimePoint> p_up_at_;      // [gen]: when P process gen started
   std::vector<TimePoint> p_down_at_;    // [gen]: when it died
-  // (D rank, P rank) -> the D rank's first message to that P rank (at any address) since P last
-  // started.
-  std::map<std::pair<std::uint32_t, std::uint32_t>, TimePoint> d_first_sent_since_up_;
+  // [d_rank]: the D rank's first message to any P rank (at any address) since P last restarted;
+  // empty before the first restart.
+  std::vector<TimePoint> d_first_sent_since_up_;
   // [gen][d_rank]: the rank's first message to P once it could find P process gen.
   std::vector<std::vector<TimePoint>> first_send_findable_;
   bool p_was_full_ = false;
