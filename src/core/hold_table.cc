@@ -56,8 +56,8 @@ std::string LeaseText(std::optional<Duration> lease) {
 
 HoldStats& HoldStats::operator+=(const HoldStats& other) {
   // 2 enum arrays and 11 scalars: a field added to HoldStats and not summed here fails this.
-  static_assert(
-      sizeof(HoldStats) == sizeof(entries) + sizeof(released) + 11 * sizeof(std::uint64_t),
+  static_assert(sizeof(HoldStats) == sizeof(entries) + sizeof(released) + sizeof(tombstones) +
+                                         10 * sizeof(std::uint64_t),
       "every field of HoldStats is summed by operator+=");
   for (HoldPhase phase : kAllHoldPhases) entries[phase] += other.entries[phase];
   for (ReleaseReason reason : kAllReleaseReasons) released[reason] += other.released[reason];

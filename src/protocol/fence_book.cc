@@ -30,9 +30,10 @@ void FenceBook::ForgetEndpoint(EndpointId endpoint) {
 
 std::optional<std::uint64_t> FenceBook::Start(core::PeerId peer) {
   if (quiesced_.count(peer) != 0 || fencing_.count(peer) != 0) return std::nullopt;
+  const EndpointId endpoint = keys_.at(peer).endpoint;  // a broken precondition changes nothing
   const std::uint64_t id = next_fence_++;
   fencing_.insert(peer);
-  fences_.emplace(id, Fence{keys_.at(peer).endpoint, peer});
+  fences_.emplace(id, Fence{endpoint, peer});
   return id;
 }
 
