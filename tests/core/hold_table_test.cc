@@ -989,5 +989,39 @@ TEST(HoldTableRefusals, RefusalOfAnAdmittedTransferChangesNothing) {
   EXPECT_TRUE(t.TakeEvents().empty());
 }
 
+// The sum over ranks (/metrics) adds every field: each field of `b` holds its own value, so a
+// field the sum skipped or added twice shows in the comparison.
+TEST(HoldStatsSum, AddsEveryFieldOnce) {
+  HoldStats a;
+  HoldStats b;
+  std::uint64_t v = 1;
+  for (HoldPhase phase : kAllHoldPhases) b.entries[phase] = v++;
+  for (ReleaseReason reason : kAllReleaseReasons) b.released[reason] = v++;
+  for (std::uint64_t* f : {&b.blocks_ready, &b.sending, &b.renewals_extended, &b.renewals_unknown,
+                           &b.renewals_rejected, &b.late_pulls_rejected, &b.tombstone_hits,
+                           &b.tombstones_evicted, &b.decoder_releases,
+                           &b.decoder_releases_ignored}) {
+    *f = v++;
+  }
+  b.tombstones = v++;
+  a += b;
+  a += b;
+  for (HoldPhase phase : kAllHoldPhases) EXPECT_EQ(a.entries[phase], 2 * b.entries[phase]);
+  for (ReleaseReason reason : kAllReleaseReasons) {
+    EXPECT_EQ(a.released[reason], 2 * b.released[reason]);
+  }
+  EXPECT_EQ(a.blocks_ready, 2 * b.blocks_ready);
+  EXPECT_EQ(a.sending, 2 * b.sending);
+  EXPECT_EQ(a.tombstones, 2 * b.tombstones);
+  EXPECT_EQ(a.renewals_extended, 2 * b.renewals_extended);
+  EXPECT_EQ(a.renewals_unknown, 2 * b.renewals_unknown);
+  EXPECT_EQ(a.renewals_rejected, 2 * b.renewals_rejected);
+  EXPECT_EQ(a.late_pulls_rejected, 2 * b.late_pulls_rejected);
+  EXPECT_EQ(a.tombstone_hits, 2 * b.tombstone_hits);
+  EXPECT_EQ(a.tombstones_evicted, 2 * b.tombstones_evicted);
+  EXPECT_EQ(a.decoder_releases, 2 * b.decoder_releases);
+  EXPECT_EQ(a.decoder_releases_ignored, 2 * b.decoder_releases_ignored);
+}
+
 }  // namespace
 }  // namespace kvferry::core
