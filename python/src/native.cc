@@ -36,6 +36,7 @@
 #include "kvferry/status.h"
 #include "kvferry/transport/inprocess.h"
 #include "kvferry/transport/ucx.h"
+#include "runtime/connector_config.h"
 #include "runtime/decode_driver.h"
 #include "runtime/prefill_driver.h"
 #include "runtime/decode_worker.h"
@@ -645,6 +646,41 @@ class PyBootstrapServer {
   int port_ = 0;
 };
 
+// kvferry's keys of kv_connector_extra_config, read by runtime::ParseConnectorConfig (the parser
+// `kvferry serve` uses) and handed to Python as a dict of python/kvferry/vllm/config.py's
+// ConnectorSettings names: durations in seconds, absent values None.
+py::dict ParseConnectorConfig(const std::string& extra_json,
+                              const std::unordered_map<std::string, std::string>& env,
+                              const std::vector<std::string>& unused_here) {
+  const std::vector<std::string_view> unused(unused_here.begin(), unused_here.end());
+  const runtime::EnvLookup lookup = [&env](std::string_view name) -> std::optional<std::string> {
+    auto it = env.find(std::string(name));
+    if (it == env.end()) return std::nullopt;
+    return it->second;
+  };
+  const runtime::ConnectorConfig c =
+      Take(runtime::ParseConnectorConfig(extra_json, lookup, unused));
+  const auto none_if_empty = [](const std::string& s) -> py::object {
+    return s.empty() ? py::none() : py::cast(s);
+  };
+  py::dict d;
+  d["kv_lease_duration"] = core::ToSeconds(c.lease);
+  d["abort_request_timeout"] = core::ToSeconds(c.abort_request_timeout);
+  d["bootstrap_port"] = c.bootstrap_port;
+  d["bootstrap_server_address"] = none_if_empty(c.bootstrap_server_address);
+  d["kv_release"] = c.release;
+  d["fence_writes"] = c.fence_writes;
+  d["load_failure_port"] = c.load_failure_port;
+  d["kv_staging"] = std::string(runtime::ToString(c.staging));
+  d["kv_staging_blocks"] = c.staging_blocks;
+  d["cluster_secret_file"] = none_if_empty(c.cluster_secret_file);
+  d["etcd_endpoints"] = c.etcd_endpoints;
+  d["etcd_prefix"] = c.etcd_prefix;
+  d["etcd_lease_ttl"] = c.etcd_lease_ttl.count();
+  d["ignored_keys"] = py::tuple(py::cast(c.ignored_keys));
+  return d;
+}
+
 }  // namespace
 }  // namespace kvferry::python
 
@@ -660,6 +696,12 @@ PYBIND11_MODULE(_native, m) {
   m.attr("KvferryError") = ErrorType();
   m.def("ucx_version", &kvferry::transport::UcxLibraryVersion,
         "The version of the UCX library this process loaded (transport/ucx.h), e.g. '1.22.0'.");
+  m.def("parse_connector_config", &ParseConnectorConfig, py::arg("extra_json"), py::arg("env"),
+        py::arg("unused_here"),
+        "kvferry's keys of kv_connector_extra_config (a JSON object's text) as a dict, parsed by "
+        "the C++ parser kvferry serve uses (runtime/connector_config.h); `env`: the environment "
+        "fallbacks by name; `unused_here`: known keys the caller ignores (listed in "
+        "ignored_keys). Raises KvferryError (INVALID_ARGUMENT) naming a bad key.");
 
   py::class_<PyPrefillWorker>(m, "PrefillWorker")
       .def(py::init([](std::string engine_id, std::uint32_t tp_size, std::uint32_t tp_rank,

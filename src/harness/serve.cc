@@ -94,8 +94,8 @@ int RunServe(const ServeOptions& options) {
   // A client that disappears must not kill the server through a write.
   signal(SIGPIPE, SIG_IGN);
 
-  auto config = ParseKvTransferConfig(options.kv_transfer_config,
-                                      std::getenv("KVFERRY_ABORT_REQUEST_TIMEOUT"));
+  auto config =
+      ParseKvTransferConfig(options.kv_transfer_config, runtime::ProcessEnvironment());
   if (!config) return Fail(config.error().ToString());
   for (const std::string& warning : config->warnings) spdlog::warn("{}", warning);
   if (config->role && *config->role != options.role) {
@@ -121,12 +121,12 @@ int RunServe(const ServeOptions& options) {
 
   // Cluster authentication: opt-in, and said once either way (docs/security.md).
   std::shared_ptr<const control::ClusterSecret> secret;
-  if (!config->cluster_secret_file.empty()) {
-    auto loaded = control::LoadClusterSecret(config->cluster_secret_file);
+  if (!config->extra.cluster_secret_file.empty()) {
+    auto loaded = control::LoadClusterSecret(config->extra.cluster_secret_file);
     if (!loaded) return Fail(loaded.error().ToString());
     secret = std::make_shared<const control::ClusterSecret>(std::move(*loaded));
     spdlog::info("cluster authentication on: secret file {} (fingerprint {})",
-                 config->cluster_secret_file, secret->fingerprint());
+                 config->extra.cluster_secret_file, secret->fingerprint());
   } else {
     spdlog::warn(
         "cluster authentication is off, the cluster is open: anyone who reaches a bootstrap or "
@@ -147,11 +147,11 @@ int RunServe(const ServeOptions& options) {
   eo.num_blocks = options.num_blocks;
   eo.costs = options.costs;
   eo.max_waiting = options.max_waiting;
-  eo.hold.lease = config->lease;
-  eo.hold.abort_request_timeout = config->abort_request_timeout;
-  eo.lease = config->lease;
-  eo.send_releases = config->release;
-  eo.fence_writes = config->fence_writes.value_or(!config->etcd_endpoints.empty());
+  eo.hold.lease = config->extra.lease;
+  eo.hold.abort_request_timeout = config->extra.abort_request_timeout;
+  eo.lease = config->extra.lease;
+  eo.send_releases = config->extra.release;
+  eo.fence_writes = config->extra.fence_writes.value_or(!config->extra.etcd_endpoints.empty());
   eo.incarnation = RandomHex();
   eo.faults.err_after_write_fraction = options.fault_err_after_write;
   eo.faults.max_write_delay = std::chrono::milliseconds(options.fault_write_delay_ms);
@@ -163,7 +163,7 @@ int RunServe(const ServeOptions& options) {
   eo.pull_timeout =
       options.pull_timeout_s > 0
           ? std::chrono::milliseconds(static_cast<std::int64_t>(options.pull_timeout_s * 1000))
-          : std::chrono::ceil<std::chrono::milliseconds>(config->abort_request_timeout) +
+          : std::chrono::ceil<std::chrono::milliseconds>(config->extra.abort_request_timeout) +
                 eo.write_bound + std::chrono::seconds(5);
   eo.ucx_name = eo.engine_id;
   if (!options.trace_file.empty()) {
@@ -182,7 +182,7 @@ int RunServe(const ServeOptions& options) {
     // This process is the engine's only incarnation while its bootstrap runs.
     bo.own_engine = control::EngineIncarnation{eo.engine_id, eo.incarnation};
     bootstrap = std::make_unique<control::BootstrapServer>(bo);
-    auto port = bootstrap->Start(options.host, config->bootstrap_port);
+    auto port = bootstrap->Start(options.host, config->extra.bootstrap_port);
     if (!port) return Fail("bootstrap service: " + port.error().ToString());
     bootstrap_port = *port;
     eo.bootstrap_address = fmt::format("{}:{}", options.host, bootstrap_port);
@@ -195,8 +195,8 @@ int RunServe(const ServeOptions& options) {
   // its waiting loads at once. The watcher outlives the engine; `down_target` is set while the
   // engine runs.
   control::EtcdOptions etcd;
-  etcd.endpoints = config->etcd_endpoints;
-  etcd.prefix = config->etcd_prefix;
+  etcd.endpoints = config->extra.etcd_endpoints;
+  etcd.prefix = config->extra.etcd_prefix;
   etcd.cluster_secret = secret;  // P signs what it publishes; D believes only signed records
   std::unique_ptr<control::EtcdWatcher> watcher;
   auto down_target = std::make_shared<std::atomic<ServingEngine*>>(nullptr);
@@ -227,7 +227,7 @@ int RunServe(const ServeOptions& options) {
   std::unique_ptr<control::EtcdRegistrar> registrar;
   if (!etcd.endpoints.empty() && options.role == Role::kPrefill) {
     auto started = control::EtcdRegistrar::Start(
-        etcd, (*engine)->Registrations(), config->etcd_lease_ttl,
+        etcd, (*engine)->Registrations(), config->extra.etcd_lease_ttl,
         [](std::string_view line) { spdlog::info("{}", line); });
     if (!started) {
       (*engine)->Shutdown();
@@ -242,8 +242,8 @@ int RunServe(const ServeOptions& options) {
       {"tp", options.tp},
       {"num_blocks", options.num_blocks},
       {"block_tokens", options.block_tokens},
-      {"kv_lease_duration", core::ToSeconds(config->lease)},
-      {"abort_request_timeout", core::ToSeconds(config->abort_request_timeout)},
+      {"kv_lease_duration", core::ToSeconds(config->extra.lease)},
+      {"abort_request_timeout", core::ToSeconds(config->extra.abort_request_timeout)},
       {"pid", getpid()},
   };
   if (options.role == Role::kPrefill) {

@@ -1,8 +1,9 @@
-"""kvferry's settings in vLLM's ``--kv-transfer-config``, parsed with the same names and bounds as
-``kvferry serve`` (src/harness/serve_config.cc), so that a MooncakeConnector user switches by
-changing ``kv_connector`` and ``kv_connector_module_path`` only. The two parsers are held to
-one set of cases for the keys both read (tests/data/kv_connector_extra_config_cases.json, run
-by the C++ and the Python tests alike).
+"""kvferry's settings in vLLM's ``--kv-transfer-config``, with MooncakeConnector's names, so that a
+MooncakeConnector user switches by changing ``kv_connector`` and ``kv_connector_module_path``
+only. They are parsed by the one parser ``kvferry serve`` uses too
+(src/runtime/connector_config.cc, through ``kvferry._native.parse_connector_config``): a key
+cannot be read one way here and another there. tests/data/kv_connector_extra_config_cases.json
+holds the parser's cases; the C++ tests run them on the parser, test_config.py through this module.
 
 Keys of ``kv_connector_extra_config``:
 
@@ -44,38 +45,33 @@ Keys of ``kv_connector_extra_config``:
 ``cluster_secret_file``
     A file (mode 0600, 32..4096 bytes) holding the cluster secret: signed bootstrap traffic and a
     CURVE side channel (docs/security.md), as ``kvferry serve`` takes it. Absent: an open cluster.
+``etcd_endpoints``, ``etcd_prefix``, ``etcd_lease_ttl``
+    ``kvferry serve``'s etcd registry: checked, then ignored (logged) by the connector, which
+    finds P through its bootstrap service only.
 
-This module imports nothing from vLLM, so the parsing is testable anywhere.
+This module imports nothing from vLLM, so the parsing is testable anywhere; it needs
+``kvferry._native``, which the worker half needs anyway.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Durations are seconds; anything above a day is a typo, not a lease (as in serve_config.cc).
-MAX_SECONDS = 86400.0
-DEFAULT_ABORT_REQUEST_TIMEOUT = 480.0
-DEFAULT_BOOTSTRAP_PORT = 8998
 STAGING_MODES = ("auto", "host", "off")
-MAX_STAGING_BLOCKS = 1 << 24
 
-KNOWN_KEYS = frozenset(
-    {
-        "kv_lease_duration",
-        "abort_request_timeout",
-        "bootstrap_port",
-        "bootstrap_server_address",
-        "kv_release",
-        "fence_writes",
-        "cluster_secret_file",
-        "load_failure_port",
-        "kv_staging",
-        "kv_staging_blocks",
-    }
+# Keys the parser knows that the connector does not act on (reported in ignored_keys).
+CONNECTOR_IGNORES_KEYS = ("etcd_endpoints", "etcd_prefix", "etcd_lease_ttl")
+
+# The environment variables the parser falls back on (connector_config.h).
+ENVIRONMENT_FALLBACKS = (
+    "KVFERRY_ABORT_REQUEST_TIMEOUT",
+    "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT",
+    "VLLM_MOONCAKE_BOOTSTRAP_PORT",
 )
 
 
@@ -95,133 +91,60 @@ class ConnectorSettings:
     load_failure_port: int | None = None
     kv_staging: str = "auto"  # one of STAGING_MODES
     kv_staging_blocks: int | None = None  # None: the KV cache's number of blocks
-    ignored_keys: tuple[str, ...] = ()  # extra-config keys kvferry does not know (logged)
+    # Extra-config keys kvferry does not know, and CONNECTOR_IGNORES_KEYS given (logged).
+    ignored_keys: tuple[str, ...] = ()
 
     @property
     def lease_enabled(self) -> bool:
         return self.kv_lease_duration > 0
 
 
-def _seconds(value: Any, key: str, *, allow_zero: bool) -> float:
-    # bool is an int in Python; JSON true is not a number of seconds.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key} must be a number of seconds, not {value!r}")
-    seconds = float(value)
-    if (
-        not math.isfinite(seconds)
-        or seconds < 0
-        or (seconds == 0 and not allow_zero)
-        or seconds > MAX_SECONDS
-    ):
-        low = "[0" if allow_zero else "(0"
-        raise ConfigError(f"{key} = {value!r} is out of range {low}, {MAX_SECONDS:g}] s")
-    return seconds
-
-
-def _env_seconds(env: Mapping[str, str], name: str) -> float | None:
-    text = env.get(name, "")
-    if text == "":
-        return None
+def _native_module():
     try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} is not a number") from None
-    return _seconds(value, name, allow_zero=False)
-
-
-def _port(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ConfigError(f"{key} must be an integer 0..65535, not {value!r}")
-    return value
+        import kvferry._native as native
+    except ImportError as e:
+        raise ImportError(
+            "kvferry's native module kvferry._native is not available, so kvferry's connector "
+            f"config cannot be read ({e}); build it with the CMake option KVFERRY_PYTHON=ON or "
+            "install the kvferry wheel"
+        ) from e
+    return native
 
 
 def parse_settings(
     extra_config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> ConnectorSettings:
     """Reads kvferry's keys of ``kv_connector_extra_config``; raises ConfigError on a bad one."""
-    extra = dict(extra_config or {})
     env = os.environ if env is None else env
-
-    lease = 0.0
-    if "kv_lease_duration" in extra:
-        lease = _seconds(extra["kv_lease_duration"], "kv_lease_duration", allow_zero=True)
-
-    if "abort_request_timeout" in extra:
-        timeout = _seconds(
-            extra["abort_request_timeout"], "abort_request_timeout", allow_zero=False
+    extra = dict(extra_config or {})
+    for key, value in extra.items():
+        # NaN and infinity have no JSON spelling; they are out of range for every key.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} = {value!r} is out of range")
+    try:
+        text = json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"kv_connector_extra_config is not JSON-representable: {e}") from None
+    native = _native_module()
+    try:
+        parsed = native.parse_connector_config(
+            text,
+            {name: env[name] for name in ENVIRONMENT_FALLBACKS if name in env},
+            list(CONNECTOR_IGNORES_KEYS),
         )
-    else:
-        timeout = (
-            _env_seconds(env, "KVFERRY_ABORT_REQUEST_TIMEOUT")
-            or _env_seconds(env, "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT")
-            or DEFAULT_ABORT_REQUEST_TIMEOUT
-        )
-
-    if "bootstrap_port" in extra:
-        port = _port(extra["bootstrap_port"], "bootstrap_port")
-    elif env.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "") != "":
-        text = env["VLLM_MOONCAKE_BOOTSTRAP_PORT"]
-        try:
-            port = _port(int(text), "VLLM_MOONCAKE_BOOTSTRAP_PORT")
-        except ValueError:
-            raise ConfigError(
-                f"VLLM_MOONCAKE_BOOTSTRAP_PORT={text!r} is not an integer 0..65535"
-            ) from None
-    else:
-        port = DEFAULT_BOOTSTRAP_PORT
-
-    address = extra.get("bootstrap_server_address")
-    if "bootstrap_server_address" in extra:
-        if not isinstance(address, str) or not 0 < len(address) <= 256:
-            raise ConfigError(
-                f"bootstrap_server_address must be a 'host:port' string, not {address!r}"
-            )
-        host, sep, addr_port = address.removeprefix("http://").rpartition(":")
-        if not sep or not host or not addr_port.isdigit() or not 0 < int(addr_port) <= 65535:
-            raise ConfigError(f"bootstrap_server_address {address!r} is not 'host:port'")
-
-    release = extra.get("kv_release", True)
-    if not isinstance(release, bool):
-        raise ConfigError(f"kv_release must be true or false, not {release!r}")
-
-    fence = extra.get("fence_writes", False)
-    if not isinstance(fence, bool):
-        raise ConfigError(f"fence_writes must be true or false, not {fence!r}")
-
-    failure_port = None
-    if "load_failure_port" in extra:
-        failure_port = _port(extra["load_failure_port"], "load_failure_port")
-
-    secret = extra.get("cluster_secret_file")
-    if "cluster_secret_file" in extra and (
-        not isinstance(secret, str) or not 0 < len(secret) <= 4096
-    ):
-        raise ConfigError(f"cluster_secret_file must be a path, not {secret!r}")
-
-    staging = extra.get("kv_staging", "auto")
-    if staging not in STAGING_MODES:
-        raise ConfigError(f"kv_staging must be one of {', '.join(STAGING_MODES)}, not {staging!r}")
-
-    staging_blocks = extra.get("kv_staging_blocks")
-    if "kv_staging_blocks" in extra and (
-        isinstance(staging_blocks, bool)
-        or not isinstance(staging_blocks, int)
-        or not 1 <= staging_blocks <= MAX_STAGING_BLOCKS
-    ):
-        raise ConfigError(
-            f"kv_staging_blocks must be an integer 1..{MAX_STAGING_BLOCKS}, not {staging_blocks!r}"
-        )
-
+    except native.KvferryError as e:
+        raise ConfigError(str(e)) from None
     return ConnectorSettings(
-        kv_staging=staging,
-        kv_staging_blocks=staging_blocks,
-        cluster_secret_file=secret,
-        kv_lease_duration=lease,
-        abort_request_timeout=timeout,
-        bootstrap_port=port,
-        bootstrap_server_address=address,
-        kv_release=release,
-        fence_writes=fence,
-        load_failure_port=failure_port,
-        ignored_keys=tuple(sorted(k for k in extra if k not in KNOWN_KEYS)),
+        kv_lease_duration=parsed["kv_lease_duration"],
+        abort_request_timeout=parsed["abort_request_timeout"],
+        bootstrap_port=parsed["bootstrap_port"],
+        bootstrap_server_address=parsed["bootstrap_server_address"],
+        kv_release=parsed["kv_release"],
+        cluster_secret_file=parsed["cluster_secret_file"],
+        # The connector has no etcd, where kvferry serve turns fencing on by default.
+        fence_writes=bool(parsed["fence_writes"]),
+        load_failure_port=parsed["load_failure_port"],
+        kv_staging=parsed["kv_staging"],
+        kv_staging_blocks=parsed["kv_staging_blocks"],
+        ignored_keys=tuple(parsed["ignored_keys"]),
     )
