@@ -125,6 +125,16 @@ void AddToDict(py::dict& d, const Stats& stats, std::span<const core::StatField<
     d[py::str(key.data(), key.size())] = value;
   });
 }
+// A per-enumerator family as d[key] = {ToString(enumerator): value}.
+template <class Stats, class Enum, std::size_t N>
+void AddFamilyToDict(py::dict& d, const Stats& stats,
+                     const core::StatFamily<Stats, Enum, N>& family) {
+  py::dict values;
+  core::ForEachInFamily(stats, family, [&](std::string_view name, std::uint64_t value) {
+    values[py::str(name.data(), name.size())] = value;
+  });
+  d[py::str(family.key.data(), family.key.size())] = values;
+}
 template <class Stats>
 py::dict StatsDict(const Stats& stats, std::span<const core::StatField<Stats>> fields) {
   py::dict d;
@@ -329,6 +339,9 @@ class PyPrefillWorker {
     }
     py::dict d = StatsDict<protocol::PrefillStats>(s, protocol::kPrefillStatFields);
     AddToDict<control::ListenerStats>(d, s, control::kListenerStatFields);
+    AddToDict<core::HoldStats>(d, s.hold, core::kHoldStatFields);
+    AddFamilyToDict(d, s.hold, core::kHoldEntriesFamily);
+    AddFamilyToDict(d, s.hold, core::kHoldReleasedFamily);
     d["bytes_written"] = worker.writer().bytes_written();
     std::uint64_t held = 0;
     for (core::HoldPhase phase : core::kAllHoldPhases) held += s.hold.entries[phase];

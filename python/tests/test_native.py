@@ -103,7 +103,13 @@ def test_every_plane_of_p_tensors_lands_in_d_tensors_and_p_frees_after_the_pull(
             events = p.take_events()
             time.sleep(0.01)
         assert events == [("free", "xfer-1", "sent")]
-        assert p.stats()["bytes_written"] == 3 * BLOCK_LEN * 2 * LAYERS
+        stats = p.stats()
+        assert stats["bytes_written"] == 3 * BLOCK_LEN * 2 * LAYERS
+        # The hold table's counters, from their declarations (core/hold_table.h).
+        assert stats["hold_released_by_reason"]["sent"] == 1, stats
+        assert sum(stats["hold_released_by_reason"].values()) == 1, stats
+        assert stats["hold_entries_by_state"] == {"placeholder": 0, "prefilling": 0, "ready": 0}
+        assert stats["hold_sending"] == 0 and stats["tombstones"] == 1, stats
     finally:
         stop(d, p, bootstrap)
 

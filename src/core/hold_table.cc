@@ -55,23 +55,10 @@ std::string LeaseText(std::optional<Duration> lease) {
 }  // namespace
 
 HoldStats& HoldStats::operator+=(const HoldStats& other) {
-  // 2 enum arrays and 11 scalars: a field added to HoldStats and not summed here fails this.
-  static_assert(sizeof(HoldStats) == sizeof(entries) + sizeof(released) + sizeof(tombstones) +
-                                         10 * sizeof(std::uint64_t),
-      "every field of HoldStats is summed by operator+=");
-  for (HoldPhase phase : kAllHoldPhases) entries[phase] += other.entries[phase];
-  for (ReleaseReason reason : kAllReleaseReasons) released[reason] += other.released[reason];
-  blocks_ready += other.blocks_ready;
-  sending += other.sending;
-  tombstones += other.tombstones;
-  renewals_extended += other.renewals_extended;
-  renewals_unknown += other.renewals_unknown;
-  renewals_rejected += other.renewals_rejected;
-  late_pulls_rejected += other.late_pulls_rejected;
-  tombstone_hits += other.tombstone_hits;
-  tombstones_evicted += other.tombstones_evicted;
-  decoder_releases += other.decoder_releases;
-  decoder_releases_ignored += other.decoder_releases_ignored;
+  // The tables cover every field (hold_table.h checks the struct's size against them).
+  AddStats<HoldStats>(*this, other, kHoldStatFields);
+  AddFamily(*this, other, kHoldEntriesFamily);
+  AddFamily(*this, other, kHoldReleasedFamily);
   return *this;
 }
 

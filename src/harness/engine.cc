@@ -1132,13 +1132,22 @@ void RenderEngineMetrics(PromWriter& w, const EngineOptions& o, const Stats& s) 
            static_cast<double>(s.double_frees));
 }
 
-// P's hold table, summed over ranks: entries and blocks by state, releases by reason, renewals.
+// P's hold table, summed over ranks (its rows and families, core/hold_table.h), and the blocks
+// and bytes P's engine holds by hold state.
 void RenderHoldMetrics(PromWriter& w, const core::HoldStats& hold, const Stats& s,
                        std::uint64_t rank_bytes) {
-  w.Family("kvferry_hold_entries", "gauge", "P hold-table entries by state (all ranks)");
-  for (core::HoldPhase phase : core::kAllHoldPhases) {
-    w.Sample("kvferry_hold_entries", static_cast<double>(hold.entries[phase]),
-             {{"state", core::ToString(phase)}});
+  w.EnumFamily(hold, core::kHoldEntriesFamily);
+  w.Fields<core::HoldStats>(hold, core::kHoldStatFields);
+  w.EnumFamily(hold, core::kHoldReleasedFamily);
+  // A view of three of kvferry_hold_released_total's reasons under their own name, which
+  // dashboards of lease expiries scrape (docs/operations.md).
+  w.Family("kvferry_hold_expiries_total", "counter",
+           "Hold entries that timed out (lease/timeout, dead decoder, wait timeout)");
+  for (core::ReleaseReason reason : {core::ReleaseReason::kExpired,
+                                     core::ReleaseReason::kDeadDecoder,
+                                     core::ReleaseReason::kWaitTimeout}) {
+    w.Sample("kvferry_hold_expiries_total", static_cast<double>(hold.released[reason]),
+             {{"reason", core::ToString(reason)}});
   }
   w.Family("kvferry_held_blocks", "gauge", "P blocks of transfers by hold state");
   for (core::HoldPhase phase : core::kAllHoldPhases) {
@@ -1150,27 +1159,6 @@ void RenderHoldMetrics(PromWriter& w, const core::HoldStats& hold, const Stats& 
     w.Sample("kvferry_held_bytes", static_cast<double>(s.held_blocks[phase] * rank_bytes),
              {{"state", core::ToString(phase)}});
   }
-  w.Single("kvferry_renewals_extended_total", "counter", "Transfers whose lease a renewal extended",
-           static_cast<double>(hold.renewals_extended));
-  w.Single("kvferry_renewals_unknown_total", "counter", "Renewed ids this P does not hold",
-           static_cast<double>(hold.renewals_unknown));
-  w.Family("kvferry_hold_released_total", "counter", "Hold entries released, by reason");
-  for (core::ReleaseReason reason : core::kAllReleaseReasons) {
-    w.Sample("kvferry_hold_released_total", static_cast<double>(hold.released[reason]),
-             {{"reason", core::ToString(reason)}});
-  }
-  w.Family("kvferry_hold_expiries_total", "counter",
-           "Hold entries that timed out (lease/timeout, dead decoder, wait timeout)");
-  for (core::ReleaseReason reason : {core::ReleaseReason::kExpired,
-                                     core::ReleaseReason::kDeadDecoder,
-                                     core::ReleaseReason::kWaitTimeout}) {
-    w.Sample("kvferry_hold_expiries_total", static_cast<double>(hold.released[reason]),
-             {{"reason", core::ToString(reason)}});
-  }
-  w.Single("kvferry_tombstone_hits_total", "counter", "Calls that found a tombstone",
-           static_cast<double>(hold.tombstone_hits));
-  w.Single("kvferry_tombstones", "gauge", "Remembered freed transfer ids",
-           static_cast<double>(hold.tombstones));
 }
 
 // P: its sessions' and sockets' counters (summed over ranks), its hold table and its writes.

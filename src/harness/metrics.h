@@ -2,6 +2,7 @@
 // and a writer that emits each family's HELP/TYPE once.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <span>
@@ -59,6 +60,16 @@ class PromWriter {
       if (!f.label.first.empty()) labels.emplace_back(f.label.first, f.label.second);
       Sample(name, static_cast<double>(stats.*(f.member)), labels);
     }
+  }
+  // One family of a stats struct's per-enumerator field (core::StatFamily).
+  template <class Stats, class Enum, std::size_t N>
+  void EnumFamily(const Stats& stats, const core::StatFamily<Stats, Enum, N>& family) {
+    Family(family.metric, family.kind == core::StatKind::kCounter ? "counter" : "gauge",
+           family.help);
+    core::ForEachInFamily(stats, family, [&](std::string_view name, std::uint64_t value) {
+      Sample(family.metric, static_cast<double>(value),
+             {{std::string(family.label), std::string(name)}});
+    });
   }
   std::string Take() { return std::move(out_); }
 

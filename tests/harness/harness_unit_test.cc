@@ -1,6 +1,7 @@
 // Unit tests of the serving engine's pieces: the --kv-transfer-config parser, the KV byte
 // pattern (and that TP slices composed through core/tp_plan verify on D), the fault-injecting
 // writer, and the /v1/completions body parser.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -309,6 +310,58 @@ TEST(Metrics, EveryCounterOfTheSessionsIsExportedOnceUnderItsOwnName) {
   ExpectTableRenders<protocol::DecodeStats>(protocol::kDecodeStatFields);
   ExpectTableRenders<protocol::PrefillStats>(protocol::kPrefillStatFields);
   ExpectTableRenders<control::ListenerStats>(control::kListenerStatFields);
+}
+
+// The hold table's rows and per-enumerator families render from their declarations, and no
+// Prometheus family of P's /metrics is declared by two tables.
+TEST(Metrics, TheHoldTablesCountersRenderFromTheirDeclarationsUnderNamesNoOtherTableUses) {
+  ExpectTableRenders<core::HoldStats>(core::kHoldStatFields);
+
+  core::HoldStats hold{};
+  std::uint64_t value = 5000;
+  for (core::HoldPhase phase : core::kAllHoldPhases) hold.entries[phase] = value++;
+  for (core::ReleaseReason reason : core::kAllReleaseReasons) hold.released[reason] = value++;
+  PromWriter w;
+  w.EnumFamily(hold, core::kHoldEntriesFamily);
+  w.EnumFamily(hold, core::kHoldReleasedFamily);
+  const std::string text = w.Take();
+  for (core::HoldPhase phase : core::kAllHoldPhases) {
+    EXPECT_NE(text.find(fmt::format("kvferry_hold_entries{{state=\"{}\"}} {}",
+                                    core::ToString(phase), hold.entries[phase])),
+              std::string::npos)
+        << text;
+  }
+  for (core::ReleaseReason reason : core::kAllReleaseReasons) {
+    EXPECT_NE(text.find(fmt::format("kvferry_hold_released_total{{reason=\"{}\"}} {}",
+                                    core::ToString(reason), hold.released[reason])),
+              std::string::npos)
+        << text;
+  }
+
+  // Family names (and Python dict keys) per table of P's /metrics and stats(): no overlap.
+  std::map<std::string, std::string> metric_owner;
+  std::map<std::string, std::string> key_owner;
+  const auto claim = [](std::map<std::string, std::string>& owners, const std::string& name,
+                        const std::string& table) {
+    auto [it, fresh] = owners.emplace(name, table);
+    EXPECT_TRUE(fresh || it->second == table)
+        << name << " is declared by " << it->second << " and " << table;
+  };
+  const auto claim_table = [&](const auto& fields, const std::string& table) {
+    for (const auto& f : fields) {
+      claim(metric_owner, core::MetricName(f), table);
+      claim(key_owner, std::string(f.key), table + "." + std::string(f.key));
+    }
+  };
+  claim_table(protocol::kPrefillStatFields, "PrefillStats");
+  claim_table(control::kListenerStatFields, "ListenerStats");
+  claim_table(core::kHoldStatFields, "HoldStats");
+  for (const auto& [metric, key] :
+       {std::pair{core::kHoldEntriesFamily.metric, core::kHoldEntriesFamily.key},
+        std::pair{core::kHoldReleasedFamily.metric, core::kHoldReleasedFamily.key}}) {
+    claim(metric_owner, std::string(metric), "HoldStats family");
+    claim(key_owner, std::string(key), "HoldStats family");
+  }
 }
 
 TEST(Metrics, StatsOfSeveralRanksAddUpRowByRow) {

@@ -43,6 +43,7 @@
 
 #include "kvferry/core/enum_array.h"
 #include "kvferry/core/ids.h"
+#include "kvferry/core/stat_fields.h"
 #include "kvferry/core/time.h"
 #include "kvferry/status.h"
 
@@ -123,25 +124,64 @@ struct PullAdmission {
   TimePoint wait_until{};  // for kWait: when the wait fails (also reported as kPullsFailed)
 };
 
+// What each field means: kHoldStatFields and the two families below (one row each, which
+// `kvferry serve`'s /metrics, the Python binding's stats() and the sum over ranks read).
 struct HoldStats {
-  EnumArray<HoldPhase, std::size_t, kAllHoldPhases.size()> entries;
-  std::uint64_t blocks_ready = 0;  // blocks held by kReady entries
-  std::uint64_t sending = 0;       // sends in flight
-  std::size_t tombstones = 0;
+  EnumArray<HoldPhase, std::uint64_t, kAllHoldPhases.size()> entries;
+  std::uint64_t blocks_ready = 0;
+  std::uint64_t sending = 0;
+  std::uint64_t tombstones = 0;
   EnumArray<ReleaseReason, std::uint64_t, kAllReleaseReasons.size()> released;
   std::uint64_t renewals_extended = 0;
   std::uint64_t renewals_unknown = 0;
   std::uint64_t renewals_rejected = 0;
-  std::uint64_t late_pulls_rejected = 0;  // pulls for a tombstoned id
-  std::uint64_t tombstone_hits = 0;       // any call that found a tombstone
+  std::uint64_t late_pulls_rejected = 0;
+  std::uint64_t tombstone_hits = 0;
   std::uint64_t tombstones_evicted = 0;
-  std::uint64_t decoder_releases = 0;          // ReleaseByDecoder calls that changed something
-  std::uint64_t decoder_releases_ignored = 0;  // ... that did not (unknown, repeated, mismatch)
+  std::uint64_t decoder_releases = 0;
+  std::uint64_t decoder_releases_ignored = 0;
 
-  // Every field of `other` added to this one (the tables of several ranks, summed). Fields
-  // added to the struct must be added there too: hold_table.cc checks the struct's size.
+  // Every row and family of `other` added to this one (the tables of several ranks, summed).
   HoldStats& operator+=(const HoldStats& other);
 };
+
+// Keys carry "hold_" where a session counts something of a similar name (PrefillStats'
+// renewals_rejected and late_pulls_rejected count messages; these count table calls).
+inline constexpr StatField<HoldStats> kHoldStatFields[] = {
+    // clang-format off
+    {"hold_blocks_ready", &HoldStats::blocks_ready, StatKind::kGauge,
+     "P blocks held by ready hold entries (all ranks)"},
+    {"hold_sending", &HoldStats::sending, StatKind::kGauge, "P sends in flight"},
+    {"tombstones", &HoldStats::tombstones, StatKind::kGauge, "Remembered freed transfer ids"},
+    {"renewals_extended", &HoldStats::renewals_extended, StatKind::kCounter,
+     "Transfers whose lease a renewal extended"},
+    {"renewals_unknown", &HoldStats::renewals_unknown, StatKind::kCounter,
+     "Renewed ids this P does not hold"},
+    {"hold_renewals_rejected", &HoldStats::renewals_rejected, StatKind::kCounter,
+     "Renewals the hold table refused (no lease)"},
+    {"hold_late_pulls_rejected", &HoldStats::late_pulls_rejected, StatKind::kCounter,
+     "Pulls the hold table refused for a tombstoned id"},
+    {"tombstone_hits", &HoldStats::tombstone_hits, StatKind::kCounter,
+     "Calls that found a tombstone"},
+    {"tombstones_evicted", &HoldStats::tombstones_evicted, StatKind::kCounter,
+     "Tombstones forgotten to stay within max_tombstones (oldest first)"},
+    {"decoder_releases", &HoldStats::decoder_releases, StatKind::kCounter,
+     "Releases by a decoder that changed a hold entry"},
+    {"decoder_releases_ignored", &HoldStats::decoder_releases_ignored, StatKind::kCounter,
+     "Releases by a decoder that changed nothing (unknown, repeated or mismatched)"},
+    // clang-format on
+};
+inline constexpr StatFamily<HoldStats, HoldPhase, kAllHoldPhases.size()> kHoldEntriesFamily{
+    "hold_entries_by_state", &HoldStats::entries, StatKind::kGauge,
+    "P hold-table entries by state (all ranks)", "kvferry_hold_entries", "state",
+    kAllHoldPhases};
+inline constexpr StatFamily<HoldStats, ReleaseReason, kAllReleaseReasons.size()>
+    kHoldReleasedFamily{"hold_released_by_reason", &HoldStats::released, StatKind::kCounter,
+                        "Hold entries released, by reason", "kvferry_hold_released_total",
+                        "reason", kAllReleaseReasons};
+static_assert(sizeof(HoldStats) == std::size(kHoldStatFields) * sizeof(std::uint64_t) +
+                                       sizeof(HoldStats::entries) + sizeof(HoldStats::released),
+              "every counter of HoldStats has one row in kHoldStatFields or a family");
 
 class HoldTable {
  public:

@@ -14,11 +14,15 @@
 //           first row's help and kind stand for it).
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
 #include <utility>
+
+#include "kvferry/core/enum_array.h"
 
 namespace kvferry::core {
 
@@ -51,6 +55,33 @@ std::string MetricName(const StatField<Stats>& f) {
 template <class Stats>
 void AddStats(Stats& into, const Stats& from, std::span<const StatField<Stats>> fields) {
   for (const StatField<Stats>& f : fields) into.*(f.member) += from.*(f.member);
+}
+
+// A counter or gauge kept per enumerator in an EnumArray field (hold-table entries by phase,
+// releases by reason): one Prometheus family `metric` with a sample per enumerator labelled
+// `label`=ToString(enumerator), and one Python dict under `key` mapping ToString(enumerator) to
+// its value. `all` lists the enumerators in order (the enum's kAll... array).
+template <class Stats, class Enum, std::size_t N>
+struct StatFamily {
+  std::string_view key;
+  EnumArray<Enum, std::uint64_t, N> Stats::*member;
+  StatKind kind;
+  std::string_view help;
+  std::string_view metric;
+  std::string_view label;
+  const std::array<Enum, N>& all;
+};
+
+// Calls visit(ToString(enumerator), value) for every enumerator of a family, in enum order.
+template <class Stats, class Enum, std::size_t N, class Visit>
+void ForEachInFamily(const Stats& stats, const StatFamily<Stats, Enum, N>& family, Visit&& visit) {
+  for (Enum e : family.all) visit(std::string_view(ToString(e)), (stats.*(family.member))[e]);
+}
+
+// `into` += `from` for every enumerator of a family.
+template <class Stats, class Enum, std::size_t N>
+void AddFamily(Stats& into, const Stats& from, const StatFamily<Stats, Enum, N>& family) {
+  for (Enum e : family.all) (into.*(family.member))[e] += (from.*(family.member))[e];
 }
 
 // Calls visit(key, value) for every row, in table order.
