@@ -117,8 +117,8 @@ constexpr KeyRule kKeyRules[] = {
      [](const json& v, ConnectorConfig& c) {
        if (!v.is_string() || v.get<std::string>().empty() || v.get<std::string>().size() > 256 ||
            !IsHostPort(v.get<std::string>())) {
-         return Invalid(fmt::format(
-             "bootstrap_server_address must be a 'host:port' string, not {}", Shown(v)));
+         return Invalid(fmt::format("bootstrap_server_address must be a 'host:port' string, not {}",
+                                    Shown(v)));
        }
        c.bootstrap_server_address = v.get<std::string>();
        return Status::Ok();
@@ -157,8 +157,7 @@ constexpr KeyRule kKeyRules[] = {
      }},
     {"cluster_secret_file",
      [](const json& v, ConnectorConfig& c) {
-       return Assign(StringValue(v, "cluster_secret_file", 4096, "a path"),
-                     c.cluster_secret_file);
+       return Assign(StringValue(v, "cluster_secret_file", 4096, "a path"), c.cluster_secret_file);
      }},
     {"etcd_endpoints",
      [](const json& v, ConnectorConfig& c) {
@@ -180,8 +179,8 @@ constexpr KeyRule kKeyRules[] = {
      }},
     {"etcd_prefix",
      [](const json& v, ConnectorConfig& c) {
-       if (!v.is_string() || v.get<std::string>().empty() ||
-           v.get<std::string>().front() != '/' || v.get<std::string>().size() > 128) {
+       if (!v.is_string() || v.get<std::string>().empty() || v.get<std::string>().front() != '/' ||
+           v.get<std::string>().size() > 128) {
          return Invalid(fmt::format(
              "etcd_prefix must be a string of 1..128 bytes starting with '/', not {}", Shown(v)));
        }
@@ -192,8 +191,7 @@ constexpr KeyRule kKeyRules[] = {
      [](const json& v, ConnectorConfig& c) {
        // etcd rounds a TTL below 2 s up to its minimum (1.5 x its election timeout).
        if (!v.is_number_integer() || v.get<std::int64_t>() < 2 || v.get<std::int64_t>() > 3600) {
-         return Invalid(
-             fmt::format("etcd_lease_ttl must be an integer 2..3600, not {}", Shown(v)));
+         return Invalid(fmt::format("etcd_lease_ttl must be an integer 2..3600, not {}", Shown(v)));
        }
        c.etcd_lease_ttl = std::chrono::seconds(v.get<std::int64_t>());
        return Status::Ok();
@@ -293,8 +291,8 @@ Result<ConnectorConfig> ParseConnectorConfig(std::string_view extra_json, const 
   std::sort(config.ignored_keys.begin(), config.ignored_keys.end());
 
   if (!extra.contains("abort_request_timeout")) {
-    auto from_env = EnvSeconds(
-        env, {"KVFERRY_ABORT_REQUEST_TIMEOUT", "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"});
+    auto from_env =
+        EnvSeconds(env, {"KVFERRY_ABORT_REQUEST_TIMEOUT", "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"});
     if (!from_env) return tl::unexpected(from_env.error());
     if (*from_env) config.abort_request_timeout = **from_env;
   }

@@ -1,10 +1,10 @@
-// Internal to the wire module: the msgpack building blocks shared by the message codecs
-// (messages.cc: Pull, Renewal, RenewalReply, PullResponse, PeekType/PeekId; notices.cc:
-// Release, ReleaseReply, AbortNotice). Users include wire/messages.h, never this header: it
-// pulls in msgpack-cxx.
+// Internal to the wire module: the msgpack building blocks under the message schemas
+// (schema.h's rules; messages.cc: Pull, Renewal, RenewalReply, PullResponse, PeekType/PeekId;
+// notices.cc: Release, ReleaseReply, AbortNotice). Users include wire/messages.h, never this
+// header: it pulls in msgpack-cxx.
 //
 // Hot-path helpers (the Get* field readers, Fields<N>) are inline so that each decoder's loop
-// over its entries compiles as before; the error paths and the unpack step live in codec.cc.
+// over its entries compiles without calls; the error paths and the unpack step live in codec.cc.
 #pragma once
 
 #include <array>
@@ -118,15 +118,6 @@ inline Result<std::string_view> GetStr(const msgpack::object& o, const Label& la
   if (o.via.str.size > max_len) return TooLong(label, o.via.str.size, max_len);
   if (non_empty && o.via.str.size == 0) return FieldErr(ErrorCode::kProtocol, label, "empty");
   return std::string_view(o.via.str.ptr, o.via.str.size);
-}
-
-// The optional free-text key of a reply (`m`): absent means empty.
-inline Status GetMessageText(const msgpack::object* o, const Label& label, std::string& out) {
-  if (o == nullptr) return Status::Ok();
-  Result<std::string_view> text = GetStr(*o, label, kMaxTextBytes, false);
-  if (!text) return text.error();
-  out.assign(*text);
-  return Status::Ok();
 }
 
 inline Result<std::span<const std::uint8_t>> GetBin(const msgpack::object& o, const Label& label,

@@ -24,6 +24,7 @@
 #include "kvferry/core/tp_plan.h"
 #include "wire/codec.h"
 #include "wire/scan.h"
+#include "wire/schema.h"
 
 namespace kvferry::wire {
 
@@ -56,28 +57,14 @@ std::vector<core::Fingerprint> FingerprintsOf(std::span<const core::TransferId> 
 
 namespace {
 
+using internal::DecodeWith;
+using internal::EncodeWith;
 using internal::FieldErr;
-using internal::Fields;
-using internal::GetArray;
-using internal::GetBin;
-using internal::GetBool;
-using internal::GetFingerprintBin;
-using internal::GetStr;
-using internal::GetUint;
-using internal::IsErrorCode;
 using internal::Label;
-using internal::LoadFingerprints;
-using internal::LoadLe32;
-using internal::Packer;
-using internal::PackFingerprints;
-using internal::PackHeader;
-using internal::PackKey;
-using internal::PackStr;
-using internal::Parse;
 using internal::ScanLimits;
-using internal::VecBuffer;
+using internal::ValidateWith;
 
-constexpr std::size_t kBlockIdBytes = 4;  // block ids travel as little-endian u32 in a bin
+constexpr std::size_t kBlockIdBytes = internal::BlockIdsRule::kBytes;
 
 // Per-message limits for the raw scan and for msgpack::unpack_limit, derived from messages.h.
 // `objects` bounds what msgpack-cxx allocates (24 bytes per object): a pull of 4096 requests
@@ -121,238 +108,192 @@ constexpr ScanLimits kRenewalReplyLimits{
 };
 
 // ---------------------------------------------------------------------------------------------
-// Pull
+// The schemas (wire/schema.h): each message's keys in wire order, with their rules.
 
-enum PullField {
-  kPT,
-  kPV,
-  kPId,
-  kPEngine,
-  kPTpSize,
-  kPTpRank,
-  kPLease,
-  kPDesc,
-  kPBlockLen,
-  kPNumBlocks,
-  kPRequests,
-  kPWriteKey,
-  kPullFieldCount
-};
-const std::array<Label, kPullFieldCount> kPullLabels{{
-    {"t", "type"},
-    {"v", "version"},
-    {"id", "id"},
-    {"e", "d_engine_id"},
-    {"ts", "d_tp_size"},
-    {"tr", "d_tp_rank"},
-    {"l", "d_lease_ms"},
-    {"rd", "region_descriptor"},
-    {"bl", "block_len"},
-    {"nb", "num_blocks"},
-    {"rq", "requests"},
-    {"k", "write_key"},
-}};
+using internal::BlockIdsRule;
+using internal::BoolRule;
+using internal::BytesRule;
+using internal::Column;
+using internal::EntryList;
+using internal::ErrorCodeRule;
+using internal::Field;
+using internal::FingerprintsRule;
+using internal::IdRule;
+using internal::ListRule;
+using internal::MakeSchema;
+using internal::OptionalRule;
+using internal::Presence;
+using internal::StatusRule;
+using internal::TextRule;
+using internal::UintRule;
+constexpr Presence kOmitted = Presence::kOmittedWhenDefault;
 
-// Elements of one request entry: [d_req_id, transfer_id, block ids bin, ...ignored].
-constexpr std::size_t kRequestFields = 3;
+// ---- Pull
 
-}  // namespace
+constexpr Label kPullTpSize{"ts", "d_tp_size"};
+constexpr Label kPullTpRank{"tr", "d_tp_rank"};
+constexpr Label kPullRequests{"rq", "requests"};
 
-std::vector<std::uint8_t> Encode(const Pull& msg) {
-  std::size_t estimate = 64 + msg.d_engine_id.size();
-  if (msg.region_descriptor) estimate += msg.region_descriptor->size() + 8;
-  for (const auto& r : msg.requests) {
-    estimate += 16 + r.d_req_id.size() + r.transfer_id.size() + kBlockIdBytes * r.block_ids.size();
-  }
-  std::vector<std::uint8_t> out;
-  out.reserve(estimate);
-  VecBuffer buf{&out};
-  Packer pk(buf);
-  PackHeader(pk,
-             6 + (msg.d_lease_ms ? 1 : 0) + (msg.region_descriptor ? 1 : 0) +
-                 (msg.write_key != 0 ? 1 : 0),
-             MessageType::kPull, msg.id);
-  PackKey(pk, "e");
-  PackStr(pk, msg.d_engine_id);
-  PackKey(pk, "ts");
-  pk.pack_uint32(msg.d_tp_size);
-  PackKey(pk, "tr");
-  pk.pack_uint32(msg.d_tp_rank);
-  if (msg.d_lease_ms) {
-    PackKey(pk, "l");
-    pk.pack_uint64(*msg.d_lease_ms);
-  }
-  PackKey(pk, "bl");
-  pk.pack_uint64(msg.block_len);
-  PackKey(pk, "nb");
-  pk.pack_uint32(msg.num_blocks);
-  if (msg.region_descriptor) {
-    PackKey(pk, "rd");
-    const auto& d = *msg.region_descriptor;
-    pk.pack_bin(static_cast<std::uint32_t>(d.size()));
-    pk.pack_bin_body(reinterpret_cast<const char*>(d.data()), static_cast<std::uint32_t>(d.size()));
-  }
-  if (msg.write_key != 0) {
-    PackKey(pk, "k");
-    pk.pack_uint64(msg.write_key);
-  }
-  PackKey(pk, "rq");
-  pk.pack_array(static_cast<std::uint32_t>(msg.requests.size()));
-  for (const auto& r : msg.requests) {
-    pk.pack_array(kRequestFields);
-    PackStr(pk, r.d_req_id);
-    PackStr(pk, r.transfer_id);
-    const std::size_t n = r.block_ids.size();
-    pk.pack_bin(static_cast<std::uint32_t>(n * kBlockIdBytes));
-    const std::size_t at = out.size();
-    out.resize(at + n * kBlockIdBytes);
-    std::uint8_t* p = out.data() + at;
-    for (core::BlockId b : r.block_ids) {
-      p[0] = static_cast<std::uint8_t>(b);
-      p[1] = static_cast<std::uint8_t>(b >> 8);
-      p[2] = static_cast<std::uint8_t>(b >> 16);
-      p[3] = static_cast<std::uint8_t>(b >> 24);
-      p += kBlockIdBytes;
-    }
-  }
-  return out;
-}
+// No frame-size check needed: at the limits a pull encodes to < 6.5 MiB.
+static_assert(kMaxRequestsPerPull * (2 * (kMaxIdBytes + 3) + 6) + kMaxBlocksPerPull * 4 +
+                  kMaxDescriptorBytes + 2 * kMaxIdBytes <
+              kMaxFrameBytes);
 
-Status Validate(const Pull& msg) {
-  auto bad = [](ErrorCode code, std::string what) { return Status(code, std::move(what)); };
-  if (msg.d_engine_id.empty()) return bad(ErrorCode::kProtocol, "d_engine_id: empty");
-  if (msg.d_engine_id.size() > kMaxIdBytes)
-    return bad(ErrorCode::kOutOfRange, "d_engine_id: too long");
-  if (msg.d_tp_size == 0) return bad(ErrorCode::kOutOfRange, "d_tp_size: must be >= 1");
-  if (msg.d_tp_size > core::kMaxTpSize) {
-    return bad(ErrorCode::kOutOfRange,
-               "d_tp_size: at most " + std::to_string(core::kMaxTpSize) + " ranks");
-  }
-  if (msg.d_tp_rank >= msg.d_tp_size) {
-    return bad(ErrorCode::kOutOfRange, "d_tp_rank: must be < d_tp_size");
-  }
-  if (msg.block_len == 0) return bad(ErrorCode::kOutOfRange, "block_len: must be >= 1");
-  if (msg.d_lease_ms && *msg.d_lease_ms > kMaxLeaseMs) {
-    return bad(ErrorCode::kOutOfRange, "d_lease_ms: too large");
-  }
-  if (msg.region_descriptor && msg.region_descriptor->size() > kMaxDescriptorBytes) {
-    return bad(ErrorCode::kOutOfRange, "region_descriptor: too long");
-  }
-  if (msg.requests.size() > kMaxRequestsPerPull) {
-    return bad(ErrorCode::kOutOfRange, "requests: too many");
+Status PullRelations(const Pull& m) {
+  if (m.d_tp_rank >= m.d_tp_size) {
+    return FieldErr(ErrorCode::kOutOfRange, kPullTpRank,
+                    std::to_string(m.d_tp_rank) + " is not below d_tp_size " +
+                        std::to_string(m.d_tp_size))
+        .value();
   }
   std::size_t blocks = 0;
-  for (std::size_t i = 0; i < msg.requests.size(); ++i) {
-    const auto& r = msg.requests[i];
-    const std::string at = "requests[" + std::to_string(i) + "].";
-    if (r.d_req_id.empty()) return bad(ErrorCode::kProtocol, at + "d_req_id: empty");
-    if (r.transfer_id.empty()) return bad(ErrorCode::kProtocol, at + "transfer_id: empty");
-    if (r.d_req_id.size() > kMaxIdBytes)
-      return bad(ErrorCode::kOutOfRange, at + "d_req_id: too long");
-    if (r.transfer_id.size() > kMaxIdBytes) {
-      return bad(ErrorCode::kOutOfRange, at + "transfer_id: too long");
-    }
-    if (r.block_ids.size() > kMaxBlocksPerRequest) {
-      return bad(ErrorCode::kOutOfRange, at + "block_ids: too many");
-    }
-    blocks += r.block_ids.size();
+  for (const PullRequest& r : m.requests) blocks += r.block_ids.size();
+  if (blocks > kMaxBlocksPerPull) {
+    return FieldErr(ErrorCode::kOutOfRange, kPullRequests,
+                    std::to_string(blocks) + " blocks in one pull exceed " +
+                        std::to_string(kMaxBlocksPerPull))
+        .value();
   }
-  if (blocks > kMaxBlocksPerPull) return bad(ErrorCode::kOutOfRange, "requests: too many blocks");
-  // No frame-size check needed: at the limits above a pull encodes to < 6.5 MiB.
-  static_assert(kMaxRequestsPerPull * (2 * (kMaxIdBytes + 3) + 6) + kMaxBlocksPerPull * 4 +
-                    kMaxDescriptorBytes + 2 * kMaxIdBytes <
-                kMaxFrameBytes);
   return Status::Ok();
 }
 
+// A request entry: [d_req_id, transfer_id, block ids bin, ...ignored].
+constexpr auto kPullSchema = MakeSchema<Pull>(
+    MessageType::kPull, kPullLimits, /*has_id=*/true, &PullRelations,
+    Field{Label{"e", "d_engine_id"}, &Pull::d_engine_id, IdRule{}},
+    Field{kPullTpSize, &Pull::d_tp_size, UintRule<std::uint32_t>{1, core::kMaxTpSize}},
+    Field{kPullTpRank, &Pull::d_tp_rank, UintRule<std::uint32_t>{}},
+    Field{Label{"l", "d_lease_ms"}, &Pull::d_lease_ms,
+          OptionalRule<UintRule<std::uint64_t>>{{0, kMaxLeaseMs}}, kOmitted},
+    Field{Label{"bl", "block_len"}, &Pull::block_len, UintRule<std::uint64_t>{1}},
+    Field{Label{"nb", "num_blocks"}, &Pull::num_blocks, UintRule<std::uint32_t>{}},
+    Field{Label{"rd", "region_descriptor"}, &Pull::region_descriptor,
+          OptionalRule<BytesRule>{{kMaxDescriptorBytes}}, kOmitted},
+    Field{Label{"k", "write_key"}, &Pull::write_key, UintRule<std::uint64_t>{}, kOmitted},
+    Field{kPullRequests, &Pull::requests,
+          EntryList<PullRequest, Column<PullRequest, core::RequestId, IdRule>,
+                    Column<PullRequest, core::TransferId, IdRule>,
+                    Column<PullRequest, std::vector<core::BlockId>, BlockIdsRule>>{
+              0,
+              kMaxRequestsPerPull,
+              {{"d_req_id", &PullRequest::d_req_id, IdRule{}},
+               {"transfer_id", &PullRequest::transfer_id, IdRule{}},
+               {"block_ids", &PullRequest::block_ids, BlockIdsRule{kMaxBlocksPerRequest}}}}});
+
+// ---- Renewal
+
+// "n" is written only when true, and last: a renewal without it is byte for byte what a build
+// that predates notices sends.
+constexpr auto kRenewalSchema = MakeSchema<Renewal>(
+    MessageType::kRenewal, kRenewalLimits, /*has_id=*/true, nullptr,
+    Field{Label{"e", "d_engine_id"}, &Renewal::d_engine_id, IdRule{}},
+    Field{Label{"l", "d_lease_ms"}, &Renewal::d_lease_ms, UintRule<std::uint64_t>{0, kMaxLeaseMs}},
+    Field{Label{"fp", "fingerprints"}, &Renewal::fingerprints,
+          FingerprintsRule{0, kMaxFingerprintsPerRenewal}},
+    Field{Label{"n", "accepts_notices"}, &Renewal::accepts_notices, BoolRule{}, kOmitted});
+
+// ---- RenewalReply
+
+constexpr auto kRenewalReplySchema = MakeSchema<RenewalReply>(
+    MessageType::kRenewalReply, kRenewalReplyLimits, /*has_id=*/true, nullptr,
+    Field{Label{"s", "status"}, &RenewalReply::status,
+          StatusRule<RenewalStatus>{RenewalStatus::kError}},
+    Field{Label{"x", "extended"}, &RenewalReply::extended, UintRule<std::uint64_t>{}},
+    Field{Label{"u", "unknown"}, &RenewalReply::unknown, UintRule<std::uint64_t>{}},
+    Field{Label{"l", "p_lease_ms"}, &RenewalReply::p_lease_ms, UintRule<std::uint64_t>{}},
+    Field{Label{"m", "message"}, &RenewalReply::message, TextRule{}, kOmitted});
+
+// ---- PullResponse
+
+constexpr Label kResponseCode{"c", "code"};
+constexpr Label kResponseMessage{"m", "message"};
+constexpr const char* kErrorCarriesLists = "status ERROR must not carry 'ok' or 'err'";
+
+// "ok" and "err" belong to FINISH and CONTINUE (with ERROR D fails every request of the pull
+// with its code and message: lists would be ambiguous); "c" to ERROR, and on another response
+// it means nothing and is skipped like an unknown key.
+constexpr internal::When<PullResponse> kUnlessError{
+    +[](const PullResponse& m) { return m.status != PullStatus::kError; }, kErrorCarriesLists};
+constexpr internal::When<PullResponse> kOnlyForError{
+    +[](const PullResponse& m) { return m.status == PullStatus::kError; }};
+
+Status PullResponseRelations(const PullResponse& m) {
+  if (m.status == PullStatus::kError) {
+    if (m.code == ErrorCode::kOk) {
+      return FieldErr(ErrorCode::kProtocol, kResponseCode, "missing for ERROR").value();
+    }
+    if (m.message.empty()) {
+      return FieldErr(ErrorCode::kProtocol, kResponseMessage, "missing for ERROR").value();
+    }
+    if (!m.ok.empty() || !m.err.empty()) return Status(ErrorCode::kProtocol, kErrorCarriesLists);
+    return Status::Ok();
+  }
+  if (m.code != ErrorCode::kOk) {
+    return FieldErr(ErrorCode::kProtocol, kResponseCode, "only for ERROR").value();
+  }
+  if (m.ok.size() + m.err.size() > kMaxEntriesPerResponse) {
+    return Status(ErrorCode::kOutOfRange,
+                  "'ok' + 'err' hold " + std::to_string(m.ok.size() + m.err.size()) +
+                      " entries, more than " + std::to_string(kMaxEntriesPerResponse));
+  }
+  // 4096 maximal reasons would not fit in one frame: P splits such a response in CONTINUEs.
+  std::size_t bound = 64 + m.message.size();
+  for (const auto& id : m.ok) bound += 3 + id.size();
+  for (const auto& e : m.err) bound += 11 + e.d_req_id.size() + e.reason.size();
+  if (bound > kMaxFrameBytes && Encode(m).size() > kMaxFrameBytes) {
+    return Status(ErrorCode::kOutOfRange, "frame too large: split into CONTINUE responses");
+  }
+  return Status::Ok();
+}
+
+// An err entry: [d_req_id, code, reason, unsettled (only when true), ...ignored].
+constexpr auto kPullResponseSchema = MakeSchema<PullResponse>(
+    MessageType::kPullResponse, kPullResponseLimits, /*has_id=*/true, &PullResponseRelations,
+    Field{Label{"s", "status"}, &PullResponse::status, StatusRule<PullStatus>{PullStatus::kError}},
+    Field{Label{"ok", "ok"}, &PullResponse::ok,
+          ListRule<IdRule>{{}, "d_req_id", 0, kMaxEntriesPerResponse}, kOmitted, kUnlessError},
+    Field{Label{"err", "err"}, &PullResponse::err,
+          EntryList<RequestError, Column<RequestError, core::RequestId, IdRule>,
+                    Column<RequestError, ErrorCode, ErrorCodeRule>,
+                    Column<RequestError, std::string, TextRule>,
+                    Column<RequestError, bool, BoolRule>>{
+              0,
+              kMaxEntriesPerResponse,
+              {{"d_req_id", &RequestError::d_req_id, IdRule{}},
+               {"code", &RequestError::code, ErrorCodeRule{}},
+               {"reason", &RequestError::reason, TextRule{}},
+               {"unsettled", &RequestError::unsettled, BoolRule{}, kOmitted}}},
+          kOmitted, kUnlessError},
+    Field{kResponseCode, &PullResponse::code, ErrorCodeRule{}, kOmitted, kOnlyForError},
+    Field{kResponseMessage, &PullResponse::message, TextRule{}, kOmitted});
+
+}  // namespace
+
+std::vector<std::uint8_t> Encode(const Pull& msg) { return EncodeWith(kPullSchema, msg); }
+std::vector<std::uint8_t> Encode(const Renewal& msg) { return EncodeWith(kRenewalSchema, msg); }
+std::vector<std::uint8_t> Encode(const RenewalReply& msg) {
+  return EncodeWith(kRenewalReplySchema, msg);
+}
+std::vector<std::uint8_t> Encode(const PullResponse& msg) {
+  return EncodeWith(kPullResponseSchema, msg);
+}
+
+Status Validate(const Pull& msg) { return ValidateWith(kPullSchema, msg); }
+Status Validate(const Renewal& msg) { return ValidateWith(kRenewalSchema, msg); }
+Status Validate(const RenewalReply& msg) { return ValidateWith(kRenewalReplySchema, msg); }
+Status Validate(const PullResponse& msg) { return ValidateWith(kPullResponseSchema, msg); }
+
 Result<Pull> DecodePull(const std::uint8_t* data, std::size_t size) {
-  Pull msg;
-  msgpack::object_handle handle;
-  Fields<kPullFieldCount> f{kPullLabels};
-  if (Status s = Parse(data, size, MessageType::kPull, kPullLimits, handle, f, msg.id); !s.ok()) {
-    return tl::unexpected(std::move(s));
-  }
-  for (std::size_t i : {kPEngine, kPTpSize, kPTpRank, kPBlockLen, kPNumBlocks, kPRequests}) {
-    if (f[i] == nullptr) return f.Missing(i);
-  }
-  std::string_view engine;
-  KVF_ASSIGN(engine, GetStr(*f[kPEngine], kPullLabels[kPEngine], kMaxIdBytes, true));
-  std::uint64_t tp_size = 0;
-  std::uint64_t tp_rank = 0;
-  KVF_ASSIGN(tp_size, GetUint(*f[kPTpSize], kPullLabels[kPTpSize], core::kMaxTpSize));
-  KVF_ASSIGN(tp_rank, GetUint(*f[kPTpRank], kPullLabels[kPTpRank], UINT32_MAX));
-  if (tp_size == 0) return FieldErr(ErrorCode::kOutOfRange, kPullLabels[kPTpSize], "must be >= 1");
-  if (tp_rank >= tp_size) {
-    return FieldErr(ErrorCode::kOutOfRange, kPullLabels[kPTpRank],
-                    std::to_string(tp_rank) + " is not below d_tp_size " + std::to_string(tp_size));
-  }
-  KVF_ASSIGN(msg.block_len, GetUint(*f[kPBlockLen], kPullLabels[kPBlockLen]));
-  if (msg.block_len == 0) {
-    return FieldErr(ErrorCode::kOutOfRange, kPullLabels[kPBlockLen], "must be >= 1");
-  }
-  std::uint64_t num_blocks = 0;
-  KVF_ASSIGN(num_blocks, GetUint(*f[kPNumBlocks], kPullLabels[kPNumBlocks], UINT32_MAX));
-  if (f[kPLease] != nullptr) {
-    std::uint64_t lease = 0;
-    KVF_ASSIGN(lease, GetUint(*f[kPLease], kPullLabels[kPLease], kMaxLeaseMs));
-    msg.d_lease_ms = lease;
-  }
-  if (f[kPWriteKey] != nullptr) {
-    KVF_ASSIGN(msg.write_key, GetUint(*f[kPWriteKey], kPullLabels[kPWriteKey]));
-  }
-  std::span<const std::uint8_t> desc;
-  if (f[kPDesc] != nullptr) {
-    KVF_ASSIGN(desc, GetBin(*f[kPDesc], kPullLabels[kPDesc], kMaxDescriptorBytes));
-  }
-  std::span<const msgpack::object> requests;
-  KVF_ASSIGN(requests, GetArray(*f[kPRequests], kPullLabels[kPRequests], kMaxRequestsPerPull));
-
-  // Check every request (and the total block count) before allocating any of them.
-  std::size_t total_blocks = 0;
-  for (std::size_t i = 0; i < requests.size(); ++i) {
-    const Label entry{"rq", "", i};
-    std::span<const msgpack::object> e;
-    KVF_ASSIGN(e, GetArray(requests[i], entry, kMaxMapKeys, kRequestFields));
-    std::string_view id;
-    KVF_ASSIGN(id, GetStr(e[0], Label{"rq", "d_req_id", i}, kMaxIdBytes, true));
-    KVF_ASSIGN(id, GetStr(e[1], Label{"rq", "transfer_id", i}, kMaxIdBytes, true));
-    const Label blocks_label{"rq", "block_ids", i};
-    std::span<const std::uint8_t> blocks;
-    KVF_ASSIGN(blocks, GetBin(e[2], blocks_label, kMaxBlocksPerRequest * kBlockIdBytes));
-    if (blocks.size() % kBlockIdBytes != 0) {
-      return FieldErr(ErrorCode::kProtocol, blocks_label,
-                      "bin length " + std::to_string(blocks.size()) +
-                          " is not a multiple of 4 (little-endian u32 block ids)");
-    }
-    total_blocks += blocks.size() / kBlockIdBytes;
-  }
-  if (total_blocks > kMaxBlocksPerPull) {
-    return FieldErr(ErrorCode::kOutOfRange, kPullLabels[kPRequests],
-                    std::to_string(total_blocks) + " blocks in one pull exceed " +
-                        std::to_string(kMaxBlocksPerPull));
-  }
-
-  msg.d_engine_id.assign(engine);
-  msg.d_tp_size = static_cast<std::uint32_t>(tp_size);
-  msg.d_tp_rank = static_cast<std::uint32_t>(tp_rank);
-  msg.num_blocks = static_cast<std::uint32_t>(num_blocks);
-  if (f[kPDesc] != nullptr) msg.region_descriptor.emplace(desc.begin(), desc.end());
-  msg.requests.resize(requests.size());
-  for (std::size_t i = 0; i < requests.size(); ++i) {
-    const msgpack::object* e = requests[i].via.array.ptr;
-    PullRequest& r = msg.requests[i];
-    r.d_req_id.assign(e[0].via.str.ptr, e[0].via.str.size);
-    r.transfer_id.assign(e[1].via.str.ptr, e[1].via.str.size);
-    const auto* p = reinterpret_cast<const std::uint8_t*>(e[2].via.bin.ptr);
-    const std::size_t n = e[2].via.bin.size / kBlockIdBytes;
-    r.block_ids.resize(n);
-    if constexpr (std::endian::native == std::endian::little) {
-      if (n != 0) std::memcpy(r.block_ids.data(), p, n * kBlockIdBytes);
-    } else {
-      for (std::size_t b = 0; b < n; ++b) r.block_ids[b] = LoadLe32(p + b * kBlockIdBytes);
-    }
-  }
-  return msg;
+  return DecodeWith(kPullSchema, data, size);
+}
+Result<Renewal> DecodeRenewal(const std::uint8_t* data, std::size_t size) {
+  return DecodeWith(kRenewalSchema, data, size);
+}
+Result<RenewalReply> DecodeRenewalReply(const std::uint8_t* data, std::size_t size) {
+  return DecodeWith(kRenewalReplySchema, data, size);
+}
+Result<PullResponse> DecodePullResponse(const std::uint8_t* data, std::size_t size) {
+  return DecodeWith(kPullResponseSchema, data, size);
 }
 
 Status CheckBlockIds(const PullRequest& request, std::uint32_t num_blocks) {
@@ -365,367 +306,6 @@ Status CheckBlockIds(const PullRequest& request, std::uint32_t num_blocks) {
     }
   }
   return Status::Ok();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Renewal
-
-namespace {
-enum RenewalField {
-  kRT,
-  kRV,
-  kRId,
-  kREngine,
-  kRLease,
-  kRFingerprints,
-  kRNotices,
-  kRenewalFieldCount
-};
-const std::array<Label, kRenewalFieldCount> kRenewalLabels{{
-    {"t", "type"},
-    {"v", "version"},
-    {"id", "id"},
-    {"e", "d_engine_id"},
-    {"l", "d_lease_ms"},
-    {"fp", "fingerprints"},
-    {"n", "accepts_notices"},
-}};
-}  // namespace
-
-std::vector<std::uint8_t> Encode(const Renewal& msg) {
-  std::vector<std::uint8_t> out;
-  out.reserve(32 + msg.d_engine_id.size() + core::kFingerprintBytes * msg.fingerprints.size());
-  VecBuffer buf{&out};
-  Packer pk(buf);
-  // "n" is written only when true, and last: a renewal without it is byte for byte what a build
-  // that predates notices sends.
-  PackHeader(pk, 3 + (msg.accepts_notices ? 1 : 0), MessageType::kRenewal, msg.id);
-  PackKey(pk, "e");
-  PackStr(pk, msg.d_engine_id);
-  PackKey(pk, "l");
-  pk.pack_uint64(msg.d_lease_ms);
-  PackKey(pk, "fp");
-  PackFingerprints(pk, out, msg.fingerprints);
-  if (msg.accepts_notices) {
-    PackKey(pk, "n");
-    pk.pack_true();
-  }
-  return out;
-}
-
-Status Validate(const Renewal& msg) {
-  if (msg.d_engine_id.empty()) return Status(ErrorCode::kProtocol, "d_engine_id: empty");
-  if (msg.d_engine_id.size() > kMaxIdBytes) {
-    return Status(ErrorCode::kOutOfRange, "d_engine_id: too long");
-  }
-  if (msg.fingerprints.size() > kMaxFingerprintsPerRenewal) {
-    return Status(ErrorCode::kOutOfRange, "fingerprints: too many");
-  }
-  if (msg.d_lease_ms > kMaxLeaseMs) return Status(ErrorCode::kOutOfRange, "d_lease_ms: too large");
-  for (core::Fingerprint fp : msg.fingerprints) {
-    if (fp > core::kFingerprintMask) {
-      return Status(ErrorCode::kOutOfRange, "fingerprints: value wider than 56 bits");
-    }
-  }
-  return Status::Ok();
-}
-
-Result<Renewal> DecodeRenewal(const std::uint8_t* data, std::size_t size) {
-  Renewal msg;
-  msgpack::object_handle handle;
-  Fields<kRenewalFieldCount> f{kRenewalLabels};
-  if (Status s = Parse(data, size, MessageType::kRenewal, kRenewalLimits, handle, f, msg.id);
-      !s.ok()) {
-    return tl::unexpected(std::move(s));
-  }
-  for (std::size_t i : {kREngine, kRLease, kRFingerprints}) {
-    if (f[i] == nullptr) return f.Missing(i);
-  }
-  std::string_view engine;
-  KVF_ASSIGN(engine, GetStr(*f[kREngine], kRenewalLabels[kREngine], kMaxIdBytes, true));
-  KVF_ASSIGN(msg.d_lease_ms, GetUint(*f[kRLease], kRenewalLabels[kRLease], kMaxLeaseMs));
-  std::span<const std::uint8_t> fps;
-  KVF_ASSIGN(fps, GetFingerprintBin(*f[kRFingerprints], kRenewalLabels[kRFingerprints],
-                                    kMaxFingerprintsPerRenewal));
-  if (f[kRNotices] != nullptr) {
-    KVF_ASSIGN(msg.accepts_notices, GetBool(*f[kRNotices], kRenewalLabels[kRNotices]));
-  }
-  msg.d_engine_id.assign(engine);
-  LoadFingerprints(fps, msg.fingerprints);
-  return msg;
-}
-
-// ---------------------------------------------------------------------------------------------
-// RenewalReply
-
-namespace {
-enum ReplyField {
-  kYT,
-  kYV,
-  kYId,
-  kYStatus,
-  kYExtended,
-  kYUnknown,
-  kYLease,
-  kYMessage,
-  kReplyFieldCount
-};
-const std::array<Label, kReplyFieldCount> kReplyLabels{{
-    {"t", "type"},
-    {"v", "version"},
-    {"id", "id"},
-    {"s", "status"},
-    {"x", "extended"},
-    {"u", "unknown"},
-    {"l", "p_lease_ms"},
-    {"m", "message"},
-}};
-}  // namespace
-
-std::vector<std::uint8_t> Encode(const RenewalReply& msg) {
-  std::vector<std::uint8_t> out;
-  out.reserve(48 + msg.message.size());
-  VecBuffer buf{&out};
-  Packer pk(buf);
-  PackHeader(pk, 4 + (msg.message.empty() ? 0 : 1), MessageType::kRenewalReply, msg.id);
-  PackKey(pk, "s");
-  pk.pack_uint8(static_cast<std::uint8_t>(msg.status));
-  PackKey(pk, "x");
-  pk.pack_uint64(msg.extended);
-  PackKey(pk, "u");
-  pk.pack_uint64(msg.unknown);
-  PackKey(pk, "l");
-  pk.pack_uint64(msg.p_lease_ms);
-  if (!msg.message.empty()) {
-    PackKey(pk, "m");
-    PackStr(pk, msg.message);
-  }
-  return out;
-}
-
-Status Validate(const RenewalReply& msg) {
-  if (static_cast<std::uint8_t>(msg.status) > static_cast<std::uint8_t>(RenewalStatus::kError)) {
-    return Status(ErrorCode::kProtocol, "status: unknown value");
-  }
-  if (msg.message.size() > kMaxTextBytes)
-    return Status(ErrorCode::kOutOfRange, "message: too long");
-  return Status::Ok();
-}
-
-Result<RenewalReply> DecodeRenewalReply(const std::uint8_t* data, std::size_t size) {
-  RenewalReply msg;
-  msgpack::object_handle handle;
-  Fields<kReplyFieldCount> f{kReplyLabels};
-  if (Status s =
-          Parse(data, size, MessageType::kRenewalReply, kRenewalReplyLimits, handle, f, msg.id);
-      !s.ok()) {
-    return tl::unexpected(std::move(s));
-  }
-  for (std::size_t i : {kYStatus, kYExtended, kYUnknown, kYLease}) {
-    if (f[i] == nullptr) return f.Missing(i);
-  }
-  KVF_ASSIGN(msg.status, GetStatus(*f[kYStatus], kReplyLabels[kYStatus], RenewalStatus::kError));
-  KVF_ASSIGN(msg.extended, GetUint(*f[kYExtended], kReplyLabels[kYExtended]));
-  KVF_ASSIGN(msg.unknown, GetUint(*f[kYUnknown], kReplyLabels[kYUnknown]));
-  KVF_ASSIGN(msg.p_lease_ms, GetUint(*f[kYLease], kReplyLabels[kYLease]));
-  if (Status s = GetMessageText(f[kYMessage], kReplyLabels[kYMessage], msg.message); !s.ok()) {
-    return tl::unexpected(std::move(s));
-  }
-  return msg;
-}
-
-// ---------------------------------------------------------------------------------------------
-// PullResponse
-
-namespace {
-enum ResponseField {
-  kST,
-  kSV,
-  kSId,
-  kSStatus,
-  kSOk,
-  kSErr,
-  kSCode,
-  kSMessage,
-  kResponseFieldCount
-};
-const std::array<Label, kResponseFieldCount> kResponseLabels{{
-    {"t", "type"},
-    {"v", "version"},
-    {"id", "id"},
-    {"s", "status"},
-    {"ok", "ok"},
-    {"err", "err"},
-    {"c", "code"},
-    {"m", "message"},
-}};
-// Elements of one err entry: [d_req_id, code, reason, unsettled (optional), ...ignored].
-constexpr std::size_t kErrFields = 3;
-// An err entry of a write whose bytes may still land carries a fourth element, `unsettled`.
-constexpr std::size_t kErrFieldsUnsettled = 4;
-}  // namespace
-
-std::vector<std::uint8_t> Encode(const PullResponse& msg) {
-  std::size_t estimate = 32 + msg.message.size();
-  for (const auto& id : msg.ok) estimate += 3 + id.size();
-  for (const auto& e : msg.err) estimate += 8 + e.d_req_id.size() + e.reason.size();
-  std::vector<std::uint8_t> out;
-  out.reserve(estimate);
-  VecBuffer buf{&out};
-  Packer pk(buf);
-  const bool is_error = msg.status == PullStatus::kError;
-  PackHeader(pk,
-             1 + (msg.ok.empty() ? 0 : 1) + (msg.err.empty() ? 0 : 1) + (is_error ? 1 : 0) +
-                 (msg.message.empty() ? 0 : 1),
-             MessageType::kPullResponse, msg.id);
-  PackKey(pk, "s");
-  pk.pack_uint8(static_cast<std::uint8_t>(msg.status));
-  if (!msg.ok.empty()) {
-    PackKey(pk, "ok");
-    pk.pack_array(static_cast<std::uint32_t>(msg.ok.size()));
-    for (const auto& id : msg.ok) PackStr(pk, id);
-  }
-  if (!msg.err.empty()) {
-    PackKey(pk, "err");
-    pk.pack_array(static_cast<std::uint32_t>(msg.err.size()));
-    for (const auto& e : msg.err) {
-      pk.pack_array(e.unsettled ? kErrFieldsUnsettled : kErrFields);
-      PackStr(pk, e.d_req_id);
-      pk.pack_uint8(static_cast<std::uint8_t>(e.code));
-      PackStr(pk, e.reason);
-      if (e.unsettled) pk.pack_true();
-    }
-  }
-  if (is_error) {
-    PackKey(pk, "c");
-    pk.pack_uint8(static_cast<std::uint8_t>(msg.code));
-  }
-  if (!msg.message.empty()) {
-    PackKey(pk, "m");
-    PackStr(pk, msg.message);
-  }
-  return out;
-}
-
-Status Validate(const PullResponse& msg) {
-  if (static_cast<std::uint8_t>(msg.status) > static_cast<std::uint8_t>(PullStatus::kError)) {
-    return Status(ErrorCode::kProtocol, "status: unknown value");
-  }
-  if (msg.message.size() > kMaxTextBytes)
-    return Status(ErrorCode::kOutOfRange, "message: too long");
-  if (msg.status == PullStatus::kError) {
-    if (!IsErrorCode(static_cast<std::uint8_t>(msg.code))) {
-      return Status(ErrorCode::kProtocol, "code: ERROR needs an error code");
-    }
-    if (msg.message.empty()) return Status(ErrorCode::kProtocol, "message: ERROR needs a reason");
-    if (!msg.ok.empty() || !msg.err.empty()) {
-      return Status(ErrorCode::kProtocol, "ERROR carries no ok/err lists");
-    }
-    return Status::Ok();
-  }
-  if (msg.code != ErrorCode::kOk) return Status(ErrorCode::kProtocol, "code: only for ERROR");
-  if (msg.ok.size() + msg.err.size() > kMaxEntriesPerResponse) {
-    return Status(ErrorCode::kOutOfRange, "ok + err: too many entries");
-  }
-  for (const auto& id : msg.ok) {
-    if (id.empty()) return Status(ErrorCode::kProtocol, "ok: empty id");
-    if (id.size() > kMaxIdBytes) return Status(ErrorCode::kOutOfRange, "ok: id too long");
-  }
-  for (const auto& e : msg.err) {
-    if (e.d_req_id.empty()) return Status(ErrorCode::kProtocol, "err: empty id");
-    if (e.d_req_id.size() > kMaxIdBytes) return Status(ErrorCode::kOutOfRange, "err: id too long");
-    if (!IsErrorCode(static_cast<std::uint8_t>(e.code))) {
-      return Status(ErrorCode::kProtocol, "err: code is not an error code");
-    }
-    if (e.reason.size() > kMaxTextBytes)
-      return Status(ErrorCode::kOutOfRange, "err: reason too long");
-  }
-  // 4096 maximal reasons would not fit in one frame: P splits such a response in CONTINUEs.
-  std::size_t bound = 64 + msg.message.size();
-  for (const auto& id : msg.ok) bound += 3 + id.size();
-  for (const auto& e : msg.err) bound += 11 + e.d_req_id.size() + e.reason.size();
-  if (bound > kMaxFrameBytes && Encode(msg).size() > kMaxFrameBytes) {
-    return Status(ErrorCode::kOutOfRange, "frame too large: split into CONTINUE responses");
-  }
-  return Status::Ok();
-}
-
-Result<PullResponse> DecodePullResponse(const std::uint8_t* data, std::size_t size) {
-  PullResponse msg;
-  msgpack::object_handle handle;
-  Fields<kResponseFieldCount> f{kResponseLabels};
-  if (Status s =
-          Parse(data, size, MessageType::kPullResponse, kPullResponseLimits, handle, f, msg.id);
-      !s.ok()) {
-    return tl::unexpected(std::move(s));
-  }
-  if (f[kSStatus] == nullptr) return f.Missing(kSStatus);
-  KVF_ASSIGN(msg.status, GetStatus(*f[kSStatus], kResponseLabels[kSStatus], PullStatus::kError));
-  if (Status s = GetMessageText(f[kSMessage], kResponseLabels[kSMessage], msg.message); !s.ok()) {
-    return tl::unexpected(std::move(s));
-  }
-  if (msg.status == PullStatus::kError) {
-    // D fails every request of the pull with this code and message; lists would be ambiguous.
-    if (f[kSCode] == nullptr) return f.Missing(kSCode);
-    std::uint64_t code = 0;
-    KVF_ASSIGN(code, GetUint(*f[kSCode], kResponseLabels[kSCode]));
-    if (!IsErrorCode(code)) {
-      return FieldErr(ErrorCode::kProtocol, kResponseLabels[kSCode],
-                      "unknown error code " + std::to_string(code));
-    }
-    msg.code = static_cast<ErrorCode>(code);
-    if (msg.message.empty()) {
-      return FieldErr(ErrorCode::kProtocol, kResponseLabels[kSMessage], "missing for ERROR");
-    }
-    if (f[kSOk] != nullptr || f[kSErr] != nullptr) {
-      return Err(ErrorCode::kProtocol, "status ERROR must not carry 'ok' or 'err'");
-    }
-    return msg;
-  }
-  std::span<const msgpack::object> ok;
-  std::span<const msgpack::object> err;
-  if (f[kSOk] != nullptr) {
-    KVF_ASSIGN(ok, GetArray(*f[kSOk], kResponseLabels[kSOk], kMaxEntriesPerResponse));
-  }
-  if (f[kSErr] != nullptr) {
-    KVF_ASSIGN(err, GetArray(*f[kSErr], kResponseLabels[kSErr], kMaxEntriesPerResponse));
-  }
-  if (ok.size() + err.size() > kMaxEntriesPerResponse) {
-    return Err(ErrorCode::kOutOfRange,
-               "'ok' + 'err' hold " + std::to_string(ok.size() + err.size()) +
-                   " entries, more than " + std::to_string(kMaxEntriesPerResponse));
-  }
-  msg.ok.reserve(ok.size());
-  for (std::size_t i = 0; i < ok.size(); ++i) {
-    std::string_view id;
-    KVF_ASSIGN(id, GetStr(ok[i], Label{"ok", "d_req_id", i}, kMaxIdBytes, true));
-    msg.ok.emplace_back(id);
-  }
-  msg.err.reserve(err.size());
-  for (std::size_t i = 0; i < err.size(); ++i) {
-    std::span<const msgpack::object> e;
-    KVF_ASSIGN(e, GetArray(err[i], Label{"err", "", i}, kMaxMapKeys, kErrFields));
-    RequestError re;
-    std::string_view id;
-    KVF_ASSIGN(id, GetStr(e[0], Label{"err", "d_req_id", i}, kMaxIdBytes, true));
-    std::uint64_t code = 0;
-    const Label code_label{"err", "code", i};
-    KVF_ASSIGN(code, GetUint(e[1], code_label));
-    if (!IsErrorCode(code)) {
-      return FieldErr(ErrorCode::kProtocol, code_label,
-                      "unknown error code " + std::to_string(code));
-    }
-    std::string_view reason;
-    KVF_ASSIGN(reason, GetStr(e[2], Label{"err", "reason", i}, kMaxTextBytes, false));
-    if (e.size() >= kErrFieldsUnsettled) {
-      KVF_ASSIGN(re.unsettled, GetBool(e[3], Label{"err", "unsettled", i}));
-    }
-    re.d_req_id.assign(id);
-    re.code = static_cast<ErrorCode>(code);
-    re.reason.assign(reason);
-    msg.err.push_back(std::move(re));
-  }
-  return msg;
 }
 
 // ---------------------------------------------------------------------------------------------

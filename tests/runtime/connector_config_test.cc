@@ -95,7 +95,8 @@ TEST(ConnectorConfig, FallsBackOnTheEnvironmentOnlyWhenTheKeyIsAbsent) {
   EXPECT_EQ(c->abort_request_timeout, std::chrono::seconds(30));  // kvferry's name first
   EXPECT_EQ(c->bootstrap_port, 9100);
 
-  auto mooncake = ParseConnectorConfig("{}", MapEnv({{"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "40"}}));
+  auto mooncake =
+      ParseConnectorConfig("{}", MapEnv({{"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "40"}}));
   ASSERT_TRUE(mooncake.has_value());
   EXPECT_EQ(mooncake->abort_request_timeout, std::chrono::seconds(40));
 
