@@ -55,40 +55,27 @@ bool IsDefault(const T& v) {
 // ---------------------------------------------------------------------------------------------
 // Rules
 
-// A non-empty string of at most `max` bytes (engine, request and transfer ids).
-struct IdRule {
-  std::size_t max = kMaxIdBytes;
+// A string of at most `max` bytes; kNonEmpty: an empty one is refused. IdRule (engine, request
+// and transfer ids) and TextRule (reasons, free-text messages) are its two uses.
+template <bool kNonEmpty, std::size_t kDefaultMax>
+struct StringRule {
+  std::size_t max = kDefaultMax;
   void Pack(Packer& pk, std::vector<std::uint8_t>&, const std::string& v) const { PackStr(pk, v); }
   std::size_t Size(const std::string& v) const { return 5 + v.size(); }
   Status Check(const std::string& v, const Label& label) const {
-    if (v.empty()) return FieldErr(ErrorCode::kProtocol, label, "empty").value();
+    if (kNonEmpty && v.empty()) return FieldErr(ErrorCode::kProtocol, label, "empty").value();
     if (v.size() > max) return TooLong(label, v.size(), max).value();
     return Status::Ok();
   }
   bool Read(const msgpack::object& o, const Label& label, std::string& out, Status& error) const {
-    Result<std::string_view> s = GetStr(o, label, max, /*non_empty=*/true);
+    Result<std::string_view> s = GetStr(o, label, max, kNonEmpty);
     if (!s) return Fail(s.error(), error);
     out.assign(*s);
     return true;
   }
 };
-
-// A string of at most `max` bytes, possibly empty (reasons, free-text messages).
-struct TextRule {
-  std::size_t max = kMaxTextBytes;
-  void Pack(Packer& pk, std::vector<std::uint8_t>&, const std::string& v) const { PackStr(pk, v); }
-  std::size_t Size(const std::string& v) const { return 5 + v.size(); }
-  Status Check(const std::string& v, const Label& label) const {
-    if (v.size() > max) return TooLong(label, v.size(), max).value();
-    return Status::Ok();
-  }
-  bool Read(const msgpack::object& o, const Label& label, std::string& out, Status& error) const {
-    Result<std::string_view> s = GetStr(o, label, max, /*non_empty=*/false);
-    if (!s) return Fail(s.error(), error);
-    out.assign(*s);
-    return true;
-  }
-};
+using IdRule = StringRule<true, kMaxIdBytes>;
+using TextRule = StringRule<false, kMaxTextBytes>;
 
 // An unsigned integer in [min, max] (msgpack packs it in its shortest form).
 template <class T>
