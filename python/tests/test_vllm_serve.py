@@ -141,7 +141,11 @@ def cluster(tmp_path_factory):
                      lambda attempt: through_tp2(c, prompts(990 + attempt, [8])[0], 60),
                      budget_s=180)
     except BaseException:
+        # A fixture that fails never reaches its teardown: stop what started here, or its
+        # engines outlive the run (a failed warm-up left 9 vLLM processes holding 11 GiB, and
+        # the next run's engines then could not allocate their KV: "Available memory ...").
         print(c.logs())
+        c.stop()
         raise
     yield c
     c.stop()
