@@ -364,7 +364,9 @@ def test_a_client_leaving_p_while_its_request_queues_fails_ds_half_at_once(clust
     # queues there. D's half (sent first, as the proxy sends both at once) pulls and waits for
     # the prefill. The client leaves P: P drops its half before admitting it and refuses the
     # transfer (hole 5 of the engine-adapter issue: it left no tombstone, and D waited
-    # abort_request_timeout, 30 s here), so D fails its half at once with P's reason.
+    # abort_request_timeout, 30 s here), so D fails its half at once with P's reason. Whether
+    # D's pull waits at P when the client leaves or reaches P just after (a race this test does
+    # not control) D hears the same reason: P keeps it with the tombstone.
     b = cluster.pairs["b"]
     # The hogs are as long as P's max model length (512) allows. A fixed wait of 1 s before the
     # client left once outlasted them (450 tokens each, ~2 s on an idle machine): P admitted and

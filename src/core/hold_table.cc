@@ -178,22 +178,17 @@ void HoldTable::EngineFinished(const TransferId& id, TimePoint now) {
 Status HoldTable::Refuse(const TransferId& id, Status why, TimePoint now) {
   const Fingerprint fp = FingerprintOf(id);
   auto it = entries_.find(fp);
-  if (it == entries_.end()) {
-    AddTombstone(fp, now);
-    return Status::Ok();
-  }
-  Entry& e = it->second;
-  if (e.id != id || e.phase != HoldPhase::kPlaceholder) {
+  if (it != entries_.end() && (it->second.id != id || it->second.phase != HoldPhase::kPlaceholder)) {
     return Status(ErrorCode::kAlreadyExists,
                   fmt::format("transfer {} is held for another request: its refusal changes "
                               "nothing",
                               id));
   }
+  if (why.ok()) why = Status(ErrorCode::kCancelled, fmt::format("P refused transfer {}", id));
+  // The tombstone (with the reason) first: the placeholder's release below keeps it.
+  AddTombstone(fp, now, why.message());
   // A placeholder holds no blocks and has no send: it goes at once, failing its waiting pulls.
-  Release(e, ReleaseReason::kAbortedByEngine,
-          why.ok() ? Status(ErrorCode::kCancelled, fmt::format("P refused transfer {}", id))
-                   : std::move(why),
-          now);
+  if (it != entries_.end()) Release(it->second, ReleaseReason::kAbortedByEngine, std::move(why), now);
   return Status::Ok();
 }
 
@@ -244,13 +239,10 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
                                    TimePoint now) {
   using V = PullAdmission::Verdict;
   const Fingerprint fp = FingerprintOf(id);
-  if (tombstones_.count(fp) != 0) {
+  if (auto t = tombstones_.find(fp); t != tombstones_.end()) {
     ++stats_.tombstone_hits;
     ++stats_.late_pulls_rejected;
-    return {V::kFail,
-            Status(ErrorCode::kTombstoned,
-                   fmt::format("transfer {} was already released on P (late pull)", id)),
-            {}};
+    return {V::kFail, LatePull(id, t->second), {}};
   }
   if (d_rank >= 64 || need_send == 0 || need_send > 64) {
     return {V::kFail,
@@ -528,16 +520,31 @@ void HoldTable::Release(Entry& e, ReleaseReason reason, Status pull_error, TimeP
   AddTombstone(fp, now);
 }
 
-void HoldTable::AddTombstone(Fingerprint fp, TimePoint now) {
+Status HoldTable::LatePull(const TransferId& id, const std::string& refusal) const {
+  if (refusal.empty()) {
+    return Status(ErrorCode::kTombstoned,
+                  fmt::format("transfer {} was already released on P (late pull)", id));
+  }
+  return Status(ErrorCode::kTombstoned,
+                fmt::format("transfer {} was refused on P: {} (late pull)", id, refusal));
+}
+
+void HoldTable::AddTombstone(Fingerprint fp, TimePoint now, std::string refusal) {
   if (config_.max_tombstones == 0) return;
+  if (tombstones_.count(fp) != 0) return;  // the first reason stands; its expiry too
   while (tombstone_order_.size() >= config_.max_tombstones) {
     tombstones_.erase(tombstone_order_.front().fp);
     tombstone_order_.pop_front();
     ++stats_.tombstones_evicted;
   }
-  if (tombstones_.insert(fp).second) {
-    tombstone_order_.push_back({now + config_.abort_request_timeout, fp});
+  if (refusal.size() > kMaxRefusalReasonBytes) {
+    // Cut on a UTF-8 character boundary: the reason reaches Python as text on D.
+    std::size_t cut = kMaxRefusalReasonBytes;
+    while (cut > 0 && (static_cast<unsigned char>(refusal[cut]) & 0xC0) == 0x80) --cut;
+    refusal.resize(cut);
   }
+  tombstones_.emplace(fp, std::move(refusal));
+  tombstone_order_.push_back({now + config_.abort_request_timeout, fp});
   stats_.tombstones = tombstones_.size();
 }
 

@@ -978,6 +978,43 @@ TEST(HoldTableRefusals, RefusedTransferFailsItsPullAtOnce) {
   EXPECT_EQ(t.Admit("early", 1, t0).code(), ErrorCode::kTombstoned);
 }
 
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// A pull that reaches P just after the refusal hears the engine's reason, as one already
+// waiting does (before, it heard only "already released": D could not tell a client who left
+// P from a late pull). A second D rank's pull of a refused placeholder hears it too.
+TEST(HoldTableRefusals, LatePullOfARefusedTransferHearsTheEnginesReason) {
+  HoldTable t(LeaseConfig(30));
+  ASSERT_TRUE(t.Refuse("late", Status(ErrorCode::kCancelled, "client left"), t0).ok());
+  PullAdmission late = t.AdmitPull("late", 0, 1, seconds(30), t0 + seconds(1));
+  EXPECT_EQ(late.error.code(), ErrorCode::kTombstoned);
+  EXPECT_TRUE(Contains(late.error.message(), "client left")) << late.error.message();
+  ASSERT_EQ(t.AdmitPull("early", 0, 2, seconds(30), t0).verdict, Verdict::kWait);
+  ASSERT_TRUE(t.Refuse("early", Status(ErrorCode::kCancelled, "client left"), t0).ok());
+  const std::string second = t.AdmitPull("early", 1, 2, seconds(30), t0).error.message();
+  EXPECT_TRUE(Contains(second, "client left")) << second;
+  // Released after admission: no engine reason to tell.
+  ASSERT_TRUE(t.Admit("done", 1, t0).ok());
+  t.EngineFinished("done", t0);
+  const std::string done = t.AdmitPull("done", 0, 1, seconds(30), t0).error.message();
+  EXPECT_TRUE(Contains(done, "already released")) << done;
+}
+
+// The kept reason is bounded (a client-controlled abort may fill every tombstone) and cut on a
+// UTF-8 boundary, since D hands it to Python as text.
+TEST(HoldTableRefusals, KeptRefusalReasonIsCutOnACharacterBoundary) {
+  HoldTable t(LeaseConfig(30));
+  std::string why(HoldTable::kMaxRefusalReasonBytes - 1, 'a');
+  why += "\xc3\xa9 and more";  // 'é' straddles the cut
+  ASSERT_TRUE(t.Refuse("x", Status(ErrorCode::kCancelled, why), t0).ok());
+  const std::string heard = t.AdmitPull("x", 0, 1, seconds(30), t0).error.message();
+  EXPECT_TRUE(Contains(heard, std::string(HoldTable::kMaxRefusalReasonBytes - 1, 'a') + " (late"))
+      << heard;
+  EXPECT_FALSE(Contains(heard, "\xc3")) << heard;
+}
+
 // A refusal never touches a transfer another request has admitted (a duplicate submission).
 TEST(HoldTableRefusals, RefusalOfAnAdmittedTransferChangesNothing) {
   HoldTable t(LeaseConfig(30));

@@ -38,7 +38,6 @@
 #include <span>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "kvferry/core/enum_array.h"
@@ -56,7 +55,9 @@ struct HoldConfig {
   // abort_request_timeout: the fixed hold without a lease, the bound on waiting for an unfinished
   // prefill, and how long freed ids are remembered (tombstones).
   Duration abort_request_timeout = std::chrono::seconds(480);
-  // Tombstones beyond this are evicted oldest first (counted in stats).
+  // Tombstones beyond this are evicted oldest first (counted in stats). A tombstone left by
+  // Refuse also keeps the engine's reason (at most kMaxRefusalReasonBytes), so memory is bounded
+  // by max_tombstones · (kMaxRefusalReasonBytes + a map node).
   std::size_t max_tombstones = 1 << 20;
   // Placeholders (pulls for transfers P has not admitted) beyond this are refused with
   // kResourceExhausted: a decoder pulling random ids must not grow P's memory without bound.
@@ -185,6 +186,9 @@ static_assert(sizeof(HoldStats) == std::size(kHoldStatFields) * sizeof(std::uint
 
 class HoldTable {
  public:
+  // A refusal reason kept with its tombstone is cut to this many bytes.
+  static constexpr std::size_t kMaxRefusalReasonBytes = 240;
+
   explicit HoldTable(HoldConfig config);
   HoldTable(const HoldTable&) = delete;
   HoldTable& operator=(const HoldTable&) = delete;
@@ -214,7 +218,9 @@ class HoldTable {
   // P's engine refused the request before admitting it (queue full, too large, shutting down):
   // nobody here will prefill it. A pull already waiting for it (a placeholder) fails now with
   // `why` (kAbortedByEngine); a later pull fails at once (the id is tombstoned), so D's half of
-  // the request ends in milliseconds instead of waiting abort_request_timeout. An admitted
+  // the request ends in milliseconds instead of waiting abort_request_timeout, and hears `why`
+  // too (kept with the tombstone, cut to kMaxRefusalReasonBytes): a pull that reaches P just
+  // after the refusal learns the same reason as one that was already waiting. An admitted
   // entry belongs to another request and is left alone (kAlreadyExists).
   Status Refuse(const TransferId& id, Status why, TimePoint now);
 
@@ -317,6 +323,9 @@ class HoldTable {
     TimePoint until;
     Fingerprint fp;
   };
+  // What a late pull hears for a tombstoned id: why P's engine refused it, or that it was
+  // released.
+  Status LatePull(const TransferId& id, const std::string& refusal) const;
   using Map = std::unordered_map<Fingerprint, Entry>;
 
   Entry* Find(const TransferId& id);
@@ -329,7 +338,8 @@ class HoldTable {
   void ReleaseOrDoom(Entry& e, ReleaseReason reason, Status pull_error, TimePoint now);
   // Every paired D rank pulled or released it: release (or doom) with the fitting reason.
   bool MaybeDone(Entry& e, TimePoint now);
-  void AddTombstone(Fingerprint fp, TimePoint now);
+  // `refusal`: why P's engine refused the id (empty for ids released after admission).
+  void AddTombstone(Fingerprint fp, TimePoint now, std::string refusal = {});
   void ExpireTombstones(TimePoint now);
 
   void HeapPush(Entry& e, TimePoint key);
@@ -343,7 +353,8 @@ class HoldTable {
   Map entries_;
   std::vector<HeapItem> heap_;
   std::deque<Tombstone> tombstone_order_;
-  std::unordered_set<Fingerprint> tombstones_;
+  // Tombstoned fingerprints, each with the engine's refusal reason (empty if none).
+  std::unordered_map<Fingerprint, std::string> tombstones_;
   std::vector<HoldEvent> events_;
   HoldStats stats_;
 };
