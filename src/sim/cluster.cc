@@ -20,6 +20,7 @@
 #include "protocol/prefill_adapter.h"
 #include "protocol/prefill_session.h"
 #include "protocol/pull_reply.h"
+#include "control_network.h"
 #include "rng.h"
 #include "wire/messages.h"
 
@@ -87,48 +88,6 @@ std::uint32_t BlocksFor(std::uint64_t tokens, std::uint32_t block_tokens) {
   return static_cast<std::uint32_t>((tokens + block_tokens - 1) / block_tokens);
 }
 
-// A side-channel message on a simulated link: the wire struct itself. With NetConfig::codec on
-// (the default), P's session gets the encoded bytes (OnMessage) and D decodes what P sent, so
-// the codec runs on every message of every run.
-struct Msg {
-  using Body = std::variant<wire::Pull, wire::Renewal, wire::PullResponse, wire::RenewalReply,
-                            wire::Release, wire::ReleaseReply, wire::AbortNotice>;
-  std::uint32_t d_rank = 0;
-  std::uint32_t p_rank = 0;
-  std::uint32_t p_gen = 0;               // the P process at the link's end (Faults::p_restarts)
-  protocol::EndpointId d_endpoint = 0;  // D's socket at the link's end
-  Body body;
-
-  // Bytes on the wire, estimated (for the link's transmit time).
-  std::uint64_t Bytes() const {
-    struct Size {
-      std::uint64_t operator()(const wire::Pull& m) const {
-        std::uint64_t n = 96;
-        for (const wire::PullRequest& r : m.requests) n += 24 + 4 * r.block_ids.size();
-        return n;
-      }
-      std::uint64_t operator()(const wire::Renewal& m) const {
-        return 48 + 7 * m.fingerprints.size();
-      }
-      std::uint64_t operator()(const wire::PullResponse& m) const {
-        return 32 + 16 * (m.ok.size() + m.err.size());
-      }
-      std::uint64_t operator()(const wire::RenewalReply&) const { return 48; }
-      std::uint64_t operator()(const wire::Release& m) const {
-        return 48 + 7 * m.fingerprints.size();
-      }
-      std::uint64_t operator()(const wire::ReleaseReply&) const { return 48; }
-      std::uint64_t operator()(const wire::AbortNotice& m) const {
-        std::uint64_t n = 32;
-        for (const wire::AbortedTransfer& a : m.aborted)
-          n += 8 + a.transfer_id.size() + a.reason.size();
-        return n;
-      }
-    };
-    return std::visit(Size{}, body);
-  }
-};
-using MsgPtr = std::shared_ptr<const Msg>;
 
 // What the simulator knows of a pull beyond its wire form (never sent): whom it was for and the
 // block generations it aimed at, to judge the writes it causes.
@@ -367,66 +326,6 @@ class Sim {
   }
   Duration TransmitTime(std::uint64_t bytes, double bytes_per_s) const {
     return core::Seconds(static_cast<double>(bytes) / bytes_per_s);
-  }
-
-  // ---------------------------------------------------------------- control network
-
-  // One connection: D rank `d_rank`'s socket `d_endpoint` to P rank `p_rank` of P process
-  // `p_gen`.
-  struct Link {
-    std::uint32_t d_rank = 0;
-    std::uint32_t p_rank = 0;
-    std::uint32_t p_gen = 0;
-    protocol::EndpointId d_endpoint = 0;
-  };
-
-  // Link ids (FIFO order): P process · 2^21 + direction · 2^20 + d_rank · 2^10 + p_rank.
-  void Send(bool to_p, const Link& to, Msg::Body body) {
-    const std::uint32_t d_rank = to.d_rank;
-    const std::uint32_t p_rank = to.p_rank;
-    auto m = std::make_shared<Msg>();
-    m->d_rank = d_rank;
-    m->p_rank = p_rank;
-    m->p_gen = to.p_gen;
-    m->d_endpoint = to.d_endpoint;
-    m->body = std::move(body);
-    const NetConfig& n = c_.net;
-    const bool best_effort = std::holds_alternative<wire::Release>(m->body) ||
-                             std::holds_alternative<wire::AbortNotice>(m->body);
-    if (rng_.Chance(n.loss) || (best_effort && rng_.Chance(n.release_loss))) {
-      loop_.Note(0x1055, static_cast<std::uint64_t>(m->body.index()));
-      return;
-    }
-    const int copies = 1 + (rng_.Chance(n.duplicate) ? 1 : 0);
-    const std::uint64_t link = (std::uint64_t{to.p_gen} << 21) | (to_p ? 1u << 20 : 0u) |
-                               (d_rank << 10) | p_rank;
-    for (int i = 0; i < copies; ++i) {
-      TimePoint t = now() + n.latency + TransmitTime(m->Bytes(), n.bytes_per_s);
-      if (n.jitter.count() > 0) t += rng_.Span(Duration{0}, n.jitter);
-      if (rng_.Chance(n.delay_prob)) t += rng_.Span(Duration{0}, n.delay_max);
-      if (!rng_.Chance(n.reorder)) {
-        TimePoint& last = link_last_[link];
-        t = std::max(t, last);
-        last = t;
-      }
-      loop_.Schedule(t, kDeliver, link, [this, to_p, m] {
-        if (to_p) {
-          DeliverToP(*m);
-        } else {
-          DeliverToD(*m);
-        }
-      });
-    }
-  }
-
-  // How P's session names the D socket a message came by ("d<rank>/<endpoint>"), and back.
-  static protocol::PeerAddress PeerOf(const Msg& m) {
-    return fmt::format("d{}/{}", m.d_rank, m.d_endpoint);
-  }
-  static std::pair<std::uint32_t, protocol::EndpointId> SocketOf(const protocol::PeerAddress& peer) {
-    const std::size_t slash = peer.find('/');
-    return {static_cast<std::uint32_t>(std::stoul(peer.substr(1, slash - 1))),
-            static_cast<protocol::EndpointId>(std::stoul(peer.substr(slash + 1)))};
   }
 
   // ---------------------------------------------------------------- P engine
@@ -684,7 +583,7 @@ class Sim {
     }
     // The peer is D's socket (PeerOf): P answers on the connection the message came by.
     const auto [d_rank, d_endpoint] = SocketOf(o.peer);
-    std::visit([&](auto& m) { Send(false, {d_rank, r, p_gen_, d_endpoint}, std::move(m)); },
+    std::visit([&](auto& m) { net_.Send(false, {d_rank, r, p_gen_, d_endpoint}, std::move(m)); },
                o.message);
   }
 
@@ -887,7 +786,7 @@ class Sim {
         error.status = wire::PullStatus::kError;
         error.code = ErrorCode::kInternal;
         error.message = fmt::format("injected: P rank {} failed the pull", r);
-        Send(false, {m.d_rank, r, m.p_gen, m.d_endpoint}, std::move(error));
+        net_.Send(false, {m.d_rank, r, m.p_gen, m.d_endpoint}, std::move(error));
         return;
       }
       Hand(session, peer, *pull);
@@ -1471,9 +1370,6 @@ class Sim {
     }
   }
 
-  static std::uint32_t PRankOf(const std::string& address) {
-    return static_cast<std::uint32_t>(std::stoul(address.substr(1)));
-  }
 
   static core::RequestId GhostName(int idx, std::uint32_t g) {
     return fmt::format("ghost-{}-{}", idx, g);
@@ -1582,7 +1478,7 @@ class Sim {
       ++res_.renewals_sent;
       if (now() >= c_.net.drop_renewals_from && now() < c_.net.drop_renewals_until) return;
     }
-    std::visit([&](auto& m) { Send(true, {r, p, gen, t.endpoint}, std::move(m)); }, t.message);
+    std::visit([&](auto& m) { net_.Send(true, {r, p, gen, t.endpoint}, std::move(m)); }, t.message);
   }
 
   void HandleDecodeEvent(std::uint32_t r, protocol::DecodeEvent& event) {
@@ -1882,6 +1778,13 @@ class Sim {
   EventLoop loop_;
   Rng rng_;
   SimResult res_;
+  ControlNetwork net_{c_.net, rng_, loop_, kDeliver, [this](bool to_p, const Msg& m) {
+                        if (to_p) {
+                          DeliverToP(m);
+                        } else {
+                          DeliverToD(m);
+                        }
+                      }};
   core::TpLayout p_layout_;
   core::TpLayout d_layout_;
 
@@ -1923,8 +1826,7 @@ class Sim {
   bool d_step_armed_ = false;
   bool d_dead_ = false;
 
-  // Network and data plane.
-  std::unordered_map<std::uint64_t, TimePoint> link_last_;
+  // Data plane.
   std::map<std::uint64_t, Write> writes_;
   std::uint64_t next_write_ = 0;
   // By (D rank, P rank, wire id): ids are per D session and endpoint.
