@@ -21,6 +21,7 @@
 #include "protocol/prefill_session.h"
 #include "protocol/pull_reply.h"
 #include "control_network.h"
+#include "data_plane.h"
 #include "rng.h"
 #include "wire/messages.h"
 
@@ -152,21 +153,6 @@ struct DReq {
   std::vector<std::uint32_t> unsent_pulls;
 };
 
-struct Write {
-  int req;
-  std::uint32_t p_rank;
-  std::uint32_t d_rank;
-  std::vector<BlockId> dest;
-  std::vector<std::uint64_t> gens;
-  std::uint64_t key;  // the pull's write key, as P's session handed it to the writer
-  bool fenced = false;
-  bool err_after = false;    // scenario C's injected P0 failure
-  std::uint64_t ticket = 0;  // the session's write ticket
-  bool give_up = false;      // Faults::unsettled_write: the sender gives up before the end
-  bool reported = false;     // P's session heard the outcome already (kUnsettled)
-  std::uint32_t p_gen = 0;   // the P process whose write it is
-};
-
 class Sim {
  public:
   explicit Sim(const SimConfig& c)
@@ -209,7 +195,6 @@ class Sim {
       }
       d_sessions_.push_back(std::make_unique<protocol::DecodeSession>(
           options, [&c] { return c.variants.NewLedger(); }));
-      d_revoked_.emplace_back();
       d_sockets_.emplace_back();
       d_timer_at_.push_back(kNever);
     }
@@ -914,34 +899,12 @@ class Sim {
       delay += rng_.Span(Duration{0}, c_.faults.p1_write_delay);
     }
     if (rng_.Chance(c_.faults.slow_write)) delay += rng_.Span(Duration{0}, c_.faults.slow_max);
-    const std::uint64_t wid = next_write_++;
     ++p.inflight[r];
-    const Duration duration = c_.dp.latency + TransmitTime(bytes, c_.dp.bytes_per_s);
-    writes_[wid] = std::move(w);
-    loop_.After(delay, kWriteStart, wid, [this, wid, duration] {
-      if (!WriteStart(wid)) return;
-      Duration lands_after = duration;
-      if (writes_[wid].give_up) {
-        const auto give_up_after =
-            std::chrono::duration_cast<Duration>(duration * 0.9 * rng_.Real());
-        loop_.After(give_up_after, kWriteGiveUp, wid, [this, wid] { GiveUp(wid); });
-        // Bytes the sender gave up on may sit in a socket buffer or the receiver's queue for
-        // a while: some land after D asked for a fence (and are refused), some before.
-        lands_after += rng_.Span(Duration{0}, 2s);
-      }
-      loop_.After(lands_after, kWriteEnd, wid, [this, wid] { WriteEnd(wid, true); });
-    });
+    data_.Start(std::move(w), bytes, delay);
   }
 
-  // Faults::unsettled_write: P's sender stops waiting for a WRITE whose bytes are on their
-  // way. P's memory is no longer read (the bytes left it), so P may free its blocks; D's may
-  // still be written until the WRITE ends (WriteEnd lands it unless D fenced the writer).
-  void GiveUp(std::uint64_t wid) {
-    auto it = writes_.find(wid);
-    if (it == writes_.end() || !PAlive(it->second.p_gen) || it->second.reported) return;
-    Write& w = it->second;
-    w.reported = true;
-    ++res_.unsettled_writes;
+  // The data plane's hooks (DataPlane::Hooks): what a WRITE's end means to P's session.
+  void WriteGivenUp(const Write& w) {
     PRank& rank = p_ranks_[w.p_rank];
     --preqs_[w.req].inflight[w.p_rank];
     auto mit = rank.mirror.find(w.req);
@@ -961,61 +924,14 @@ class Sim {
     if (preqs_[req].free_pending) FreePBlocks(req);
   }
 
-  // Whether the WRITE's destination blocks are still the ones its pull aimed at; counts and
-  // flags the ones that are not (freed, or freed and handed to another request).
-  bool DestinationIntact(const Write& w, bool at_start) {
-    bool freed = false;
-    bool reallocated = false;
-    for (std::size_t i = 0; i < w.dest.size(); ++i) {
-      if (d_pool_.generation(w.dest[i]) != w.gens[i]) {
-        freed = true;
-        if (d_pool_.owner(w.dest[i]).has_value()) reallocated = true;
-      }
-    }
-    if (!freed) return true;
-    if (at_start) {
-      ++res_.writes_after_free[w.p_rank];
-      if (reallocated) ++res_.writes_after_realloc[w.p_rank];
-    }
-    Violation(fmt::format("WRITE of P rank {} for req-{} {} after D {} its destination block",
-                          w.p_rank, w.req, at_start ? "starts" : "lands",
-                          reallocated ? "reallocated" : "freed"));
-    return false;
+  void WriteLanded(const Write& w) {
+    ++dreqs_[w.req].peers_written;
+    if (dreqs_[w.req].peers_written == c_.p.tp) ++res_.requests_written_by_all_peers;
   }
 
-  // Returns false when the WRITE cannot start (it is then finished as failed).
-  bool WriteStart(std::uint64_t wid) {
-    auto it = writes_.find(wid);
-    if (it == writes_.end() || !PAlive(it->second.p_gen)) return false;
-    Write& w = it->second;
-    bool ok = !d_dead_ && !w.fenced && d_revoked_[w.d_rank].count(w.key) == 0;
-    if (ok) {
-      ++res_.writes;
-      DestinationIntact(w, true);
-      loop_.Note(0x5a, wid);
-    }
-    if (!ok) WriteEnd(wid, false);
-    return ok;
-  }
-
-  void WriteEnd(std::uint64_t wid, bool started) {
-    auto it = writes_.find(wid);
-    if (it == writes_.end() || !PAlive(it->second.p_gen)) return;
-    Write w = std::move(it->second);
-    writes_.erase(it);
+  void WriteSettled(const Write& w, bool ok) {
     PRank& rank = p_ranks_[w.p_rank];
     PReq& p = preqs_[w.req];
-    bool ok = !d_dead_ && !w.fenced && d_revoked_[w.d_rank].count(w.key) == 0;
-    if (started && ok) {
-      DestinationIntact(w, false);
-      if (w.reported) {
-        ++res_.unsettled_writes_landed;  // after P answered err: D must still hold the blocks
-        return;
-      }
-      ++dreqs_[w.req].peers_written;
-      if (dreqs_[w.req].peers_written == c_.p.tp) ++res_.requests_written_by_all_peers;
-    }
-    if (w.reported) return;  // P's session heard kUnsettled at GiveUp
     --p.inflight[w.p_rank];
     auto mit = rank.mirror.find(w.req);
     if (mit != rank.mirror.end()) {
@@ -1103,7 +1019,7 @@ class Sim {
     queue_p_.clear();
     running_p_.clear();
     p_step_armed_ = false;
-    writes_.clear();  // an old process's writes died with it (WriteEnd: PAlive)
+    data_.ForgetWrites();  // an old process's writes died with it
     p_pool_ = BlockPool(c_.p.blocks);
     p_adapter_ = protocol::PrefillAdapter({.ranks = std::max<std::uint32_t>(1, c_.p.tp)});
     p_ranks_.clear();
@@ -1341,7 +1257,7 @@ class Sim {
             now());
       } else {
         // WRITEs stamped with the fence's keys fail from now on (unless the variant lies).
-        if (!c_.variants.lying_fence) Fence(r, PRankOf(fence.address), fence.write_keys);
+        if (!c_.variants.lying_fence) data_.Fence(r, PRankOf(fence.address), fence.write_keys);
         d_sessions_[r]->OnFenceDone(fence.id, Status::Ok(), now());
       }
       DrainD(r);
@@ -1353,20 +1269,15 @@ class Sim {
   bool FencesALiveWriter(std::uint32_t r, const protocol::FenceRequest& fence) const {
     if (p_dead_) return false;
     if (fence.write_keys.empty()) return GenOf(fence.address) == p_gen_;
-    return std::any_of(fence.write_keys.begin(), fence.write_keys.end(), [&](std::uint64_t key) {
-      auto it = key_gens_.find({r, key});
-      return it == key_gens_.end() || it->second.count(p_gen_) != 0;
-    });
+    return std::any_of(fence.write_keys.begin(), fence.write_keys.end(),
+                       [&](std::uint64_t key) { return data_.KeyMayReach(r, key, p_gen_); });
   }
 
   // Records the known limit (SimResult::shared_key_quarantine): a refused fence whose key the
   // live process shares with pulls sent to a process that died.
   void NoteSharedKeys(std::uint32_t r, const protocol::FenceRequest& fence) {
     for (std::uint64_t key : fence.write_keys) {
-      auto gens = key_gens_.find({r, key});
-      if (gens != key_gens_.end() && gens->second.size() > 1 && gens->second.count(p_gen_) != 0) {
-        res_.shared_key_quarantine = true;
-      }
+      if (data_.KeySharedBeyond(r, key, p_gen_)) res_.shared_key_quarantine = true;
     }
   }
 
@@ -1469,7 +1380,7 @@ class Sim {
     d_sessions_[r]->OnSent(t.endpoint, std::visit([](const auto& m) { return m.id; }, t.message),
                            now());
     if (auto* pull = std::get_if<wire::Pull>(&t.message)) {
-      key_gens_[{r, pull->write_key}].insert(gen);
+      data_.NotePull(r, pull->write_key, gen);
       const int idx = RequestIndex(pull->requests.at(0).d_req_id);
       pulls_[{r, p, pull->id}] = {idx, r, p, dreqs_[idx].gens};
     } else if (std::holds_alternative<wire::Release>(t.message)) {
@@ -1576,14 +1487,6 @@ class Sim {
   // D rank `d`'s data plane revokes `keys` (what its session asked for, of P rank `p`'s pulls):
   // WRITEs stamped with them fail from now on, those in flight included (the runtime's fence
   // waits for or cuts them: transport::Engine::RevokeWriteKeys).
-  void Fence(std::uint32_t d, std::uint32_t p, const std::vector<std::uint64_t>& keys) {
-    d_revoked_[d].insert(keys.begin(), keys.end());
-    for (auto& [wid, w] : writes_) {
-      if (w.d_rank == d && d_revoked_[d].count(w.key) != 0) w.fenced = true;
-    }
-    loop_.Note(0xfe, (d << 8) | p);
-  }
-
   void AbortD(int idx) {
     if (d_dead_ || Ended(idx)) return;
     DReq& d = dreqs_[idx];
@@ -1816,9 +1719,6 @@ class Sim {
   // [d_rank]: the sockets D's pump holds: opened by a message to an endpoint, closed when the
   // session says so (TakeClosedEndpoints), as runtime::DecodeWorker does.
   std::vector<std::set<protocol::EndpointId>> d_sockets_;
-  std::vector<std::unordered_set<std::uint64_t>> d_revoked_;  // [d_rank]: write keys fenced
-  // (d, key): the P processes that got a pull with that write key.
-  std::map<std::pair<std::uint32_t, std::uint64_t>, std::set<std::uint32_t>> key_gens_;
   std::vector<DReq> dreqs_;
   std::deque<int> queue_d_;
   std::vector<int> decoding_;
@@ -1827,9 +1727,21 @@ class Sim {
   bool d_dead_ = false;
 
   // Data plane.
-  std::map<std::uint64_t, Write> writes_;
-  std::uint64_t next_write_ = 0;
-  // By (D rank, P rank, wire id): ids are per D session and endpoint.
+  DataPlane data_{c_.dp,
+                  c_.d.tp,
+                  d_pool_,
+                  rng_,
+                  loop_,
+                  {.start = kWriteStart, .end = kWriteEnd, .give_up = kWriteGiveUp},
+                  res_,
+                  {.p_alive = [this](std::uint32_t gen) { return PAlive(gen); },
+                   .d_alive = [this] { return !d_dead_; },
+                   .violation = [this](std::string what) { Violation(std::move(what)); },
+                   .landed = [this](const Write& w) { WriteLanded(w); },
+                   .settled = [this](const Write& w, bool ok) { WriteSettled(w, ok); },
+                   .given_up = [this](const Write& w) { WriteGivenUp(w); }}};
+  // What the simulator knows of each pull beyond its wire form, by (D rank, P rank, wire id):
+  // ids are per D session and endpoint.
   std::map<std::tuple<std::uint32_t, std::uint32_t, std::uint64_t>, PullShadow> pulls_;
 };
 
