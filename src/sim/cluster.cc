@@ -22,6 +22,7 @@
 #include "protocol/pull_reply.h"
 #include "control_network.h"
 #include "data_plane.h"
+#include "leak_audit.h"
 #include "rng.h"
 #include "wire/messages.h"
 
@@ -1613,67 +1614,16 @@ class Sim {
     if (!res_.quiet) {
       Violation("the system did not go quiet before the horizon");
     }
+    const Violations violation = [this](std::string what) { Violation(std::move(what)); };
     if (!p_dead_) {
-      for (std::uint32_t r = 0; r < c_.p.tp; ++r) {
-        const protocol::PrefillSession& session = *p_ranks_[r].session;
-        if (session.hold().size() != 0) {
-          Violation(
-              fmt::format("leak: P rank {} still holds {} entries", r, session.hold().size()));
-        }
-        const protocol::PrefillStats stats = session.stats();
-        if (stats.source_transfers != 0) {
-          Violation(fmt::format("leak: P rank {} still keeps the source blocks of {} transfers", r,
-                                stats.source_transfers));
-        }
-        if (stats.pulls_in_progress != 0 || stats.requests_parked != 0) {
-          Violation(fmt::format("leak: P rank {} still has {} pulls in progress ({} parked)", r,
-                                stats.pulls_in_progress, stats.requests_parked));
-        }
-      }
-      if (p_pool_.used() != 0) {
-        Violation(fmt::format("leak: {} P blocks still allocated", p_pool_.used()));
-      }
-      const protocol::PrefillAdapterStats adapter = p_adapter_.stats();
-      if (adapter.transfers != 0) {
-        Violation(fmt::format("leak: P's engine adapter still knows {} transfers",
-                              adapter.transfers));
-      }
-      if (adapter.stray_results != 0) {
-        Violation(fmt::format("P's ranks reported {} answers or frees for nothing of theirs",
-                              adapter.stray_results));
-      }
+      PrefillSide p{{}, p_pool_, p_adapter_};
+      for (const PRank& rank : p_ranks_) p.ranks.push_back(rank.session.get());
+      AuditPrefillSide(p, violation);
     }
     if (!d_dead_ && !res_.shared_key_quarantine) {
-      if (d_pool_.used() != 0) {
-        Violation(fmt::format("leak: {} D blocks still allocated", d_pool_.used()));
-      }
-      const protocol::DecodeAdapterStats adapter = d_adapter_.stats();
-      if (adapter.tracked != 0) {
-        Violation(fmt::format("leak: D's engine adapter still tracks {} requests", adapter.tracked));
-      }
-      if (adapter.stray_results != 0) {
-        // A rank reported a receive it never started, twice, or a release of nothing held.
-        Violation(fmt::format("D's ranks reported {} results for no load of theirs",
-                              adapter.stray_results));
-      }
-      for (std::uint32_t r = 0; r < c_.d.tp; ++r) {
-        // Once nothing is in flight, every socket is idle: no more than max_idle_endpoints of
-        // them stay open, however many P addresses came and went.
-        if (d_sockets_[r].size() > c_.d.max_idle_endpoints) {
-          Violation(fmt::format("leak: D rank {} holds {} idle sockets, over max_idle_endpoints {}",
-                                r, d_sockets_[r].size(), c_.d.max_idle_endpoints));
-        }
-        const protocol::DecodeStats stats = d_sessions_[r]->stats();
-        if (stats.receiving != 0 || stats.quarantined_blocks != 0 || stats.pulls_in_flight != 0) {
-          Violation(
-              fmt::format("leak: D rank {} still has {} receives, {} quarantined blocks, {} "
-                          "pulls in flight",
-                          r, stats.receiving, stats.quarantined_blocks, stats.pulls_in_flight));
-        }
-        if (stats.tracked != 0) {
-          Violation(fmt::format("leak: D rank {} still renews {} transfers", r, stats.tracked));
-        }
-      }
+      DecodeSide d{{}, d_sockets_, c_.d.max_idle_endpoints, d_pool_, d_adapter_};
+      for (const auto& session : d_sessions_) d.ranks.push_back(session.get());
+      AuditDecodeSide(d, violation);
     }
   }
 
