@@ -23,6 +23,7 @@
 #include "control_network.h"
 #include "data_plane.h"
 #include "leak_audit.h"
+#include "registry.h"
 #include "rng.h"
 #include "wire/messages.h"
 
@@ -1230,7 +1231,7 @@ class Sim {
       std::vector<protocol::FenceRequest> fences = session.TakeFences();
       std::vector<protocol::DecodeEvent> events = session.TakeEvents();
       if (lookups.empty() && messages.empty() && fences.empty() && events.empty()) break;
-      for (const protocol::LookupRequest& lookup : lookups) Lookup(r, lookup);
+      for (const protocol::LookupRequest& lookup : lookups) registry_.Lookup(r, lookup);
       for (protocol::Transmit& t : messages) SendFromD(r, std::move(t));
       for (const protocol::FenceRequest& fence : fences) PerformFence(r, fence);
       for (protocol::DecodeEvent& ev : events) HandleDecodeEvent(r, ev);
@@ -1269,7 +1270,7 @@ class Sim {
   // refuses it then; an old process's death is the proof that it can no longer write).
   bool FencesALiveWriter(std::uint32_t r, const protocol::FenceRequest& fence) const {
     if (p_dead_) return false;
-    if (fence.write_keys.empty()) return GenOf(fence.address) == p_gen_;
+    if (fence.write_keys.empty()) return registry_.GenOf(fence.address) == p_gen_;
     return std::any_of(fence.write_keys.begin(), fence.write_keys.end(),
                        [&](std::uint64_t key) { return data_.KeyMayReach(r, key, p_gen_); });
   }
@@ -1286,56 +1287,7 @@ class Sim {
   static core::RequestId GhostName(int idx, std::uint32_t g) {
     return fmt::format("ghost-{}-{}", idx, g);
   }
-  static core::EngineId GhostEngine(std::uint32_t g) { return fmt::format("G{}", g); }
 
-  // The bootstrap: P's engine as registered, or a failure once P is dead. A silent engine's
-  // bootstrap never answers (even g), or names workers that never reply (odd g).
-  void Lookup(std::uint32_t r, const protocol::LookupRequest& lookup) {
-    if (lookup.engine_id.starts_with("G")) {
-      const auto g = static_cast<std::uint32_t>(std::stoul(lookup.engine_id.substr(1)));
-      if (g % 2 == 0) return;  // the session's lookup deadline fails it
-      loop_.After(2 * c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id,
-                                                    id = lookup.id] {
-        if (d_dead_) return;
-        d_sessions_[r]->OnLookup({engine, "1", 1, {"g" + engine}}, now(), id);
-        DrainD(r);
-      });
-      return;
-    }
-    // The registry is read one latency after the lookup is asked and the answer arrives one
-    // latency later: P may die (or be declared down) in between, so D can get an answer that
-    // describes a process already gone, as a real one can.
-    loop_.After(c_.net.latency, kLookup, r, [this, r, engine = lookup.engine_id, id = lookup.id] {
-      const bool p_was_dead = p_dead_;
-      const std::uint32_t gen = c_.variants.stale_registry ? 0 : p_gen_;
-      loop_.After(c_.net.latency, kLookup, r, [this, r, engine, id, p_was_dead, gen] {
-        if (d_dead_) return;
-        if (p_was_dead) {
-          d_sessions_[r]->OnLookupFailed(engine, Status(ErrorCode::kUnavailable, "P is down"),
-                                         now(), id);
-        } else {
-          protocol::PeerEngine view{engine, Incarnation(gen), c_.p.tp, {}, wire::kProtocolFeatures};
-          for (std::uint32_t p = 0; p < c_.p.tp; ++p) view.side_channels.push_back(PName(gen, p));
-          d_sessions_[r]->OnLookup(view, now(), id);
-        }
-        DrainD(r);
-      });
-    });
-  }
-
-  // P process `gen` (0: the first; each restart makes the next): its incarnation, and its rank
-  // `p`'s side-channel address: "p<rank>", or "p<rank>@<gen>" for a restart on new addresses.
-  static std::string Incarnation(std::uint32_t gen) { return std::to_string(gen + 1); }
-  std::string PName(std::uint32_t gen, std::uint32_t p) const {
-    return gen == 0 || c_.faults.p_same_address ? fmt::format("p{}", p)
-                                                : fmt::format("p{}@{}", p, gen);
-  }
-  // The process an address reaches: its own, or on a shared address whichever binds it now.
-  std::uint32_t GenOf(const std::string& address) const {
-    const std::size_t at = address.find('@');
-    if (at != std::string::npos) return static_cast<std::uint32_t>(std::stoul(address.substr(at + 1)));
-    return c_.faults.p_same_address ? p_gen_ : 0;
-  }
   // Whether P process `gen` is the one running.
   bool PAlive(std::uint32_t gen) const { return !p_dead_ && gen == p_gen_; }
 
@@ -1345,7 +1297,7 @@ class Sim {
       return;
     }
     const std::uint32_t p = PRankOf(t.address);
-    const std::uint32_t gen = GenOf(t.address);
+    const std::uint32_t gen = registry_.GenOf(t.address);
     d_sockets_[r].insert(t.endpoint);  // the runtime opens a socket for an endpoint's first message
     if (r < d_first_sent_since_up_.size() && d_first_sent_since_up_[r] == kNever) {
       d_first_sent_since_up_[r] = now();
@@ -1675,6 +1627,24 @@ class Sim {
   std::size_t receiving_ = 0;
   bool d_step_armed_ = false;
   bool d_dead_ = false;
+
+  // The bootstrap D looks P up in.
+  Registry registry_{c_, loop_, kLookup,
+                     {.p_dead = [this] { return p_dead_; },
+                      .p_gen = [this] { return p_gen_; },
+                      .d_alive = [this] { return !d_dead_; },
+                      .found =
+                          [this](std::uint32_t r, const protocol::PeerEngine& engine,
+                                 std::uint64_t id) {
+                            d_sessions_[r]->OnLookup(engine, now(), id);
+                            DrainD(r);
+                          },
+                      .failed =
+                          [this](std::uint32_t r, const core::EngineId& engine, const Status& why,
+                                 std::uint64_t id) {
+                            d_sessions_[r]->OnLookupFailed(engine, why, now(), id);
+                            DrainD(r);
+                          }}};
 
   // Data plane.
   DataPlane data_{c_.dp,
