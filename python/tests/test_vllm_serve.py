@@ -525,6 +525,9 @@ def test_clients_leaving_d_while_queued_let_p_free_their_kv_at_once(cluster):
     wait_for("D idle", lambda: idle(b.decode), 30)
 
 
+DRAIN_TOKENS = 160  # per request of the SIGTERM test
+
+
 def test_a_decoder_stopped_by_sigterm_drains_its_requests_then_stops_kvferry(cluster):
     # SIGTERM to D (vllm serve run with --shutdown-timeout, as kvferry's launcher runs it): vLLM
     # finishes the requests in flight, loads from P included, then shuts its worker down, and
@@ -536,18 +539,21 @@ def test_a_decoder_stopped_by_sigterm_drains_its_requests_then_stops_kvferry(clu
     # drain. The restart tests come after it.
     b = cluster.pairs["b"]
     batch = prompts(19, [120, 240, 60])
-    want = [complete(b.prefill.url, b.model, p, 48) for p in batch]
+    want = [complete(b.prefill.url, b.model, p, DRAIN_TOKENS) for p in batch]
     # SIGTERM once every request has streamed a token from D: vLLM 0.32's drain covers the
     # requests its engine runs, not those still waiting for their KV (two clean-clone CI runs on
     # 2026-12-02 sent SIGTERM while loads were in flight; those requests failed with
     # EngineDeadError, the engine core having drained nothing). Waiting for all of them to run
     # at once (the running gauge) failed in a clean-clone CI run on 2026-12-03: the loads came
     # in one after another and the first request had decoded its 48 tokens before the last began.
-    # So some may be done before the signal; the last to start still has 47 tokens to decode.
+    # So some may be done before the signal; the last to start still has DRAIN_TOKENS - 1 to
+    # decode. 48 tokens once left none in flight (a clean-clone CI run on 2026-12-07: "0 of 3
+    # requests in flight", all done before the signal), hence 160: the longest prompt (240) and
+    # them still fit the 512-token model length.
     started = [threading.Event() for _ in batch]
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
-        began = time.monotonic()
-        futures = [pool.submit(stream_completion, b.proxy.url, b.model, p, 48, first, 60)
+        futures = [pool.submit(stream_completion, b.proxy.url, b.model, p, DRAIN_TOKENS, first,
+                               60)
                    for p, first in zip(batch, started)]
         wait_for("every request streams a token from D", lambda: all(e.is_set() for e in started),
                  60, poll_s=0.01)
@@ -555,7 +561,7 @@ def test_a_decoder_stopped_by_sigterm_drains_its_requests_then_stops_kvferry(clu
         code = b.decode.stop()
         exited = time.monotonic() - sent
         got = [f.result() for f in futures]
-    in_flight = sum(began + g.seconds > sent for g in got)
+    in_flight = sum(g.ended > sent for g in got)
     log = b.decode.log.read_text(errors="replace")
     print(f"[ measured ] SIGTERM to D with {in_flight} of {len(batch)} requests in flight: D exited "
           f"{exited:.2f} s later (status {code}); {sum(g.status == 200 for g in got)} of them "

@@ -70,6 +70,7 @@ class Completion:
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     seconds: float = 0.0
+    ended: float = 0.0  # time.monotonic() when the stream ended (stream_completion)
 
     @property
     def error(self) -> str:
@@ -152,8 +153,8 @@ def add_event(out: Completion, line: str) -> bool:
 def stream_completion(url: str, model: str, prompt: Sequence[int], max_tokens: int,
                       first_token: threading.Event, timeout_s: float = 120.0) -> Completion:
     """A streamed greedy /v1/completions read as it comes: ``first_token`` is set when the first
-    token arrives (through a P/D proxy: D has its KV and decodes), and ``seconds`` is when the
-    stream ended, from the start."""
+    token arrives (through a P/D proxy: D has its KV and decodes), ``seconds`` is when the
+    stream ended, from the start, and ``ended`` that moment on time.monotonic()."""
     body = json.dumps({"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
                        "temperature": 0, "return_token_ids": True, "stream": True,
                        "ignore_eos": True}).encode()
@@ -176,7 +177,8 @@ def stream_completion(url: str, model: str, prompt: Sequence[int], max_tokens: i
         out.status, out.body = e.code, e.read().decode(errors="replace")
     except (urllib.error.URLError, OSError) as e:
         out.body = str(e)
-    out.seconds = time.monotonic() - start
+    out.ended = time.monotonic()
+    out.seconds = out.ended - start
     return out
 
 
