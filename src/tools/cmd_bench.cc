@@ -35,6 +35,9 @@ void AddBenchCommand(CLI::App& app, int& exit_code) {
       ->delimiter(',');
   transfer->add_option("--peer", options->peer_binary, "Receiver binary (kvferry_transport_peer)");
   transfer->add_option("--seconds", options->seconds_per_point, "Seconds per measured point");
+  transfer->add_option("--in-flight", options->in_flight,
+                       "Batches kept in flight (default: 64 MiB's worth, 2..16; 1: latency)")
+      ->check(CLI::Range(0, 1024));
   auto no_baselines = std::make_shared<bool>(false);
   transfer->add_flag("--no-baselines", *no_baselines, "Skip ucx_perftest, memcpy and iperf3");
   transfer->callback([options, transports, no_baselines, &exit_code] {

@@ -144,9 +144,11 @@ double Memcpy(std::size_t size, double seconds) {
   return static_cast<double>(bytes) / core::ToSeconds(Clock::now() - start) / 1e9;
 }
 
-// Keeps `window` batches in flight for `seconds`; returns GB/s, or nullopt on a failed batch.
+// Keeps `in_flight_wanted` batches in flight (0: a window of 64 MiB, 2..16 batches) for `seconds`;
+// returns GB/s, or nullopt on a failed batch.
 std::optional<double> Measure(Engine& engine, ConnectionId peer, const std::vector<WriteOp>& ops,
-                              std::size_t bytes, double seconds, std::string* error) {
+                              std::size_t bytes, double seconds, std::size_t in_flight_wanted,
+                              std::string* error) {
   std::mutex mu;
   std::condition_variable cv;
   int in_flight = 0;
@@ -162,7 +164,9 @@ std::optional<double> Measure(Engine& engine, ConnectionId peer, const std::vect
     }
     cv.notify_all();
   };
-  const int window = static_cast<int>(std::clamp<std::size_t>((64 << 20) / bytes, 2, 16));
+  const int window = static_cast<int>(
+      in_flight_wanted != 0 ? std::min<std::size_t>(in_flight_wanted, 1024)
+                            : std::clamp<std::size_t>((64 << 20) / bytes, 2, 16));
   auto run = [&](double secs, int min_batches) -> bool {
     auto start = Clock::now();
     int submitted = 0;
@@ -228,10 +232,12 @@ bool ParseBenchFlags(int argc, char** argv, BenchOptions* options) {
       options->peer_binary = a.substr(7);
     } else if (a.rfind("--seconds=", 0) == 0) {
       options->seconds_per_point = std::strtod(a.c_str() + 10, nullptr);
+    } else if (a.rfind("--in-flight=", 0) == 0) {
+      options->in_flight = std::strtoul(a.c_str() + 12, nullptr, 10);
     } else {
       std::fprintf(stderr,
                    "usage: %s [--quick] [--transport=shm,cma,tcp,shmF,tcpF] [--peer=PATH] "
-                   "[--no-baselines] [--seconds=S]\n",
+                   "[--no-baselines] [--seconds=S] [--in-flight=N]\n",
                    argv[0]);
       return false;
     }
@@ -321,7 +327,7 @@ int RunTransferBench(const BenchOptions& options) {
         row.layout = scattered ? fmt::format("{} x 64K", size / kBlock) : "1 op";
         row.path = path;
         std::string error;
-        auto gbps = Measure(**engine, *peer_id, ops, size, secs, &error);
+        auto gbps = Measure(**engine, *peer_id, ops, size, secs, options.in_flight, &error);
         if (!gbps) {
           std::fprintf(stderr, "%s %s: transfer failed: %s\n", spec.name.c_str(),
                        SizeName(size).c_str(), error.c_str());

@@ -6,6 +6,7 @@
 // sizes, spawned as two processes), memcpy, and single-stream iperf3 (tcp; when installed).
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,10 @@ struct BenchOptions {
   std::string peer_binary;
   bool baselines = true;  // run ucx_perftest, memcpy and iperf3
   double seconds_per_point = 0.3;
+  // Batches kept in flight per point; 0: 64 MiB's worth, between 2 and 16 (the data plane's
+  // throughput). 1 is what one handoff sees: a pull waits for its write before the reply, so
+  // its baseline is the data plane's latency, not its pipelined bandwidth.
+  std::size_t in_flight = 0;
 };
 
 // Prints the table to stdout. Returns 0 on success, 1 if a transfer failed or a verification
@@ -28,7 +33,7 @@ struct BenchOptions {
 int RunTransferBench(const BenchOptions& options);
 
 // Parses `kvferry bench transfer` style flags (--quick, --transport=shm,tcp, --peer=PATH,
-// --no-baselines, --seconds=S) into options; false (with a message on stderr) on a bad flag.
+// --no-baselines, --seconds=S, --in-flight=N) into options; false (with a message on stderr) on a bad flag.
 bool ParseBenchFlags(int argc, char** argv, BenchOptions* options);
 
 }  // namespace kvferry::transport
