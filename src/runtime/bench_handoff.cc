@@ -12,6 +12,7 @@
 #include "kvferry/transport/ucx.h"
 #include "runtime/decode_worker.h"
 #include "runtime/prefill_worker.h"
+#include "transport/bench_baselines.h"
 
 namespace kvferry::runtime {
 namespace {
@@ -222,16 +223,37 @@ int RunHandoffBench(const HandoffBenchOptions& o) {
       exit_code = 1;
     }
   }
-  fmt::print("memcpy of the same bytes as one buffer: {:.1f} ms ({:.2f} GB/s)\n\n", one_copy_ms,
+  fmt::print("memcpy of the same bytes as one buffer: {:.1f} ms ({:.2f} GB/s)\n", one_copy_ms,
              bytes / (one_copy_ms * 1e6));
-  fmt::print("| data plane | blocks | handoff ms (min..max) | GB/s | memcpy ms | handoff / memcpy |\n");
-  fmt::print("|---|---|---|---|---|---|\n");
+  // The wire's own limit for the tcp rows: a kvferry endpoint carries its writes on one tcp
+  // connection (UCX's tcp lane to the peer; acks come back on another), so the yardstick is
+  // one iperf3 stream, with iperf3's default writes and with 1 MiB writes (the segment size the
+  // engine sets for UCX's tcp), the better of the two.
+  double iperf = -1;
+  const bool tcp = std::find(o.transports.begin(), o.transports.end(), "tcp") != o.transports.end();
+  if (tcp && o.baselines && transport::bench::HaveProgram("iperf3")) {
+    const double plain = transport::bench::Iperf(2, "", 1);
+    const double large = transport::bench::Iperf(2, "1M", 1);
+    iperf = std::max(plain, large);
+    fmt::print("iperf3 on 127.0.0.1, one stream: {:.2f} GB/s (default writes), {:.2f} GB/s "
+               "(-l 1M)\n",
+               plain, large);
+  } else if (tcp && o.baselines) {
+    fmt::print("iperf3 is not installed: no wire baseline for the tcp rows\n");
+  }
+  fmt::print("\n| data plane | blocks | handoff ms (min..max) | GB/s | memcpy ms | handoff / memcpy "
+             "| GB/s / iperf3 |\n");
+  fmt::print("|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     const double med = Median(r.handoff_ms);
     const auto [lo, hi] = std::minmax_element(r.handoff_ms.begin(), r.handoff_ms.end());
-    fmt::print("| UCX {} | {} | {:.1f} ({:.1f}..{:.1f}) | {:.2f} | {:.1f} ({}) | {:.2f}x |\n",
-               r.transport, r.layout, med, *lo, *hi, bytes / (med * 1e6), r.memcpy_ms,
-               r.layout == "contiguous" ? "one per plane" : "one per block", med / r.memcpy_ms);
+    const double gbps = bytes / (med * 1e6);
+    const std::string vs_wire =
+        r.transport == "tcp" && iperf > 0 ? fmt::format("{:.2f}x", gbps / iperf) : "-";
+    fmt::print("| UCX {} | {} | {:.1f} ({:.1f}..{:.1f}) | {:.2f} | {:.1f} ({}) | {:.2f}x | {} |\n",
+               r.transport, r.layout, med, *lo, *hi, gbps, r.memcpy_ms,
+               r.layout == "contiguous" ? "one per plane" : "one per block", med / r.memcpy_ms,
+               vs_wire);
   }
   return exit_code;
 }

@@ -8,7 +8,8 @@
 // the load, and the clock stops when D's receive completes; the first handoff of each layout
 // (lookup, side-channel and UCX connections) is a warm-up and not counted. Layouts: blocks
 // contiguous on both sides, and every other block (how block tables look after churn).
-// Baselines, same bytes: one memcpy per plane (contiguous), one memcpy per block (scattered).
+// Baselines, same bytes: one memcpy per plane (contiguous), one memcpy per block (scattered);
+// for tcp, one iperf3 stream on loopback (a kvferry endpoint writes over one tcp connection).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@ struct HandoffBenchOptions {
   std::uint64_t block_bytes = 32768;   // one block in one plane
   std::vector<std::string> transports = {"shm", "tcp"};  // shm: posix,sysv; tcp: loopback
   std::uint32_t runs = 5;              // measured handoffs per layout and transport
+  bool baselines = true;               // iperf3 beside the tcp rows (memcpy always runs)
 };
 
 // Prints the table; 0 when every handoff succeeded and every byte matched.

@@ -49,7 +49,7 @@ void AddBenchCommand(CLI::App& app, int& exit_code) {
 #ifdef KVFERRY_HAVE_HANDOFF_BENCH
   auto handoff = std::make_shared<runtime::HandoffBenchOptions>();
   CLI::App* hand = bench->add_subcommand(
-      "handoff", "One request's KV from P to D through the runtime, beside memcpy (issue 22)");
+      "handoff", "One request's KV from P to D through the runtime, beside memcpy and iperf3");
   hand->add_option("--layers", handoff->layers, "Model layers (planes: K and V of each)")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1024u));
@@ -65,7 +65,12 @@ void AddBenchCommand(CLI::App& app, int& exit_code) {
   hand->add_option("--runs", handoff->runs, "Measured handoffs per layout")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1000u));
-  hand->callback([handoff, &exit_code] { exit_code = runtime::RunHandoffBench(*handoff); });
+  auto hand_no_baselines = std::make_shared<bool>(false);
+  hand->add_flag("--no-baselines", *hand_no_baselines, "Skip iperf3 (memcpy always runs)");
+  hand->callback([handoff, hand_no_baselines, &exit_code] {
+    handoff->baselines = !*hand_no_baselines;
+    exit_code = runtime::RunHandoffBench(*handoff);
+  });
 #endif
   AddHttpBenchCommand(*bench, exit_code);
 #ifdef KVFERRY_HAVE_SIDECHANNEL_BENCH

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "kvferry/transport/ucx.h"
+#include "bench_baselines.h"
 #include "peer_process.h"
 
 namespace kvferry::transport {
@@ -24,6 +25,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using internal::PeerProcess;
+using namespace bench;
 
 constexpr std::size_t kBlock = 64 << 10;
 constexpr std::size_t kRegion = 128 << 20;  // room for 64 MiB of scattered 64 KiB slots
@@ -58,69 +60,6 @@ std::string SizeName(std::size_t n) {
 std::string Gbps(double v) { return v < 0 ? "-" : fmt::format("{:.2f}", v); }
 std::string Ratio(double a, double b) {
   return (a < 0 || b <= 0) ? "-" : fmt::format("{:.0f}%", 100 * a / b);
-}
-
-std::string Run(const std::string& cmd) {
-  std::string out;
-  FILE* f = popen(cmd.c_str(), "r");
-  if (f == nullptr) return out;
-  char buf[4096];
-  std::size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
-  pclose(f);
-  return out;
-}
-
-bool HaveProgram(const std::string& name) {
-  return std::system(("command -v " + name + " >/dev/null 2>&1").c_str()) == 0;
-}
-
-int NextPort() {
-  static int port = 20000 + static_cast<int>(getpid() % 20000);
-  return port++;
-}
-
-// ucx_perftest as two processes on 127.0.0.1; returns GB/s (1e9 bytes/s) or -1.
-double Perftest(const std::string& tls, const std::string& test, std::size_t size,
-                std::size_t iters) {
-  std::size_t warmup = std::max<std::size_t>(2, iters / 10);
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    int port = NextPort();
-    std::string env = fmt::format("UCX_TLS={} UCX_NET_DEVICES=lo", tls);
-    // The server serves one test and exits; `timeout` bounds it if the client never comes.
-    std::system(
-        fmt::format("{} timeout 30 ucx_perftest -p {} >/dev/null 2>&1 &", env, port).c_str());
-    std::this_thread::sleep_for(300ms);
-    std::string out =
-        Run(fmt::format("{} timeout 30 ucx_perftest 127.0.0.1 -p {} -t {} -s {} "
-                        "-n {} -w {} 2>&1",
-                        env, port, test, size, iters, warmup));
-    auto pos = out.find("Final:");
-    if (pos == std::string::npos) continue;
-    std::istringstream in(out.substr(pos));
-    std::string label;
-    double n_iters, p50, avg, overall, bw_avg, bw_overall;
-    if (in >> label >> n_iters >> p50 >> avg >> overall >> bw_avg >> bw_overall) {
-      return bw_overall * 1048576.0 / 1e9;  // perftest's MB/s are MiB/s
-    }
-  }
-  return -1;
-}
-
-// Single-stream iperf3 on loopback; GB/s or -1.
-double Iperf(double seconds, const std::string& len) {
-  int port = NextPort();
-  std::system(
-      fmt::format("timeout 30 iperf3 -s -1 -B 127.0.0.1 -p {} >/dev/null 2>&1 &", port).c_str());
-  std::this_thread::sleep_for(300ms);
-  std::string out = Run(fmt::format("timeout 30 iperf3 -c 127.0.0.1 -p {} -t {} -J {} 2>&1", port,
-                                    seconds, len.empty() ? "" : "-l " + len));
-  auto pos = out.find("\"sum_received\"");
-  if (pos == std::string::npos) return -1;
-  pos = out.find("\"bits_per_second\"", pos);
-  if (pos == std::string::npos) return -1;
-  pos = out.find(':', pos);
-  return std::strtod(out.c_str() + pos + 1, nullptr) / 8 / 1e9;
 }
 
 double Memcpy(std::size_t size, double seconds) {
