@@ -38,6 +38,7 @@
 #include "sender_table.h"
 #include "stall_watch.h"
 #include "ucx_am_protocol.h"
+#include "ucx_settings.h"
 
 namespace kvferry::transport {
 namespace {
@@ -84,26 +85,6 @@ const char* MemoryTypeName(ucs_memory_type_t t) {
 Status FromUcs(ucs_status_t s, const std::string& what) {
   if (s == UCS_OK) return Status::Ok();
   return Status(CodeOf(s), what + ": " + ucs_status_string(s));
-}
-
-// "1m", "256k", "65536", "8KB": a UCX memory-unit value in bytes (0 if unparseable).
-std::size_t ParseSize(const std::string& text) {
-  char* end = nullptr;
-  unsigned long long v = std::strtoull(text.c_str(), &end, 10);
-  if (end == text.c_str()) return 0;
-  switch (*end) {
-    case 'k':
-    case 'K':
-      return static_cast<std::size_t>(v) << 10;
-    case 'm':
-    case 'M':
-      return static_cast<std::size_t>(v) << 20;
-    case 'g':
-    case 'G':
-      return static_cast<std::size_t>(v) << 30;
-    default:
-      return static_cast<std::size_t>(v);
-  }
 }
 
 }  // namespace
@@ -358,90 +339,30 @@ class UcxEngine final : public Engine {
 // Setup and teardown
 
 Status UcxEngine::Init() {
+  auto plan = internal::PlanUcxSettings(options_, [](const char* name) { return std::getenv(name); });
+  if (!plan) return plan.error();
   {
-    // UCX 1.13 leaves error handling off on its shared-memory transports, which excludes them
-    // from peer-error-mode endpoints ("no peer failure handler"). These two are transport-level
-    // settings that ucp_config_modify does not reach, so they are set in the environment, once,
-    // and only where the user has not chosen.
-    // Skipped when the configured UCX_TLS leaves shared memory out (UCX warns about unused
-    // variables).
-    std::string tls = std::getenv("UCX_TLS") != nullptr ? std::getenv("UCX_TLS") : "all";
-    for (const auto& [name, value] : options_.config) {
-      if (name == "TLS") tls = value;
-    }
-    auto uses = [&](const char* tl) { return tls.find(tl) != std::string::npos; };
+    // Only where the user has not chosen (setenv without overwrite), once per variable, and
+    // serialized: engines of one process may start on several threads.
     static std::mutex env_mu;
     std::lock_guard<std::mutex> lock(env_mu);
-    if (uses("all") || uses("shm") || uses("posix")) setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
-    if (uses("all") || uses("shm") || uses("sysv")) setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
-    // tcp segment size: UCX 1.13's default 8 KiB segments cap a tcp endpoint at ~3.7 GB/s on
-    // loopback (one fragment, one handler call and one small send per 8 KiB); 1 MiB segments
-    // reach 6-8 GB/s for >= 1 MiB writes and ~3.5 GB/s for scattered 64 KiB ops (measured,
-    // docs/transport.md). Cost: the tcp transport keeps up to about one TX and one RX segment
-    // per active connection. Same rule as above: environment, only where the user has not chosen.
-    // Both or neither: UCX refuses RX < TX segments ("RX segment size must be >= TX segment
-    // size", worker creation fails), so if the user set either one (UCX_TCP_* in the environment
-    // or TCP_TX_SEG_SIZE / TCP_RX_SEG_SIZE in UcxOptions::config) we leave both alone.
-    if (uses("all") || uses("tcp")) {
-      bool user_set = std::getenv("UCX_TCP_TX_SEG_SIZE") != nullptr ||
-                      std::getenv("UCX_TCP_RX_SEG_SIZE") != nullptr;
-      for (const auto& kv : options_.config) {
-        if (kv.first == "TCP_TX_SEG_SIZE" || kv.first == "TCP_RX_SEG_SIZE") user_set = true;
-      }
-      if (!user_set) {
-        setenv("UCX_TCP_TX_SEG_SIZE", "1m", 0);
-        setenv("UCX_TCP_RX_SEG_SIZE", "1m", 0);
-      }
-    }
-    // Pack small ops only with large tcp segments: with UCX's 8 KiB default an iov message of
-    // ~1 MiB goes through a slower rendezvous path than separate contiguous ones (measured
-    // 0.7-1.2 vs 2.2 GB/s for 64 KiB ops).
-    std::string seg =
-        std::getenv("UCX_TCP_TX_SEG_SIZE") != nullptr ? std::getenv("UCX_TCP_TX_SEG_SIZE") : "8k";
-    for (const auto& [name, value] : options_.config) {
-      if (name == "TCP_TX_SEG_SIZE") seg = value;
-    }
-    pack_small_ops_ = ParseSize(seg) >= kPackMaxOp;
+    for (const auto& [name, value] : plan->environment) setenv(name.c_str(), value.c_str(), 0);
   }
+  pack_small_ops_ = plan->pack_small_ops;
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return FromUcs(s, "ucp_config_read");
-  // Defaults that matter for kvferry, unless the environment chose otherwise: a short keepalive
-  // so a dead peer is detected within seconds, and error handling on shared-memory transports
-  // (off by default in UCX, which would exclude them from peer-error-mode endpoints).
-  auto set_default = [&](const char* name, const std::string& value) {
-    std::string env = std::string("UCX_") + name;
-    if (std::getenv(env.c_str()) == nullptr) (void)ucp_config_modify(config, name, value.c_str());
-  };
-  set_default("KEEPALIVE_INTERVAL", std::to_string(options_.keepalive_interval.count()) + "ms");
-  if (options_.fence_writes) {
-    // A fence must hold against a writer that resumes later (a frozen P): a rendezvous into
-    // this engine must not let the sender's own CPU or NIC copy into our memory with a remote
-    // key UCX hands it for the receive (the put scheme over shared memory or RDMA), since a
-    // sender frozen mid-copy can resume after its receive failed. So where such lanes may
-    // exist, this engine drives every rendezvous (RNDV_SCHEME=get_zcopy: it reads the sender's
-    // buffer). Not over tcp alone, where it is not needed: every byte is applied by this
-    // engine's progress thread on a connection UCX closes when the receive fails (and get over
-    // tcp is emulated). A config asking for the put scheme is refused.
-    std::string tls = std::getenv("UCX_TLS") != nullptr ? std::getenv("UCX_TLS") : "all";
-    for (const auto& [name, value] : options_.config) {
-      if (name == "TLS") tls = value;
-      if (name == "RNDV_SCHEME" && value != "get_zcopy" && value != "auto") {
-        ucp_config_release(config);
-        return Status(ErrorCode::kInvalidArgument,
-                      "fence_writes refuses RNDV_SCHEME=" + value +
-                          " (the sender would copy into this engine's memory itself)");
-      }
-    }
-    const bool tcp_only = tls == "tcp" || tls == "tcp,self" || tls == "self,tcp";
-    if (!tcp_only && ucp_config_modify(config, "RNDV_SCHEME", "get_zcopy") != UCS_OK) {
-      ucp_config_release(config);
-      return Status(ErrorCode::kUnavailable,
-                    "fence_writes: this UCX cannot make the receiver drive every rendezvous "
-                    "(RNDV_SCHEME=get_zcopy)");
-    }
+  for (const auto& [name, value] : plan->defaults) {
+    (void)ucp_config_modify(config, name.c_str(), value.c_str());
   }
-  for (const auto& [name, value] : options_.config) {
+  if (plan->receiver_drives_rendezvous &&
+      ucp_config_modify(config, "RNDV_SCHEME", "get_zcopy") != UCS_OK) {
+    ucp_config_release(config);
+    return Status(ErrorCode::kUnavailable,
+                  "fence_writes: this UCX cannot make the receiver drive every rendezvous "
+                  "(RNDV_SCHEME=get_zcopy)");
+  }
+  for (const auto& [name, value] : plan->config) {
     s = ucp_config_modify(config, name.c_str(), value.c_str());
     if (s != UCS_OK) {
       ucp_config_release(config);
@@ -929,8 +850,6 @@ void UcxEngine::FinishConnect(const std::shared_ptr<Peer>& peer, Status status) 
 }
 
 std::string UcxEngine::DescribeLanes(ucp_ep_h ep, bool* rma_ok) {
-  // UCX 1.13 has no ucp_ep_query for transports, so parse ucp_ep_print_info, whose lane lines
-  // look like "lane[1]:  2:posix/memory.0 md[2] ... rma_bw#0 ...".
   char* text = nullptr;
   size_t size = 0;
   FILE* f = open_memstream(&text, &size);
@@ -940,36 +859,9 @@ std::string UcxEngine::DescribeLanes(ucp_ep_h ep, bool* rma_ok) {
   std::string info(text, size);
   free(text);
   if (std::getenv("KVFERRY_UCX_DEBUG") != nullptr) std::fprintf(stderr, "%s\n", info.c_str());
-  std::vector<std::string> tls;
-  bool any_rma = false, rma_tcp = false, any_tcp = false;
-  std::size_t pos = 0;
-  while ((pos = info.find("lane[", pos)) != std::string::npos) {
-    std::size_t end = info.find('\n', pos);
-    std::string line = info.substr(pos, end - pos);
-    pos = end;
-    std::size_t slash = line.find('/');
-    if (slash == std::string::npos) continue;
-    std::size_t start = line.find_last_of(" :", slash);
-    std::string tl = line.substr(start == std::string::npos ? 0 : start + 1,
-                                 slash - (start == std::string::npos ? 0 : start + 1));
-    if (std::find(tls.begin(), tls.end(), tl) == tls.end()) tls.push_back(tl);
-    any_tcp |= tl == "tcp";
-    if (line.find("rma_bw") != std::string::npos) {
-      any_rma = true;
-      rma_tcp |= tl == "tcp";
-    }
-  }
-  // Dedicated rma_bw lanes (RDMA, or cma beside an AM transport) must not be tcp. Shared memory
-  // has no rma_bw lane: its puts are chosen per remote key ("put[i]: ..." lines) and ride the
-  // posix/sysv lanes, which is fine as long as no lane is tcp.
-  if (any_rma) {
-    *rma_ok = !rma_tcp;
-  } else {
-    *rma_ok = !any_tcp && info.find("put[") != std::string::npos;
-  }
-  std::string out;
-  for (const auto& tl : tls) out += (out.empty() ? "" : "+") + tl;
-  return out;
+  internal::Lanes lanes = internal::ReadLanes(info);
+  *rma_ok = lanes.rma_ok;
+  return std::move(lanes.transports);
 }
 
 ucs_status_t UcxEngine::OnHello(void* arg, const void* header, size_t header_length, void* data,
