@@ -10,49 +10,42 @@
 namespace kvferry::sim {
 namespace {
 
-struct Heard {
-  std::vector<std::string> what;
-  Violations sink() {
-    return [this](std::string w) { what.push_back(std::move(w)); };
+// One P and one D engine's parts, as the audit reads them at the end of a run: empty until a
+// test allocates or admits something.
+class LeakAudit : public ::testing::Test {
+ protected:
+  // Audits both sides; returns what was reported, in order (P's side first).
+  std::vector<std::string> Audit() {
+    std::vector<std::string> heard;
+    auto sink = [&heard](std::string w) { heard.push_back(std::move(w)); };
+    AuditPrefillSide({{}, p_pool, p_adapter}, sink);
+    AuditDecodeSide({{}, sockets, 256, d_pool, d_adapter}, sink);
+    return heard;
   }
+
+  core::BlockPool p_pool{8};
+  core::BlockPool d_pool{8};
+  protocol::PrefillAdapter p_adapter{{.ranks = 1}};
+  protocol::DecodeAdapter d_adapter{{.ranks = 1}};
+  const std::vector<std::set<protocol::EndpointId>> sockets;
 };
 
-TEST(LeakAudit, ACleanEngineReportsNothing) {
-  core::BlockPool p_pool(8);
-  core::BlockPool d_pool(8);
-  protocol::PrefillAdapter p_adapter({.ranks = 1});
-  protocol::DecodeAdapter d_adapter({.ranks = 1});
-  const std::vector<std::set<protocol::EndpointId>> sockets;
-  Heard heard;
-  AuditPrefillSide({{}, p_pool, p_adapter}, heard.sink());
-  AuditDecodeSide({{}, sockets, 256, d_pool, d_adapter}, heard.sink());
-  EXPECT_TRUE(heard.what.empty());
-}
+TEST_F(LeakAudit, ACleanEngineReportsNothing) { EXPECT_TRUE(Audit().empty()); }
 
-TEST(LeakAudit, ABlockStillAllocatedOnEitherSideIsALeak) {
-  core::BlockPool p_pool(8);
-  core::BlockPool d_pool(8);
+TEST_F(LeakAudit, ABlockStillAllocatedOnEitherSideIsALeak) {
   ASSERT_TRUE(p_pool.Allocate(2, 1).has_value());
   ASSERT_TRUE(d_pool.Allocate(3, 1).has_value());
-  protocol::PrefillAdapter p_adapter({.ranks = 1});
-  protocol::DecodeAdapter d_adapter({.ranks = 1});
-  const std::vector<std::set<protocol::EndpointId>> sockets;
-  Heard heard;
-  AuditPrefillSide({{}, p_pool, p_adapter}, heard.sink());
-  AuditDecodeSide({{}, sockets, 256, d_pool, d_adapter}, heard.sink());
-  ASSERT_EQ(heard.what.size(), 2u);
-  EXPECT_EQ(heard.what[0], "leak: 2 P blocks still allocated");
-  EXPECT_EQ(heard.what[1], "leak: 3 D blocks still allocated");
+  const std::vector<std::string> heard = Audit();
+  ASSERT_EQ(heard.size(), 2u);
+  EXPECT_EQ(heard[0], "leak: 2 P blocks still allocated");
+  EXPECT_EQ(heard[1], "leak: 3 D blocks still allocated");
 }
 
-TEST(LeakAudit, ATransferPsAdapterStillKnowsIsALeak) {
-  core::BlockPool p_pool(8);
-  protocol::PrefillAdapter p_adapter({.ranks = 1});
+TEST_F(LeakAudit, ATransferPsAdapterStillKnowsIsALeak) {
   ASSERT_TRUE(p_adapter.Admit("xfer-0", 7).ok());
-  Heard heard;
-  AuditPrefillSide({{}, p_pool, p_adapter}, heard.sink());
-  ASSERT_EQ(heard.what.size(), 1u);
-  EXPECT_EQ(heard.what[0], "leak: P's engine adapter still knows 1 transfers");
+  const std::vector<std::string> heard = Audit();
+  ASSERT_EQ(heard.size(), 1u);
+  EXPECT_EQ(heard[0], "leak: P's engine adapter still knows 1 transfers");
 }
 
 }  // namespace
