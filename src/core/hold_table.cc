@@ -239,10 +239,10 @@ PullAdmission HoldTable::AdmitPull(const TransferId& id, std::uint32_t d_rank,
                                    TimePoint now) {
   using V = PullAdmission::Verdict;
   const Fingerprint fp = FingerprintOf(id);
-  if (auto t = tombstones_.find(fp); t != tombstones_.end()) {
+  if (tombstones_.count(fp) != 0) {
     ++stats_.tombstone_hits;
     ++stats_.late_pulls_rejected;
-    return {V::kFail, LatePull(id, t->second), {}};
+    return {V::kFail, LatePull(id, fp), {}};
   }
   if (d_rank >= 64 || need_send == 0 || need_send > 64) {
     return {V::kFail,
@@ -520,38 +520,63 @@ void HoldTable::Release(Entry& e, ReleaseReason reason, Status pull_error, TimeP
   AddTombstone(fp, now);
 }
 
-Status HoldTable::LatePull(const TransferId& id, const std::string& refusal) const {
-  if (refusal.empty()) {
+Status HoldTable::LatePull(const TransferId& id, Fingerprint fp) const {
+  const auto kept = reasons_.find(fp);
+  if (kept == reasons_.end()) {
     return Status(ErrorCode::kTombstoned,
                   fmt::format("transfer {} was already released on P (late pull)", id));
   }
   return Status(ErrorCode::kTombstoned,
-                fmt::format("transfer {} was refused on P: {} (late pull)", id, refusal));
+                fmt::format("transfer {} was refused on P: {} (late pull)", id, kept->second.text));
 }
 
 void HoldTable::AddTombstone(Fingerprint fp, TimePoint now, std::string refusal) {
   if (config_.max_tombstones == 0) return;
   if (tombstones_.count(fp) != 0) return;  // the first reason stands; its expiry too
   while (tombstone_order_.size() >= config_.max_tombstones) {
-    tombstones_.erase(tombstone_order_.front().fp);
+    DropTombstone(tombstone_order_.front().fp);
     tombstone_order_.pop_front();
     ++stats_.tombstones_evicted;
   }
+  tombstones_.insert(fp);
+  tombstone_order_.push_back({now + config_.abort_request_timeout, fp});
+  stats_.tombstones = tombstones_.size();
+  if (refusal.empty() || config_.max_refusal_reasons == 0) return;
   if (refusal.size() > kMaxRefusalReasonBytes) {
     // Cut on a UTF-8 character boundary: the reason reaches Python as text on D.
     std::size_t cut = kMaxRefusalReasonBytes;
     while (cut > 0 && (static_cast<unsigned char>(refusal[cut]) & 0xC0) == 0x80) --cut;
     refusal.resize(cut);
   }
-  tombstones_.emplace(fp, std::move(refusal));
-  tombstone_order_.push_back({now + config_.abort_request_timeout, fp});
-  stats_.tombstones = tombstones_.size();
+  while (reasons_.size() >= config_.max_refusal_reasons && !reason_order_.empty()) {
+    reasons_.erase(reason_order_.front().first);  // the front is always a kept reason's
+    reason_order_.pop_front();
+  }
+  stats_.refusal_reasons = reasons_.size();
+  const std::uint64_t seq = next_reason_seq_++;
+  reasons_[fp] = KeptReason{seq, std::move(refusal)};
+  reason_order_.emplace_back(fp, seq);
+  stats_.refusal_reasons = reasons_.size();
+}
+
+void HoldTable::DropTombstone(Fingerprint fp) {
+  tombstones_.erase(fp);
+  reasons_.erase(fp);
+  // Reasons are kept in tombstone order and tombstones leave oldest first, so the order entries
+  // of reasons gone are a prefix of reason_order_: trimming it keeps one entry per kept reason
+  // (the seq tells an entry from a later reason of the same fingerprint).
+  while (!reason_order_.empty()) {
+    const auto it = reasons_.find(reason_order_.front().first);
+    if (it != reasons_.end() && it->second.seq == reason_order_.front().second) break;
+    reason_order_.pop_front();
+  }
+  stats_.refusal_reasons = reasons_.size();
 }
 
 void HoldTable::ExpireTombstones(TimePoint now) {
   // Every tombstone lives for the same duration, so insertion order is expiry order.
   while (!tombstone_order_.empty() && tombstone_order_.front().until <= now) {
-    tombstones_.erase(tombstone_order_.front().fp);
+    DropTombstone(tombstone_order_.front().fp);
     tombstone_order_.pop_front();
   }
   stats_.tombstones = tombstones_.size();

@@ -1015,6 +1015,69 @@ TEST(HoldTableRefusals, KeptRefusalReasonIsCutOnACharacterBoundary) {
   EXPECT_FALSE(Contains(heard, "\xc3")) << heard;
 }
 
+// Reasons have their own bound (a client can abort at will): beyond it the oldest reason goes
+// and its tombstone stays, so the late pull still fails at once, only without the words.
+TEST(HoldTableRefusals, ReasonsBeyondTheirCapGoOldestFirstAndTheirTombstonesStay) {
+  HoldConfig c = LeaseConfig(30);
+  c.max_refusal_reasons = 2;
+  HoldTable t(c);
+  for (const char* id : {"a", "b", "c"}) {
+    ASSERT_TRUE(t.Refuse(id, Status(ErrorCode::kCancelled, std::string("left ") + id), t0).ok());
+  }
+  EXPECT_TRUE(t.IsTombstoned("a"));
+  PullAdmission a = t.AdmitPull("a", 0, 1, seconds(30), t0);
+  EXPECT_EQ(a.error.code(), ErrorCode::kTombstoned);
+  EXPECT_TRUE(Contains(a.error.message(), "already released")) << a.error.message();
+  EXPECT_TRUE(Contains(t.AdmitPull("b", 0, 1, seconds(30), t0).error.message(), "left b"));
+  EXPECT_TRUE(Contains(t.AdmitPull("c", 0, 1, seconds(30), t0).error.message(), "left c"));
+  EXPECT_EQ(t.stats().refusal_reasons, 2u);
+}
+
+// A reason leaves with its tombstone (evicted or expired), and an id refused again after that
+// is told its new reason, whatever became of the old one.
+TEST(HoldTableRefusals, AReasonLeavesWithItsTombstoneAndAReRefusedIdHearsTheNewOne) {
+  HoldConfig c = LeaseConfig(30, 60);
+  c.max_tombstones = 2;
+  c.max_refusal_reasons = 2;
+  HoldTable t(c);
+  ASSERT_TRUE(t.Refuse("x", Status(ErrorCode::kCancelled, "first"), t0).ok());
+  ASSERT_TRUE(t.Refuse("y", Status(ErrorCode::kCancelled, "why y"), t0).ok());
+  ASSERT_TRUE(t.Refuse("z", Status(ErrorCode::kCancelled, "why z"), t0).ok());  // evicts x
+  EXPECT_FALSE(t.IsTombstoned("x"));
+  ASSERT_TRUE(t.Refuse("x", Status(ErrorCode::kCancelled, "second"), t0).ok());  // evicts y
+  const std::string x = t.AdmitPull("x", 0, 1, seconds(30), t0).error.message();
+  EXPECT_TRUE(Contains(x, "second")) << x;
+  EXPECT_FALSE(Contains(x, "first")) << x;
+  EXPECT_TRUE(Contains(t.AdmitPull("z", 0, 1, seconds(30), t0).error.message(), "why z"));
+  EXPECT_EQ(t.stats().refusal_reasons, 2u);  // z's and x's: y's left with its tombstone
+  // Expired with their tombstones; refused again later, the id keeps the newest words.
+  t.Expire(t0 + seconds(61));
+  EXPECT_FALSE(t.IsTombstoned("x"));
+  EXPECT_EQ(t.stats().refusal_reasons, 0u);
+  ASSERT_TRUE(t.Refuse("x", Status(ErrorCode::kCancelled, "third"), t0 + seconds(62)).ok());
+  EXPECT_TRUE(
+      Contains(t.AdmitPull("x", 0, 1, seconds(30), t0 + seconds(62)).error.message(), "third"));
+}
+
+// Many refusals: only the newest max_refusal_reasons keep their words, every id stays refused.
+TEST(HoldTableRefusals, OnlyTheNewestReasonsAreKeptThroughAFloodOfRefusals) {
+  HoldConfig c = LeaseConfig(30);
+  c.max_tombstones = 1000;
+  c.max_refusal_reasons = 100;
+  HoldTable t(c);
+  for (int i = 0; i < 5000; ++i) {
+    ASSERT_TRUE(t.Refuse("r" + std::to_string(i), Status(ErrorCode::kCancelled, "gone"), t0).ok());
+  }
+  EXPECT_FALSE(t.IsTombstoned("r3999"));  // beyond max_tombstones
+  for (int i = 4000; i < 5000; ++i) {
+    const std::string heard =
+        t.AdmitPull("r" + std::to_string(i), 0, 1, seconds(30), t0).error.message();
+    EXPECT_EQ(Contains(heard, "gone"), i >= 4900) << i << ": " << heard;
+    EXPECT_TRUE(t.IsTombstoned("r" + std::to_string(i)));
+  }
+  EXPECT_EQ(t.stats().refusal_reasons, 100u);
+}
+
 // A refusal never touches a transfer another request has admitted (a duplicate submission).
 TEST(HoldTableRefusals, RefusalOfAnAdmittedTransferChangesNothing) {
   HoldTable t(LeaseConfig(30));
@@ -1041,6 +1104,7 @@ TEST(HoldStatsSum, AddsEveryFieldOnce) {
     *f = v++;
   }
   b.tombstones = v++;
+  b.refusal_reasons = v++;
   a += b;
   a += b;
   for (HoldPhase phase : kAllHoldPhases) EXPECT_EQ(a.entries[phase], 2 * b.entries[phase]);
@@ -1050,6 +1114,7 @@ TEST(HoldStatsSum, AddsEveryFieldOnce) {
   EXPECT_EQ(a.blocks_ready, 2 * b.blocks_ready);
   EXPECT_EQ(a.sending, 2 * b.sending);
   EXPECT_EQ(a.tombstones, 2 * b.tombstones);
+  EXPECT_EQ(a.refusal_reasons, 2 * b.refusal_reasons);
   EXPECT_EQ(a.renewals_extended, 2 * b.renewals_extended);
   EXPECT_EQ(a.renewals_unknown, 2 * b.renewals_unknown);
   EXPECT_EQ(a.renewals_rejected, 2 * b.renewals_rejected);

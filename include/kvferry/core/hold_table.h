@@ -38,6 +38,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kvferry/core/enum_array.h"
@@ -55,10 +56,16 @@ struct HoldConfig {
   // abort_request_timeout: the fixed hold without a lease, the bound on waiting for an unfinished
   // prefill, and how long freed ids are remembered (tombstones).
   Duration abort_request_timeout = std::chrono::seconds(480);
-  // Tombstones beyond this are evicted oldest first (counted in stats). A tombstone left by
-  // Refuse also keeps the engine's reason (at most kMaxRefusalReasonBytes), so memory is bounded
-  // by max_tombstones · (kMaxRefusalReasonBytes + a map node).
+  // Tombstones beyond this are evicted oldest first (counted in stats): a fingerprint and its
+  // expiry each, ~50 MB at the default.
   std::size_t max_tombstones = 1 << 20;
+  // Refusal reasons kept with their tombstones (at most kMaxRefusalReasonBytes each), newest
+  // first: beyond this the oldest reason is dropped and its tombstone stays, so a late pull
+  // still fails at once, only without the engine's words. A client-controlled abort can refuse
+  // at will, so reasons get their own, smaller bound: ~5 MB at the default, where sharing
+  // max_tombstones allowed ~300 MB. 16,384 reasons outlive the pulls they are for: a refused
+  // request's D pulls within seconds, and that many refusals take minutes at any rate seen.
+  std::size_t max_refusal_reasons = 1 << 14;
   // Placeholders (pulls for transfers P has not admitted) beyond this are refused with
   // kResourceExhausted: a decoder pulling random ids must not grow P's memory without bound.
   std::size_t max_placeholders = 1 << 16;
@@ -132,6 +139,7 @@ struct HoldStats {
   std::uint64_t blocks_ready = 0;
   std::uint64_t sending = 0;
   std::uint64_t tombstones = 0;
+  std::uint64_t refusal_reasons = 0;
   EnumArray<ReleaseReason, std::uint64_t, kAllReleaseReasons.size()> released;
   std::uint64_t renewals_extended = 0;
   std::uint64_t renewals_unknown = 0;
@@ -154,6 +162,8 @@ inline constexpr StatField<HoldStats> kHoldStatFields[] = {
      "P blocks held by ready hold entries (all ranks)"},
     {"hold_sending", &HoldStats::sending, StatKind::kGauge, "P sends in flight"},
     {"tombstones", &HoldStats::tombstones, StatKind::kGauge, "Remembered freed transfer ids"},
+    {"refusal_reasons", &HoldStats::refusal_reasons, StatKind::kGauge,
+     "Engine refusal reasons kept for late pulls (within max_refusal_reasons)"},
     {"renewals_extended", &HoldStats::renewals_extended, StatKind::kCounter,
      "Transfers whose lease a renewal extended"},
     {"renewals_unknown", &HoldStats::renewals_unknown, StatKind::kCounter,
@@ -325,7 +335,7 @@ class HoldTable {
   };
   // What a late pull hears for a tombstoned id: why P's engine refused it, or that it was
   // released.
-  Status LatePull(const TransferId& id, const std::string& refusal) const;
+  Status LatePull(const TransferId& id, Fingerprint fp) const;
   using Map = std::unordered_map<Fingerprint, Entry>;
 
   Entry* Find(const TransferId& id);
@@ -340,6 +350,7 @@ class HoldTable {
   bool MaybeDone(Entry& e, TimePoint now);
   // `refusal`: why P's engine refused the id (empty for ids released after admission).
   void AddTombstone(Fingerprint fp, TimePoint now, std::string refusal = {});
+  void DropTombstone(Fingerprint fp);  // and its reason
   void ExpireTombstones(TimePoint now);
 
   void HeapPush(Entry& e, TimePoint key);
@@ -353,8 +364,17 @@ class HoldTable {
   Map entries_;
   std::vector<HeapItem> heap_;
   std::deque<Tombstone> tombstone_order_;
-  // Tombstoned fingerprints, each with the engine's refusal reason (empty if none).
-  std::unordered_map<Fingerprint, std::string> tombstones_;
+  std::unordered_set<Fingerprint> tombstones_;
+  // The engine's reasons for tombstones left by Refuse, at most max_refusal_reasons, the
+  // oldest first in reason_order_. A reason's `seq` tells its own order entry from one left by
+  // an earlier tombstone of the same fingerprint.
+  struct KeptReason {
+    std::uint64_t seq = 0;
+    std::string text;
+  };
+  std::unordered_map<Fingerprint, KeptReason> reasons_;
+  std::deque<std::pair<Fingerprint, std::uint64_t>> reason_order_;
+  std::uint64_t next_reason_seq_ = 0;
   std::vector<HoldEvent> events_;
   HoldStats stats_;
 };
