@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +34,7 @@
 #include <unordered_set>
 
 #include "descriptor.h"
+#include "inbound_tally.h"
 #include "kvferry/core/thread_name.h"
 #include "kvferry/transport/ucx.h"
 #include "sender_table.h"
@@ -199,11 +201,6 @@ class UcxEngine final : public Engine {
   };
 
   // Inbound side (progress thread only).
-  struct InboundBatch {
-    std::uint32_t landed = 0;
-    std::uint32_t op_count = 0;
-    ErrorCode code = ErrorCode::kOk;
-  };
   struct RecvContext {
     UcxEngine* engine;
     std::uint64_t sender_uid;
@@ -318,7 +315,7 @@ class UcxEngine final : public Engine {
   std::vector<std::shared_ptr<Peer>> graveyard_;  // every peer ever connected (err-handler args)
   // Receiver side: the engines writing here, their connections and endpoints back.
   SenderTable<ucp_ep_h> senders_;
-  std::map<std::pair<std::uint64_t, std::uint64_t>, InboundBatch> inbound_;
+  internal::InboundTally inbound_;  // how much of each inbound batch landed (bounded)
   AckMemory acks_sent_{kAckMemory};  // verdicts sent lately, for QUERYs
   TimePoint next_query_log_{};
   std::uint64_t queries_unlogged_ = 0;
@@ -1389,14 +1386,20 @@ Status UcxEngine::RevokeWriteKeys(std::span<const WriteKey> keys, TimePoint dead
 
 void UcxEngine::InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id,
                                 std::uint32_t op_count, ErrorCode code, std::uint32_t ops) {
-  auto key = std::make_pair(sender_uid, batch_id);
-  InboundBatch& ib = inbound_[key];
-  ib.landed += ops;
-  ib.op_count = op_count;
-  if (ib.code == ErrorCode::kOk) ib.code = code;
-  if (ib.landed < op_count) return;
-  ErrorCode result = ib.code;
-  inbound_.erase(key);
+  const std::uint64_t forgotten_before = inbound_.forgotten();
+  const std::optional<ErrorCode> verdict =
+      inbound_.Landed(sender_uid, batch_id, op_count, code, ops);
+  if (const std::uint64_t forgotten = inbound_.forgotten(); forgotten != forgotten_before &&
+                                                            std::has_single_bit(forgotten)) {
+    // Logged at 1, 2, 4, ... forgotten: a sender opening batches without end must not flood the
+    // log either.
+    spdlog::warn("kvferry UCX engine {}: {} inbound batches left open (the longest-open "
+                 "forgotten to stay within {}; their senders time them out); the latest opened "
+                 "by sender {:x}",
+                 options_.name, forgotten, internal::InboundTally::kDefaultMaxOpen, sender_uid);
+  }
+  if (!verdict) return;
+  const ErrorCode result = *verdict;
   acks_sent_.Remember(sender_uid, batch_id, static_cast<std::uint32_t>(result));
   ucp_ep_h back = senders_.Endpoint(sender_uid);
   if (back == nullptr) {
@@ -1426,9 +1429,7 @@ void UcxEngine::BackEndpointFailed(ucp_ep_h ep, ucs_status_t status) {
 
 void UcxEngine::SenderGone(std::uint64_t uid, ucp_ep_h ep) {
   if (ep != nullptr) eps_to_close_.push_back(ep);
-  for (auto i = inbound_.lower_bound({uid, 0}); i != inbound_.end() && i->first.first == uid;) {
-    i = inbound_.erase(i);
-  }
+  inbound_.ForgetSender(uid);
 }
 
 ucs_status_t UcxEngine::OnBye(void* arg, const void* header, size_t header_length, void*, size_t,
@@ -1475,11 +1476,10 @@ ucs_status_t UcxEngine::OnQuery(void* arg, const void* header, size_t header_len
   if (verdict) {
     known = back != nullptr ? "acknowledged already: acknowledged again (the first ACK was lost)"
                             : "acknowledged already, but no endpoint back to it is left";
-  } else if (auto it = self->inbound_.find({h.sender_uid, h.batch_id}); it != self->inbound_.end()) {
-    known = fmt::format("still landing: {} of its {} ops landed", it->second.landed,
-                        it->second.op_count);
+  } else if (auto open = self->inbound_.Find(h.sender_uid, h.batch_id)) {
+    known = fmt::format("still landing: {} of its {} ops landed", open->landed, open->op_count);
   } else {
-    known = "no op of it has landed here (or its sender was forgotten)";
+    known = "no op of it has landed here (or it or its sender was forgotten)";
   }
   spdlog::warn("kvferry UCX engine {}: sender {:x} asks for batch {} (query {}): {}{}",
                self->options_.name, h.sender_uid, h.batch_id, h.attempt, known,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "descriptor.h"
+#include "inbound_tally.h"
 #include "kvferry/transport/ucx.h"
 #include "ucx_am_protocol.h"
 
@@ -229,6 +230,46 @@ TEST(UcxProtocol, AReceiverAnswersAQueryWithTheVerdictItSentAndIgnoresTheRest) {
   raw.ProgressUntil([] { return false; }, In(300ms));
   EXPECT_EQ(acks().size(), 5u) << "an ACK for a batch the receiver never acknowledged";
   EXPECT_EQ(std::memcmp(region->base + 4096, page.data(), page.size()), 0);
+}
+
+// A sender that opens batches and never finishes them (each write claims one more op to come)
+// cannot grow the receiver without bound: past InboundTally's bound the longest-open batch is
+// forgotten, so finishing it later earns no ACK (its sender times it out, unsettled), and the
+// receiver goes on acknowledging whole batches.
+TEST(UcxProtocol, BatchesLeftOpenWithoutEndAreForgottenOldestFirstAndWholeOnesStillAcked) {
+  auto engine = MakeUcxEngine(TcpOptions());
+  ASSERT_TRUE(engine) << engine.error().ToString();
+  auto region = (*engine)->AllocateRegion(1 << 20);
+  ASSERT_TRUE(region);
+  auto bytes = (*engine)->ExportDescriptor({});
+  ASSERT_TRUE(bytes);
+  auto desc = internal::DecodeDescriptor(*bytes);
+  ASSERT_TRUE(desc);
+
+  RawUcxPeer raw;
+  constexpr std::uint64_t kUid = 0xf100d;
+  ucp_ep_h ep = raw.Connect(desc->address);
+  raw.Send(ep, kHello, HelloHeader{kUid, 1}, raw.address().data(), raw.address().size());
+  ASSERT_TRUE(raw.ProgressUntil([&] { return raw.Headers<HelloAckHeader>(kHelloAck).size() == 1; },
+                                In(10s)));
+  const std::uint64_t word = 0x1122334455667788ull;
+  auto write = [&](std::uint64_t batch, std::uint32_t op_count) {
+    raw.Send(ep, kWrite,
+             WriteHeader{kUid, batch, kNoWriteKey, 0, sizeof(word),
+                         static_cast<std::uint32_t>(region->id), op_count},
+             &word, sizeof(word));
+  };
+  write(1, 2);  // the first half of batch 1
+  const std::uint64_t flood = internal::InboundTally::kDefaultMaxOpen;
+  for (std::uint64_t b = 2; b < 2 + flood; ++b) write(b, 2);  // halves, never finished
+  write(1, 2);  // batch 1's second half: batch 1 was forgotten, so this opens it again
+  write(flood + 10, 1);  // a whole batch
+  auto acks = [&] { return raw.Headers<AckHeader>(kAck); };
+  ASSERT_TRUE(raw.ProgressUntil([&] { return !acks().empty(); }, In(30s)));
+  raw.ProgressUntil([] { return false; }, In(300ms));
+  ASSERT_EQ(acks().size(), 1u) << "batch " << acks()[0].batch_id << " acknowledged";
+  EXPECT_EQ(acks()[0].batch_id, flood + 10);
+  EXPECT_EQ(static_cast<ErrorCode>(acks()[0].code), ErrorCode::kOk);
 }
 
 TEST(UcxProtocol, ASenderWhoseAckWasLostAsksAndCompletesTheBatchWithinSeconds) {
