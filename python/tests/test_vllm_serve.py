@@ -323,7 +323,8 @@ def test_over_tcp_outputs_equal_p_alone(cluster):
         for prompt in prompts(9, (1, 63, 64, 65, 300)):
             want = complete(b.prefill.url, b.model, prompt)
             got = complete(b.proxy.url, b.model, prompt, stream=stream)
-            assert want.status == 200 and got.status == 200, (want.body, got.body)
+            assert want.status == 200 and got.status == 200, (want.body, got.body,
+                                                              b.data_plane_lines())
             assert got.tokens == want.tokens, f"prompt of {len(prompt)} tokens"
 
 

@@ -272,6 +272,17 @@ class Pair:
     def d_params(self, transfer_id: str) -> dict[str, Any]:
         return d_params(transfer_id, self.engine_id, self.bootstrap_port)
 
+    def data_plane_lines(self, last: int = 12) -> str:
+        """The data plane's own warnings on P and D (lost ACKs, unanswered QUERYs, endpoints
+        back that failed), for a failed transfer's assertion message: the message stays at the
+        top of a CI log, where the engines' log tails may be cut."""
+        out = []
+        for engine in (self.prefill, self.decode):
+            text = engine.log.read_text(errors="replace") if engine.log.exists() else ""
+            got = [line for line in text.splitlines() if "UCX engine" in line]
+            out.append(f"{engine.name}: " + (" | ".join(got[-last:]) or "(no data-plane warning)"))
+        return "\n".join(out)
+
 
 class Cluster:
     """Engines and proxies of a test module: started together (``start``), stopped together."""
