@@ -11,10 +11,10 @@
 #include <mutex>
 #include <optional>
 #include <thread>
-#include <unordered_set>
 
 #include "descriptor.h"
 #include "kvferry/transport/inprocess.h"
+#include "write_fence.h"
 
 namespace kvferry::transport {
 
@@ -45,7 +45,10 @@ struct LocalRegion {
 class InProcessEngineImpl final : public InProcessEngine {
  public:
   InProcessEngineImpl(std::shared_ptr<InProcessFabric> fabric, InProcessOptions options)
-      : fabric_(std::move(fabric)), options_(std::move(options)), uid_(internal::RandomUid()) {
+      : fabric_(std::move(fabric)),
+        options_(std::move(options)),
+        uid_(internal::RandomUid()),
+        fence_(options_.fence_writes) {
     if (!options_.manual_pump) worker_ = std::thread([this] { WorkerLoop(); });
   }
 
@@ -287,7 +290,7 @@ class InProcessEngineImpl final : public InProcessEngine {
       return Status(ErrorCode::kRejected, "this in-process engine does not fence writes");
     }
     std::lock_guard<std::mutex> flock(fabric_->mu);
-    revoked_.insert(keys.begin(), keys.end());
+    fence_.Revoke(keys);
     return Status::Ok();
   }
 
@@ -348,7 +351,7 @@ class InProcessEngineImpl final : public InProcessEngine {
     auto eit = fabric_->engines.find(peer_name);
     if (eit == fabric_->engines.end()) return Status(ErrorCode::kUnavailable, "peer is gone");
     InProcessEngineImpl* dst = eit->second;
-    if (dst->options_.fence_writes && (key == kNoWriteKey || dst->revoked_.count(key) != 0)) {
+    if (!dst->fence_.Admitted(key)) {
       return Status(ErrorCode::kRejected,
                     "peer fences its writers and refused this batch's write key (none, or revoked)");
     }
@@ -423,7 +426,7 @@ class InProcessEngineImpl final : public InProcessEngine {
 
   std::map<RegionId, LocalRegion> regions_;  // guarded by fabric_->mu
   RegionId next_region_ = 1;                 // guarded by fabric_->mu
-  std::unordered_set<WriteKey> revoked_;     // guarded by fabric_->mu
+  internal::WriteFence fence_;  // guarded by fabric_->mu (copies land under it: no Admit)
 
   mutable std::mutex mu_;  // guards everything below
   std::condition_variable cv_;

@@ -41,6 +41,7 @@
 #include "stall_watch.h"
 #include "ucx_am_protocol.h"
 #include "ucx_settings.h"
+#include "write_fence.h"
 
 namespace kvferry::transport {
 namespace {
@@ -93,7 +94,8 @@ Status FromUcs(ucs_status_t s, const std::string& what) {
 
 class UcxEngine final : public Engine {
  public:
-  explicit UcxEngine(const UcxOptions& options) : options_(options), uid_(internal::RandomUid()) {
+  explicit UcxEngine(const UcxOptions& options)
+      : options_(options), uid_(internal::RandomUid()), fence_(options.fence_writes) {
     if (std::getenv("KVFERRY_UCX_BUSY_POLL") != nullptr) options_.busy_poll = true;
   }
 
@@ -246,9 +248,7 @@ class UcxEngine final : public Engine {
   // An inbound write into region `id` stamped with `key` stopped landing (copied or failed).
   void RegionReleased(RegionId id, WriteKey key);
   // Under mu_: may a write stamped with `key` land? (Always, unless this engine fences.)
-  bool KeyAdmitted(WriteKey key) const {
-    return !options_.fence_writes || (key != kNoWriteKey && revoked_.count(key) == 0);
-  }
+  bool KeyAdmitted(WriteKey key) const { return fence_.Admitted(key); }
   // A sender forgotten (its last BYE, or its endpoint back failed): `ep` closes, and what of its
   // batches was still landing is dropped.
   void SenderGone(std::uint64_t uid, ucp_ep_h ep);
@@ -301,10 +301,8 @@ class UcxEngine final : public Engine {
   std::deque<std::function<void()>> commands_;
   std::map<RegionId, LocalRegion> regions_;
   std::map<ConnectionId, std::shared_ptr<Peer>> peers_;
-  // Receiver-side fencing (options_.fence_writes): keys revoked for good, and how many inbound
-  // writes stamped with each key are landing now (admitted, not yet copied or failed).
-  std::unordered_set<WriteKey> revoked_;
-  std::unordered_map<WriteKey, int> landing_;
+  // Receiver-side fencing (write_fence.h): which keys may land, and which still land.
+  internal::WriteFence fence_;
   RegionId next_region_ = 1;
   ConnectionId next_peer_ = 1;
   BatchId next_batch_ = 1;
@@ -1230,7 +1228,7 @@ ucs_status_t UcxEngine::OnWrite(void* arg, const void* header, size_t header_len
       dst = it->second.region.base + h.remote_offset;
       memh = it->second.memh;
       ++it->second.in_in_flight;
-      ++self->landing_[h.write_key];
+      self->fence_.Admit(h.write_key);
     }
   }
   if (dst == nullptr) {
@@ -1301,7 +1299,7 @@ ucs_status_t UcxEngine::OnWriteV(void* arg, const void* header, size_t header_le
     if (ok && total == length) {
       base = it->second.region.base;
       ++it->second.in_in_flight;
-      ++self->landing_[h.write_key];
+      self->fence_.Admit(h.write_key);
     }
   }
   if (base == nullptr) {
@@ -1358,8 +1356,7 @@ void UcxEngine::RegionReleased(RegionId id, WriteKey key) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(id);
   if (it != regions_.end()) --it->second.in_in_flight;
-  auto k = landing_.find(key);
-  if (k != landing_.end() && --k->second <= 0) landing_.erase(k);
+  fence_.Landed(key);
   cv_.notify_all();
 }
 
@@ -1371,12 +1368,9 @@ Status UcxEngine::RevokeWriteKeys(std::span<const WriteKey> keys, TimePoint dead
   if (OnProgressThread()) return CallbackMisuse("RevokeWriteKeys");
   std::unique_lock<std::mutex> lock(mu_);
   // From here on every handler refuses these keys (they check under mu_); what was admitted
-  // before is counted in landing_ until its copy or its rendezvous receive ends.
-  for (WriteKey key : keys) revoked_.insert(key);
-  const bool drained = cv_.wait_until(lock, deadline, [&] {
-    return std::none_of(keys.begin(), keys.end(),
-                        [&](WriteKey key) { return landing_.count(key) != 0; });
-  });
+  // before counts as landing until its copy or its rendezvous receive ends.
+  fence_.Revoke(keys);
+  const bool drained = cv_.wait_until(lock, deadline, [&] { return !fence_.AnyLanding(keys); });
   if (!drained) {
     return Status(ErrorCode::kTimeout,
                   "writes stamped with a revoked key were still landing at the deadline");
