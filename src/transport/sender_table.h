@@ -17,7 +17,9 @@
 // sender's Connect times out) and changes nothing. Bye forgets one connection and, with the
 // last, the sender, returning its endpoint for the caller to close. EndpointFailed and Forget
 // drop a sender whatever it holds, returning what to close. Ids are the peer's words: any value
-// is accepted and bounds the table only by connection count per sender.
+// is accepted, and the table is bounded both ways: at most kMaxConnections per sender, and at
+// most `max_senders` senders (a HELLO of a new sender beyond them is kRefused too), since each
+// sender costs the caller a UCX endpoint back and a peer can claim a new uid per HELLO.
 #pragma once
 
 #include <cstddef>
@@ -36,10 +38,16 @@ template <typename Ep>
 class SenderTable {
  public:
   static constexpr std::size_t kMaxConnections = 1024;
+  // Every P rank of a cluster writing to one D rank is one sender: 4,096 is 8 times a cluster of
+  // 64 prefill engines of TP 8, and each costs an endpoint (a socket over tcp).
+  static constexpr std::size_t kMaxSenders = 4096;
 
   enum class HelloResult { kKnown, kOpenEndpoint, kRefused };
 
+  explicit SenderTable(std::size_t max_senders = kMaxSenders) : max_senders_(max_senders) {}
+
   HelloResult Hello(std::uint64_t uid, std::uint64_t nonce) {
+    if (senders_.size() >= max_senders_ && senders_.count(uid) == 0) return HelloResult::kRefused;
     Sender& s = senders_[uid];
     if (s.connections.size() >= kMaxConnections && s.connections.count(nonce) == 0) {
       if (s.connections.empty()) senders_.erase(uid);
@@ -115,6 +123,7 @@ class SenderTable {
     Ep ep{};
     std::unordered_set<std::uint64_t> connections;  // HELLO nonces not yet said goodbye to
   };
+  std::size_t max_senders_;
   std::unordered_map<std::uint64_t, Sender> senders_;
 };
 

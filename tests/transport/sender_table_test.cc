@@ -66,6 +66,25 @@ TEST(SenderTable, HellosBeyondTheConnectionBoundAreRefusedAndChangeNothing) {
   EXPECT_EQ(t.connections(7), Table::kMaxConnections);
 }
 
+// The attacker's other case: a peer claiming a new sender uid with every HELLO. Beyond the
+// bound a new sender is refused (no endpoint is opened for it); known senders still connect,
+// and one leaving makes room.
+TEST(SenderTable, HellosOfNewSendersBeyondTheSenderBoundAreRefusedAndChangeNothing) {
+  Table t(3);
+  for (std::uint64_t uid = 1; uid <= 3; ++uid) {
+    ASSERT_EQ(t.Hello(uid, 1), Hello::kOpenEndpoint);
+    t.SetEndpoint(uid, static_cast<int>(uid * 10));
+  }
+  EXPECT_EQ(t.Hello(4, 1), Hello::kRefused);
+  EXPECT_EQ(t.size(), 3u);
+  EXPECT_EQ(t.Endpoint(4), 0);
+  EXPECT_EQ(t.Hello(2, 2), Hello::kKnown);  // a known sender's new connection
+  EXPECT_EQ(t.Bye(1, 1), std::optional<int>(10));
+  EXPECT_EQ(t.Hello(4, 1), Hello::kOpenEndpoint);
+  EXPECT_EQ(Table().size(), 0u);
+  EXPECT_EQ(Table::kMaxSenders, 4096u);
+}
+
 TEST(SenderTable, ClearHandsBackEveryEndpoint) {
   Table t;
   ASSERT_EQ(t.Hello(1, 1), Hello::kOpenEndpoint);
