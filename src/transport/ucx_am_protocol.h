@@ -14,8 +14,11 @@
 //             (sender_table.h).
 //   QUERY     sender -> receiver when a batch's sends have all completed and its ACK has not come
 //             for kAckQueryAfter (then again every kAckQueryAfter): QueryHeader. A receiver that
-//             acknowledged that batch lately (AckMemory) sends the same ACK again; otherwise it
-//             logs what it knows of the batch (landing, or never seen) and answers nothing.
+//             acknowledged that batch lately (AckMemory) sends the same ACK again, on its
+//             endpoint back and on the query's reply endpoint (the query is sent with
+//             UCP_AM_SEND_FLAG_REPLY: an endpoint back that failed, or lost what it carried,
+//             leaves that way open); otherwise it logs what it knows of the batch (landing, or
+//             never seen) and answers nothing.
 //             So a lost ACK costs seconds, not the sender's write bound, and a batch that never
 //             landed is named on the receiver.
 //

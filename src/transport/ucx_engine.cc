@@ -240,8 +240,9 @@ class UcxEngine final : public Engine {
   void PeerFailed(Peer* peer, ucs_status_t status);
   void DriveCloses();
   void ForceCloseEp(ucp_ep_h ep);
+  // `flags`: UCP_AM_SEND_FLAG_* beside EAGER (a QUERY asks for a reply endpoint: REPLY).
   template <typename H>
-  void SendSmall(ucp_ep_h ep, unsigned id, const H& header);
+  void SendSmall(ucp_ep_h ep, unsigned id, const H& header, std::uint32_t flags = 0);
   void InboundOpLanded(std::uint64_t sender_uid, std::uint64_t batch_id, std::uint32_t op_count,
                        ErrorCode code, std::uint32_t ops = 1);
   void RecvFinished(RecvContext* c, ucs_status_t status);
@@ -958,7 +959,7 @@ ucs_status_t UcxEngine::OnHelloAck(void* arg, const void* header, size_t header_
 }
 
 template <typename H>
-void UcxEngine::SendSmall(ucp_ep_h ep, unsigned id, const H& header) {
+void UcxEngine::SendSmall(ucp_ep_h ep, unsigned id, const H& header, std::uint32_t flags) {
   struct Ctx {
     UcxEngine* engine;
     H header;
@@ -967,7 +968,7 @@ void UcxEngine::SendSmall(ucp_ep_h ep, unsigned id, const H& header) {
   ucp_request_param_t rp{};
   rp.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  rp.flags = UCP_AM_SEND_FLAG_EAGER;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER | flags;
   rp.user_data = ctx;
   rp.cb.send = [](void* request, ucs_status_t, void* user_data) {
     auto* c = static_cast<Ctx*>(user_data);
@@ -1446,20 +1447,29 @@ void UcxEngine::QueryLateAcks(TimePoint now) {
     if (now - since < kAckQueryAfter || b->peer->ep == nullptr) continue;
     ++b->queries;
     b->last_query = now;
-    SendSmall(b->peer->ep, kQuery, QueryHeader{uid_, b->id, b->queries, 0});
+    // REPLY: the receiver can answer on an endpoint of the worker this query came in on, when
+    // its endpoint back to us is gone or lost what it sent (OnQuery).
+    SendSmall(b->peer->ep, kQuery, QueryHeader{uid_, b->id, b->queries, 0},
+              UCP_AM_SEND_FLAG_REPLY);
   }
 }
 
 ucs_status_t UcxEngine::OnQuery(void* arg, const void* header, size_t header_length, void*,
-                                size_t, const ucp_am_recv_param_t*) {
+                                size_t, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxEngine*>(arg);
   QueryHeader h;
   if (!ReadHeader(header, header_length, &h)) return UCS_OK;
   const ucp_ep_h back = self->senders_.Endpoint(h.sender_uid);
   const std::optional<std::uint32_t> verdict = self->acks_sent_.Find(h.sender_uid, h.batch_id);
-  if (verdict && back != nullptr) {
-    self->SendSmall(back, kAck, AckHeader{h.batch_id, *verdict, 0});
-  }
+  // A query means the first ACK did not arrive: the endpoint back may be gone (it failed, and
+  // the sender's record went with it) or may have lost what it carried. So the verdict goes on
+  // the endpoint back and, where the query brought one, on the reply endpoint too (a worker_
+  // endpoint, which acks otherwise avoid: docs/transport.md); a second copy is ignored.
+  const ucp_ep_h reply = (param != nullptr && (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+                             ? param->reply_ep
+                             : nullptr;
+  if (verdict && back != nullptr) self->SendSmall(back, kAck, AckHeader{h.batch_id, *verdict, 0});
+  if (verdict && reply != nullptr) self->SendSmall(reply, kAck, AckHeader{h.batch_id, *verdict, 0});
   const TimePoint now = Clock::now();
   if (now < self->next_query_log_) {
     ++self->queries_unlogged_;
@@ -1469,7 +1479,10 @@ ucs_status_t UcxEngine::OnQuery(void* arg, const void* header, size_t header_len
   std::string known;
   if (verdict) {
     known = back != nullptr ? "acknowledged already: acknowledged again (the first ACK was lost)"
-                            : "acknowledged already, but no endpoint back to it is left";
+            : reply != nullptr
+                ? "acknowledged already: acknowledged again on the query's reply endpoint (no "
+                  "endpoint back to it is left)"
+                : "acknowledged already, but no endpoint back to it is left";
   } else if (auto open = self->inbound_.Find(h.sender_uid, h.batch_id)) {
     known = fmt::format("still landing: {} of its {} ops landed", open->landed, open->op_count);
   } else {
