@@ -177,23 +177,47 @@ UcxOptions TcpOptions() {
   return options;
 }
 
-TEST(UcxProtocol, AReceiverAnswersAQueryWithTheVerdictItSentAndIgnoresTheRest) {
-  auto engine = MakeUcxEngine(TcpOptions());
-  ASSERT_TRUE(engine) << engine.error().ToString();
-  auto region = (*engine)->AllocateRegion(1 << 20);
-  ASSERT_TRUE(region);
-  auto bytes = (*engine)->ExportDescriptor({});
-  ASSERT_TRUE(bytes);
-  auto desc = internal::DecodeDescriptor(*bytes);
-  ASSERT_TRUE(desc);
+// A receiving engine over tcp with one 1 MiB region, and a raw peer connected to its worker
+// (`ep`): what the tests of the receiver's side start from. Hello says hello as sender `uid`
+// and waits for the answer.
+struct RawSenderAndReceiver {
+  ::testing::AssertionResult Start() {
+    if (!engine) return ::testing::AssertionFailure() << engine.error().ToString();
+    auto r = (*engine)->AllocateRegion(1 << 20);
+    if (!r) return ::testing::AssertionFailure() << r.error().ToString();
+    region = *r;
+    auto bytes = (*engine)->ExportDescriptor({});
+    if (!bytes) return ::testing::AssertionFailure() << bytes.error().ToString();
+    auto desc = internal::DecodeDescriptor(*bytes);
+    if (!desc) return ::testing::AssertionFailure() << desc.error().ToString();
+    ep = raw.Connect(desc->address);
+    return ::testing::AssertionSuccess();
+  }
+  ::testing::AssertionResult Hello(std::uint64_t uid) {
+    raw.Send(ep, kHello, HelloHeader{uid, 1}, raw.address().data(), raw.address().size());
+    if (raw.ProgressUntil([&] { return raw.Headers<HelloAckHeader>(kHelloAck).size() == 1; },
+                          In(10s))) {
+      return ::testing::AssertionSuccess();
+    }
+    return ::testing::AssertionFailure() << "no HELLO_ACK within 10 s";
+  }
+  std::vector<AckHeader> acks() const { return raw.Headers<AckHeader>(kAck); }
 
+  Result<std::unique_ptr<Engine>> engine = MakeUcxEngine(TcpOptions());
+  Region region{};
   RawUcxPeer raw;
+  ucp_ep_h ep = nullptr;
+};
+
+TEST(UcxProtocol, AReceiverAnswersAQueryWithTheVerdictItSentAndIgnoresTheRest) {
+  RawSenderAndReceiver t;
+  ASSERT_TRUE(t.Start());
+  RawUcxPeer& raw = t.raw;
+  const Region* region = &t.region;
   constexpr std::uint64_t kUid = 0x5eed;
-  ucp_ep_h ep = raw.Connect(desc->address);
-  raw.Send(ep, kHello, HelloHeader{kUid, 1}, raw.address().data(), raw.address().size());
-  ASSERT_TRUE(raw.ProgressUntil([&] { return raw.Headers<HelloAckHeader>(kHelloAck).size() == 1; },
-                                In(10s)));
-  auto acks = [&] { return raw.Headers<AckHeader>(kAck); };
+  ucp_ep_h ep = t.ep;
+  ASSERT_TRUE(t.Hello(kUid));
+  auto acks = [&] { return t.acks(); };
   std::vector<std::byte> page(4096, std::byte{7});
   auto write = [&](std::uint64_t batch, std::uint64_t offset) {
     raw.Send(ep, kWrite,
@@ -237,21 +261,13 @@ TEST(UcxProtocol, AReceiverAnswersAQueryWithTheVerdictItSentAndIgnoresTheRest) {
 // forgotten, so finishing it later earns no ACK (its sender times it out, unsettled), and the
 // receiver goes on acknowledging whole batches.
 TEST(UcxProtocol, BatchesLeftOpenWithoutEndAreForgottenOldestFirstAndWholeOnesStillAcked) {
-  auto engine = MakeUcxEngine(TcpOptions());
-  ASSERT_TRUE(engine) << engine.error().ToString();
-  auto region = (*engine)->AllocateRegion(1 << 20);
-  ASSERT_TRUE(region);
-  auto bytes = (*engine)->ExportDescriptor({});
-  ASSERT_TRUE(bytes);
-  auto desc = internal::DecodeDescriptor(*bytes);
-  ASSERT_TRUE(desc);
-
-  RawUcxPeer raw;
+  RawSenderAndReceiver t;
+  ASSERT_TRUE(t.Start());
+  RawUcxPeer& raw = t.raw;
+  const Region* region = &t.region;
   constexpr std::uint64_t kUid = 0xf100d;
-  ucp_ep_h ep = raw.Connect(desc->address);
-  raw.Send(ep, kHello, HelloHeader{kUid, 1}, raw.address().data(), raw.address().size());
-  ASSERT_TRUE(raw.ProgressUntil([&] { return raw.Headers<HelloAckHeader>(kHelloAck).size() == 1; },
-                                In(10s)));
+  ucp_ep_h ep = t.ep;
+  ASSERT_TRUE(t.Hello(kUid));
   const std::uint64_t word = 0x1122334455667788ull;
   auto write = [&](std::uint64_t batch, std::uint32_t op_count) {
     raw.Send(ep, kWrite,
@@ -264,7 +280,7 @@ TEST(UcxProtocol, BatchesLeftOpenWithoutEndAreForgottenOldestFirstAndWholeOnesSt
   for (std::uint64_t b = 2; b < 2 + flood; ++b) write(b, 2);  // halves, never finished
   write(1, 2);  // batch 1's second half: batch 1 was forgotten, so this opens it again
   write(flood + 10, 1);  // a whole batch
-  auto acks = [&] { return raw.Headers<AckHeader>(kAck); };
+  auto acks = [&] { return t.acks(); };
   ASSERT_TRUE(raw.ProgressUntil([&] { return !acks().empty(); }, In(30s)));
   raw.ProgressUntil([] { return false; }, In(300ms));
   ASSERT_EQ(acks().size(), 1u) << "batch " << acks()[0].batch_id << " acknowledged";
@@ -276,24 +292,18 @@ TEST(UcxProtocol, BatchesLeftOpenWithoutEndAreForgottenOldestFirstAndWholeOnesSt
 // hello) still answers the sender's QUERY, on the endpoint the query came with (REPLY): so a
 // sender whose endpoint back was lost gets its verdicts in seconds, not at its write bound.
 TEST(UcxProtocol, AQueryIsAnsweredOnItsReplyEndpointWhenNoEndpointBackIsLeft) {
-  auto engine = MakeUcxEngine(TcpOptions());
-  ASSERT_TRUE(engine) << engine.error().ToString();
-  auto region = (*engine)->AllocateRegion(1 << 20);
-  ASSERT_TRUE(region);
-  auto bytes = (*engine)->ExportDescriptor({});
-  ASSERT_TRUE(bytes);
-  auto desc = internal::DecodeDescriptor(*bytes);
-  ASSERT_TRUE(desc);
-
-  RawUcxPeer raw;
+  RawSenderAndReceiver t;
+  ASSERT_TRUE(t.Start());
+  RawUcxPeer& raw = t.raw;
+  const Region* region = &t.region;
   constexpr std::uint64_t kUid = 0xbac;
-  ucp_ep_h ep = raw.Connect(desc->address);
+  ucp_ep_h ep = t.ep;  // no HELLO: no endpoint back to this sender
   std::vector<std::byte> page(4096, std::byte{5});
   raw.Send(ep, kWrite,
            WriteHeader{kUid, 3, kNoWriteKey, 0, page.size(), static_cast<std::uint32_t>(region->id),
                        1},
            page.data(), page.size());
-  auto acks = [&] { return raw.Headers<AckHeader>(kAck); };
+  auto acks = [&] { return t.acks(); };
   raw.ProgressUntil([] { return false; }, In(300ms));
   ASSERT_TRUE(acks().empty()) << "acknowledged with no endpoint back";
   // Without REPLY, nothing to answer on; with it, the verdict.

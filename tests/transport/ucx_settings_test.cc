@@ -163,48 +163,54 @@ constexpr const char* kTcp113 =
     "#                 am_send: 0..<egr/short>..1048569..<egr/zcopy>..1048576..<rndv>..(inf)\n#\n"
     "#                  rma_bw: mds rndv_rkey_size 9\n#\n";
 
+// One lane line as UCX prints it: `tl`/`device` carrying `what` ("am keepalive", "rma_bw#0").
+std::string Lane(int n, const std::string& tl, const std::string& device, const std::string& what) {
+  return "#  lane[" + std::to_string(n) + "]:  " + std::to_string(n) + ":" + tl + "/" + device +
+         " md[" + std::to_string(n) + "] -> md[" + std::to_string(n) + "]/" + tl +
+         "/sysdev[255] " + what + "\n";
+}
+
+::testing::AssertionResult ReadsAs(const std::string& info, const std::string& transports,
+                                   bool rma_ok) {
+  const Lanes lanes = ReadLanes(info);
+  if (lanes.transports == transports && lanes.rma_ok == rma_ok) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "read as \"" << lanes.transports << "\", rma_ok "
+                                       << lanes.rma_ok << "; want \"" << transports
+                                       << "\", rma_ok " << rma_ok;
+}
+
 TEST(UcxLanes, SharedMemoryWithPerKeyPutsIsAPutPath) {
-  Lanes lanes = ReadLanes(kShm113);
-  EXPECT_EQ(lanes.transports, "sysv+posix");
-  EXPECT_TRUE(lanes.rma_ok);
+  EXPECT_TRUE(ReadsAs(kShm113, "sysv+posix", true));
 }
 
 TEST(UcxLanes, TcpIsNeverAPutPath) {
-  Lanes lanes = ReadLanes(kTcp113);
-  EXPECT_EQ(lanes.transports, "tcp");
-  EXPECT_FALSE(lanes.rma_ok);
+  EXPECT_TRUE(ReadsAs(kTcp113, "tcp", false));
   // Even with put lines (a forced put mode prints them): put over tcp is emulated.
-  EXPECT_FALSE(ReadLanes(std::string(kTcp113) + "#  put[0]: 0..<bcopy>..(inf)\n").rma_ok);
+  EXPECT_TRUE(ReadsAs(std::string(kTcp113) + "#  put[0]: 0..<bcopy>..(inf)\n", "tcp", false));
 }
 
 TEST(UcxLanes, DedicatedRmaLanesArePutPathsUnlessOneIsTcp) {
-  const std::string rdma =
-      "#  lane[0]:  0:tcp/eth0.0 md[0] -> md[0]/tcp/sysdev[255] am keepalive\n"
-      "#  lane[1]:  3:rc_mlx5/mlx5_0:1.0 md[3] -> md[3]/ib/sysdev[255] rma_bw#0\n";
-  Lanes lanes = ReadLanes(rdma);
-  EXPECT_EQ(lanes.transports, "tcp+rc_mlx5");
-  EXPECT_TRUE(lanes.rma_ok);  // the bytes take the RDMA lane; tcp only carries messages
-  const std::string tcp_rma =
-      "#  lane[0]:  0:tcp/lo.0 md[0] -> md[0]/tcp/sysdev[255] am rma_bw#0 keepalive\n";
-  EXPECT_FALSE(ReadLanes(tcp_rma).rma_ok);
+  // The bytes take the RDMA lane; tcp only carries messages.
+  EXPECT_TRUE(ReadsAs(Lane(0, "tcp", "eth0.0", "am keepalive") +
+                          Lane(1, "rc_mlx5", "mlx5_0:1.0", "rma_bw#0"),
+                      "tcp+rc_mlx5", true));
+  EXPECT_TRUE(ReadsAs(Lane(0, "tcp", "lo.0", "am rma_bw#0 keepalive"), "tcp", false));
 }
 
 TEST(UcxLanes, SharedMemoryWithoutPutLinesIsNoPutPathByItsLanesAlone) {
   // UCX 1.22 picks shared-memory put protocols per remote key later and prints no put lines;
   // the engine then proves the put path by mapping every remote key (ucx_engine.cc).
-  const std::string shm122 =
-      "#  lane[0]:  1:sysv/memory.0 md[1] -> md[1]/sysv/sysdev[255] am am_bw#0 keepalive\n"
-      "#  lane[1]:  2:posix/memory.0 md[2] -> md[2]/posix/sysdev[255]\n";
-  Lanes lanes = ReadLanes(shm122);
-  EXPECT_EQ(lanes.transports, "sysv+posix");
-  EXPECT_FALSE(lanes.rma_ok);
+  EXPECT_TRUE(ReadsAs(Lane(0, "sysv", "memory.0", "am am_bw#0 keepalive") +
+                          Lane(1, "posix", "memory.0", ""),
+                      "sysv+posix", false));
 }
 
 TEST(UcxLanes, ADescriptionWithoutLanesIsNoPathAndATruncatedLineIsRead) {
-  EXPECT_EQ(ReadLanes("").transports, "");
-  EXPECT_FALSE(ReadLanes("").rma_ok);
+  EXPECT_TRUE(ReadsAs("", "", false));
   EXPECT_FALSE(ReadLanes("lane[0]: garbage without a slash").rma_ok);
-  EXPECT_EQ(ReadLanes("#  lane[0]:  1:sysv/memory.0").transports, "sysv");  // no newline
+  EXPECT_TRUE(ReadsAs("#  lane[0]:  1:sysv/memory.0", "sysv", false));  // no newline
 }
 
 }  // namespace
