@@ -178,7 +178,8 @@ void HoldTable::EngineFinished(const TransferId& id, TimePoint now) {
 Status HoldTable::Refuse(const TransferId& id, Status why, TimePoint now) {
   const Fingerprint fp = FingerprintOf(id);
   auto it = entries_.find(fp);
-  if (it != entries_.end() && (it->second.id != id || it->second.phase != HoldPhase::kPlaceholder)) {
+  if (it != entries_.end() &&
+      (it->second.id != id || it->second.phase != HoldPhase::kPlaceholder)) {
     return Status(ErrorCode::kAlreadyExists,
                   fmt::format("transfer {} is held for another request: its refusal changes "
                               "nothing",
@@ -188,7 +189,9 @@ Status HoldTable::Refuse(const TransferId& id, Status why, TimePoint now) {
   // The tombstone (with the reason) first: the placeholder's release below keeps it.
   AddTombstone(fp, now, why.message());
   // A placeholder holds no blocks and has no send: it goes at once, failing its waiting pulls.
-  if (it != entries_.end()) Release(it->second, ReleaseReason::kAbortedByEngine, std::move(why), now);
+  if (it != entries_.end()) {
+    Release(it->second, ReleaseReason::kAbortedByEngine, std::move(why), now);
+  }
   return Status::Ok();
 }
 

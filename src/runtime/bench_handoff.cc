@@ -241,8 +241,8 @@ int RunHandoffBench(const HandoffBenchOptions& o) {
   } else if (tcp && o.baselines) {
     fmt::print("iperf3 is not installed: no wire baseline for the tcp rows\n");
   }
-  fmt::print("\n| data plane | blocks | handoff ms (min..max) | GB/s | memcpy ms | handoff / memcpy "
-             "| GB/s / iperf3 |\n");
+  fmt::print("\n| data plane | blocks | handoff ms (min..max) | GB/s | memcpy ms "
+             "| handoff / memcpy | GB/s / iperf3 |\n");
   fmt::print("|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     const double med = Median(r.handoff_ms);

@@ -69,8 +69,9 @@ double Iperf(double seconds, const std::string& len, int streams) {
   std::system(
       fmt::format("timeout 30 iperf3 -s -1 -B 127.0.0.1 -p {} >/dev/null 2>&1 &", port).c_str());
   std::this_thread::sleep_for(300ms);
-  std::string out = RunCommand(fmt::format("timeout 30 iperf3 -c 127.0.0.1 -p {} -t {} -P {} -J {} 2>&1",
-                                    port, seconds, streams, len.empty() ? "" : "-l " + len));
+  std::string out =
+      RunCommand(fmt::format("timeout 30 iperf3 -c 127.0.0.1 -p {} -t {} -P {} -J {} 2>&1", port,
+                             seconds, streams, len.empty() ? "" : "-l " + len));
   auto pos = out.find("\"sum_received\"");
   if (pos == std::string::npos) return -1;
   pos = out.find("\"bits_per_second\"", pos);

@@ -33,7 +33,8 @@ struct BenchOptions {
 int RunTransferBench(const BenchOptions& options);
 
 // Parses `kvferry bench transfer` style flags (--quick, --transport=shm,tcp, --peer=PATH,
-// --no-baselines, --seconds=S, --in-flight=N) into options; false (with a message on stderr) on a bad flag.
+// --no-baselines, --seconds=S, --in-flight=N) into options; false (with a message on stderr) on
+// a bad flag.
 bool ParseBenchFlags(int argc, char** argv, BenchOptions* options);
 
 }  // namespace kvferry::transport

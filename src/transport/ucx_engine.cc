@@ -324,6 +324,7 @@ class UcxEngine final : public Engine {
   int ucx_work_ = 0;             // UCX requests in flight that need progress (spin while > 0)
   std::uint64_t blocked_warnings_ = 0;  // phases of the loop that took kBlockedWarning or more
   std::uint64_t unacked_batches_ = 0;   // inbound batches that landed with no sender to ack
+  std::uint64_t hellos_refused_ = 0;    // HELLOs over SenderTable's bounds
   // Says what the progress thread waits in while a phase blocks (stall_watch.h); outlives it.
   std::unique_ptr<StallWatch> stall_watch_;
   bool pack_small_ops_ = false;  // am path: WRITEV for runs of small ops (see Init)
@@ -870,7 +871,16 @@ ucs_status_t UcxEngine::OnHello(void* arg, const void* header, size_t header_len
   }
   const SenderTable<ucp_ep_h>::HelloResult hello = self->senders_.Hello(h.sender_uid, h.nonce);
   if (hello == SenderTable<ucp_ep_h>::HelloResult::kRefused) {
-    return UCS_OK;  // over its connection bound: unanswered, the sender's Connect times out
+    // Over a bound (a sender's connections, or the senders): unanswered, so the sender's Connect
+    // times out; said here (at 1, 2, 4, ... refusals: the uids are the peer's words), so the
+    // receiver's operator sees why.
+    if (std::has_single_bit(++self->hellos_refused_)) {
+      spdlog::warn("kvferry UCX engine {}: HELLO of sender {:x} refused ({} so far): over {} "
+                   "connections for it or {} senders (sender_table.h)",
+                   self->options_.name, h.sender_uid, self->hellos_refused_,
+                   SenderTable<ucp_ep_h>::kMaxConnections, SenderTable<ucp_ep_h>::kMaxSenders);
+    }
+    return UCS_OK;
   }
   if (hello == SenderTable<ucp_ep_h>::HelloResult::kOpenEndpoint) {
     ucp_ep_params_t ep{};
