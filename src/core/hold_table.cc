@@ -530,7 +530,7 @@ Status HoldTable::LatePull(const TransferId& id, Fingerprint fp) const {
                   fmt::format("transfer {} was already released on P (late pull)", id));
   }
   return Status(ErrorCode::kTombstoned,
-                fmt::format("transfer {} was refused on P: {} (late pull)", id, kept->second.text));
+                fmt::format("transfer {} was refused on P: {} (late pull)", id, kept->second));
 }
 
 void HoldTable::AddTombstone(Fingerprint fp, TimePoint now, std::string refusal) {
@@ -551,29 +551,23 @@ void HoldTable::AddTombstone(Fingerprint fp, TimePoint now, std::string refusal)
     while (cut > 0 && (static_cast<unsigned char>(refusal[cut]) & 0xC0) == 0x80) --cut;
     refusal.resize(cut);
   }
-  while (reasons_.size() >= config_.max_refusal_reasons && !reason_order_.empty()) {
-    reasons_.erase(reason_order_.front().first);  // the front is always a kept reason's
+  while (reasons_.size() >= config_.max_refusal_reasons) {
+    reasons_.erase(reason_order_.front());
     reason_order_.pop_front();
   }
-  stats_.refusal_reasons = reasons_.size();
-  const std::uint64_t seq = next_reason_seq_++;
-  reasons_[fp] = KeptReason{seq, std::move(refusal)};
-  reason_order_.emplace_back(fp, seq);
+  reasons_.emplace(fp, std::move(refusal));  // fp has no tombstone yet, so no reason either
+  reason_order_.push_back(fp);
   stats_.refusal_reasons = reasons_.size();
 }
 
 void HoldTable::DropTombstone(Fingerprint fp) {
   tombstones_.erase(fp);
-  reasons_.erase(fp);
-  // Reasons are kept in tombstone order and tombstones leave oldest first, so the order entries
-  // of reasons gone are a prefix of reason_order_: trimming it keeps one entry per kept reason
-  // (the seq tells an entry from a later reason of the same fingerprint).
-  while (!reason_order_.empty()) {
-    const auto it = reasons_.find(reason_order_.front().first);
-    if (it != reasons_.end() && it->second.seq == reason_order_.front().second) break;
+  if (reasons_.erase(fp) != 0) {
+    // Only the oldest tombstone leaves (evicted or expired), so its reason is the oldest kept.
+    assert(!reason_order_.empty() && reason_order_.front() == fp);
     reason_order_.pop_front();
+    stats_.refusal_reasons = reasons_.size();
   }
-  stats_.refusal_reasons = reasons_.size();
 }
 
 void HoldTable::ExpireTombstones(TimePoint now) {

@@ -366,15 +366,11 @@ class HoldTable {
   std::deque<Tombstone> tombstone_order_;
   std::unordered_set<Fingerprint> tombstones_;
   // The engine's reasons for tombstones left by Refuse, at most max_refusal_reasons, the
-  // oldest first in reason_order_. A reason's `seq` tells its own order entry from one left by
-  // an earlier tombstone of the same fingerprint.
-  struct KeptReason {
-    std::uint64_t seq = 0;
-    std::string text;
-  };
-  std::unordered_map<Fingerprint, KeptReason> reasons_;
-  std::deque<std::pair<Fingerprint, std::uint64_t>> reason_order_;
-  std::uint64_t next_reason_seq_ = 0;
+  // oldest first in reason_order_ (one entry per kept reason). Reasons are kept in tombstone
+  // order and tombstones leave oldest first, so a tombstone that leaves with its reason holds
+  // the oldest one.
+  std::unordered_map<Fingerprint, std::string> reasons_;
+  std::deque<Fingerprint> reason_order_;
   std::vector<HoldEvent> events_;
   HoldStats stats_;
 };
