@@ -36,6 +36,10 @@ Status PrefillSession::ValidateOptions(const PrefillSessionOptions& options) {
   if (options.num_blocks == 0) {
     return Status(ErrorCode::kInvalidArgument, "num_blocks must be > 0 (blocks in the region)");
   }
+  if (options.num_planes > kMaxPlanes) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("num_planes {}: at most {}", options.num_planes, kMaxPlanes));
+  }
   if (options.engine_id.empty() || options.engine_id.size() > wire::kMaxIdBytes) {
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("engine_id must be 1..{} bytes", wire::kMaxIdBytes));
@@ -403,15 +407,61 @@ void PrefillSession::AdmitRequest(std::uint64_t key, std::uint32_t index, TimePo
 
 void PrefillSession::Dispatch(std::uint64_t key, std::uint32_t index, TimePoint now) {
   PendingPull& pull = pulls_.at(key);
+  const wire::PullRequest& request = pull.requests[index];
+  Status begin = table_->BeginSend(request.transfer_id, pull.context->d_tp_rank, now);
+  if (!begin.ok()) {
+    AddErr(key, OpenWave(pull, key), index, begin);
+    return;
+  }
+  auto ahead = ahead_.find({key, index});
+  if (ahead != ahead_.end() && ahead->second.in_flight > 0) {
+    // Its last write must not start before the ahead ones end: EndSend may free the source
+    // blocks (kFreeBlocks) while they would still read them.
+    ahead->second.send_pending = true;
+    return;
+  }
+  SendRequest(key, index, now);
+}
+
+void PrefillSession::SendRequest(std::uint64_t key, std::uint32_t index, TimePoint now) {
+  PendingPull& pull = pulls_.at(key);
   wire::PullRequest& request = pull.requests[index];
   std::uint32_t wave_index = 0;
   Wave& wave = OpenWave(pull, key, &wave_index);
-  Status begin = table_->BeginSend(request.transfer_id, pull.context->d_tp_rank, now);
-  if (!begin.ok()) {
-    AddErr(key, wave, index, begin);
+  auto source = sources_.find(request.transfer_id);
+  if (source == sources_.end()) {
+    // BeginSend succeeded, so the table holds the transfer prefilled: its blocks are here.
+    (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, false, now);
+    AddErr(key, wave, index,
+           Status(ErrorCode::kInternal,
+                  fmt::format("transfer {}: no source blocks", request.transfer_id)));
     return;
   }
-  auto writes = PlanRequest(pull, request);
+  // What the ahead writes left: the planes they did not cover, all of them if they read other
+  // blocks than PrefillDone named; nothing if they failed (the request fails with them).
+  std::vector<std::uint32_t> planes;
+  auto ahead = ahead_.find({key, index});
+  if (ahead != ahead_.end()) {
+    const Ahead& a = ahead->second;
+    if (a.outcome.end != WriteEnd::kLanded) {
+      (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, false, now);
+      AddErr(key, wave, index, Status::Ok(), false);  // takes the ahead writes' outcome
+      return;
+    }
+    if (a.blocks != nullptr && *a.blocks == source->second) {
+      for (std::uint32_t p = 0; p < a.planes.size(); ++p) {
+        if (!a.planes[p]) planes.push_back(p);
+      }
+      if (planes.empty()) {
+        // Every plane landed ahead of the prefill's end.
+        (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, true, now);
+        AddOk(key, wave, index);
+        return;
+      }
+      if (planes.size() == a.planes.size()) planes.clear();  // every plane: the plain job
+    }
+  }
+  auto writes = PlanRequest(pull, request, source->second);
   if (!writes || writes->empty()) {
     // Nothing leaves this rank: a plan that fails wrote nothing, and replicated KV is another
     // P rank's to write (SPEC §5); either way the request is answered now.
@@ -434,6 +484,7 @@ void PrefillSession::Dispatch(std::uint64_t key, std::uint32_t index, TimePoint 
   job.d_req_id = request.d_req_id;
   job.dst_block_ids = std::move(request.block_ids);  // not needed here any more
   job.writes = std::move(*writes);
+  job.planes = std::move(planes);
   ++wave.outstanding;
   ++counters_.writes_started;
   writes_.emplace(job.ticket, Ticket{{key, index}, wave_index});
@@ -441,15 +492,10 @@ void PrefillSession::Dispatch(std::uint64_t key, std::uint32_t index, TimePoint 
 }
 
 Result<std::vector<core::BlockWrite>> PrefillSession::PlanRequest(
-    const PendingPull& pull, const wire::PullRequest& request) const {
-  auto source = sources_.find(request.transfer_id);
-  if (source == sources_.end()) {
-    // BeginSend succeeded, so the table holds the transfer prefilled: its blocks are here.
-    return Err(ErrorCode::kInternal,
-               fmt::format("transfer {}: no source blocks", request.transfer_id));
-  }
+    const PendingPull& pull, const wire::PullRequest& request,
+    std::span<const core::BlockId> source) const {
   const PullContext& context = *pull.context;
-  std::span<const core::BlockId> src(source->second);
+  std::span<const core::BlockId> src = source;
   if (src.size() < request.block_ids.size()) {
     return Err(ErrorCode::kOutOfRange,
                fmt::format("transfer {}: prefill holds {} blocks, decoder asked for {}",
@@ -484,7 +530,27 @@ PrefillSession::Wave& PrefillSession::OpenWave(PendingPull& pull, std::uint64_t 
   return pull.waves[pull.open_wave];
 }
 
+bool PrefillSession::DeferListing(std::uint64_t key, Wave& wave, std::uint32_t index, bool ok,
+                                  const Status& status, bool unsettled) {
+  auto ahead = ahead_.find({key, index});
+  if (ahead == ahead_.end() || ahead->second.in_flight == 0) return false;
+  PendingPull& pull = pulls_.at(key);
+  for (auto& [number, w] : pull.waves) {
+    if (&w != &wave) continue;
+    ++wave.outstanding;  // the wave waits for the ahead writes, as for a write of its own
+    ahead->second.listing = Listing{number, ok, status, unsettled};
+    return true;
+  }
+  return false;  // unreachable: every wave passed in is one of the pull's
+}
+
 void PrefillSession::AddOk(std::uint64_t key, Wave& wave, std::uint32_t index) {
+  auto ahead = ahead_.find({key, index});
+  if (ahead != ahead_.end() && ahead->second.outcome.end != WriteEnd::kLanded) {
+    AddErr(key, wave, index, Status::Ok(), false);  // an ahead write failed: so does the request
+    return;
+  }
+  if (DeferListing(key, wave, index, true, Status::Ok(), false)) return;
   wave.ok.push_back(pulls_.at(key).requests[index].d_req_id);
   ++counters_.requests_ok;
   Listed(key, index);
@@ -497,11 +563,21 @@ void PrefillSession::Listed(std::uint64_t key, std::uint32_t index) {
   retained_blocks_ -= pull.blocks[index];
   pull.blocks[index] = 0;
   std::vector<core::BlockId>().swap(pull.requests[index].block_ids);
+  ahead_.erase({key, index});  // listed only once no ahead write of it is in flight
   touched_.push_back(key);
 }
 
 void PrefillSession::AddErr(std::uint64_t key, Wave& wave, std::uint32_t index,
-                            const Status& status, bool unsettled) {
+                            const Status& given, bool unsettled) {
+  if (DeferListing(key, wave, index, false, given, unsettled)) return;
+  // An ahead write that failed is the reason when nothing else is (the call passes Ok), and
+  // one that may still land makes the request unsettled whatever its reason.
+  Status status = given;
+  auto ahead = ahead_.find({key, index});
+  if (ahead != ahead_.end() && ahead->second.outcome.end != WriteEnd::kLanded) {
+    if (status.ok()) status = ahead->second.outcome.status;
+    if (ahead->second.outcome.end == WriteEnd::kUnsettled) unsettled = true;
+  }
   wire::RequestError error;
   error.d_req_id = pulls_.at(key).requests[index].d_req_id;
   error.code = status.ok() ? ErrorCode::kInternal : status.code();
@@ -530,6 +606,10 @@ void PrefillSession::DrainHoldEventBatch(std::vector<core::HoldEvent>& events, T
       case core::HoldEvent::Kind::kFreeBlocks:
       case core::HoldEvent::Kind::kAbortPrefill:
         sources_.erase(event.id);
+        if (event.kind == core::HoldEvent::Kind::kFreeBlocks && ahead_reads_.count(event.id)) {
+          held_frees_.emplace(event.id, std::move(event));  // AheadWriteDone lets it go
+          break;
+        }
         ++counters_.hold_events_delivered;
         engine_events_.push_back(std::move(event));
         break;
@@ -631,6 +711,89 @@ Status PrefillSession::PrefillDone(const core::TransferId& id, std::vector<core:
   return status;
 }
 
+Status PrefillSession::LayersReady(const core::TransferId& id,
+                                   std::span<const core::BlockId> blocks,
+                                   std::span<const std::uint32_t> planes, TimePoint now) {
+  (void)now;  // nothing here depends on time: the table is not touched
+  if (options_.num_planes == 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "layer writes need the number of KV planes (num_planes)");
+  }
+  if (blocks.size() > wire::kMaxBlocksPerRequest) {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("transfer {}: {} blocks, at most {}", id, blocks.size(),
+                              wire::kMaxBlocksPerRequest));
+  }
+  for (core::BlockId block : blocks) {
+    if (block >= options_.num_blocks) {
+      return Status(ErrorCode::kOutOfRange,
+                    fmt::format("transfer {}: source block {} is outside this rank's {} blocks",
+                                id, block, options_.num_blocks));
+    }
+  }
+  for (std::uint32_t plane : planes) {
+    if (plane >= options_.num_planes) {
+      return Status(ErrorCode::kOutOfRange,
+                    fmt::format("transfer {}: plane {} is outside this rank's {} planes", id,
+                                plane, options_.num_planes));
+    }
+  }
+  auto parked = parked_.find(id);
+  if (parked == parked_.end()) return Status::Ok();
+  std::shared_ptr<const std::vector<core::BlockId>> source;
+  for (const RequestRef& ref : parked->second) {
+    auto pull = pulls_.find(ref.pull_key);
+    if (pull == pulls_.end()) continue;
+    Ahead& a = ahead_[ref];
+    if (a.blocks == nullptr) {
+      if (source == nullptr) {
+        source = std::make_shared<const std::vector<core::BlockId>>(blocks.begin(), blocks.end());
+      }
+      a.blocks = source;
+      a.planes.assign(options_.num_planes, false);
+    } else if (!std::equal(a.blocks->begin(), a.blocks->end(), blocks.begin(), blocks.end())) {
+      continue;  // other blocks than the first call's: PrefillDone's write covers every plane
+    }
+    if (a.outcome.end != WriteEnd::kLanded) continue;  // the request fails: nothing more
+    std::vector<std::uint32_t> fresh;
+    for (std::uint32_t plane : planes) {
+      if (!a.planes[plane]) fresh.push_back(plane);
+    }
+    std::sort(fresh.begin(), fresh.end());
+    fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
+    if (fresh.empty()) continue;
+    const wire::PullRequest& request = pull->second.requests[ref.request];
+    // A plan that fails or writes nothing from this rank does the same at PrefillDone, which
+    // answers the request then.
+    // Each ahead job carries its own copy of the request's destination blocks and plan: what
+    // they retain is bounded as the pulls' block ids are. Beyond it the hint is dropped, and
+    // PrefillDone's write covers those planes.
+    const std::size_t copies = request.block_ids.size();
+    if (ahead_retained_ + copies > options_.max_retained_blocks) continue;
+    auto writes = PlanRequest(pull->second, request, *a.blocks);
+    if (!writes || writes->empty()) continue;
+    ahead_retained_ += copies;
+    for (std::uint32_t plane : fresh) a.planes[plane] = true;
+    WriteJob job;
+    job.ticket = next_ticket_++;
+    job.pull_id = pull->second.id;
+    job.context = pull->second.context;
+    job.transfer_id = request.transfer_id;
+    job.d_req_id = request.d_req_id;
+    job.dst_block_ids = request.block_ids;  // the request's own write still needs them
+    job.writes = std::move(*writes);
+    job.planes = std::move(fresh);
+    job.ahead = true;
+    ++a.in_flight;
+    ++ahead_reads_[request.transfer_id];
+    ++counters_.writes_started;
+    ++counters_.layer_writes;
+    writes_.emplace(job.ticket, Ticket{ref, 0, /*ahead=*/true});
+    new_writes_.push_back(std::move(job));
+  }
+  return Status::Ok();
+}
+
 Status PrefillSession::Refuse(const core::TransferId& id, Status why, TimePoint now) {
   Status status = table_->Refuse(id, std::move(why), now);
   DrainHoldEvents(now);
@@ -653,6 +816,10 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
   if (it == writes_.end()) return;
   const Ticket t = it->second;
   writes_.erase(it);
+  if (t.ahead) {
+    AheadWriteDone(t, outcome, now);
+    return;
+  }
   PendingPull& pull = pulls_.at(t.ref.pull_key);
   const wire::PullRequest& request = pull.requests[t.ref.request];
   // The entry may have left the table while we wrote (e.g. the engine aborted it); the write's
@@ -681,6 +848,61 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
                                 status.message())),
              /*unsettled=*/true);
       break;
+  }
+  DrainHoldEvents(now);
+  Flush();
+}
+
+void PrefillSession::AheadWriteDone(const Ticket& t, const WriteOutcome& outcome, TimePoint now) {
+  const wire::PullRequest& request = pulls_.at(t.ref.pull_key).requests[t.ref.request];
+  const core::TransferId transfer = request.transfer_id;
+  ahead_retained_ -= request.block_ids.size();  // still there: the request is not listed yet
+  auto reads = ahead_reads_.find(transfer);
+  if (reads != ahead_reads_.end() && --reads->second == 0) {
+    ahead_reads_.erase(reads);
+    auto held = held_frees_.find(transfer);
+    if (held != held_frees_.end()) {
+      ++counters_.hold_events_delivered;
+      engine_events_.push_back(std::move(held->second));
+      held_frees_.erase(held);
+    }
+  }
+  auto it = ahead_.find(t.ref);
+  if (it == ahead_.end()) return;  // unreachable: a request is listed once none is in flight
+  Ahead& a = it->second;
+  --a.in_flight;
+  if (outcome.end != WriteEnd::kLanded) {
+    ++counters_.writes_failed;
+    if (outcome.end == WriteEnd::kUnsettled) ++counters_.writes_unsettled;
+    // The reason kept is the first failure's, or the first unsettled one's: D must quarantine.
+    const bool worse = a.outcome.end == WriteEnd::kLanded ||
+                       (a.outcome.end == WriteEnd::kFailed && outcome.end == WriteEnd::kUnsettled);
+    if (worse) {
+      const Status& why = outcome.status;
+      a.outcome = {outcome.end,
+                   Status(why.ok() ? ErrorCode::kInternal : why.code(),
+                          fmt::format("write of {} (layers before the prefill's end) failed{}: {}",
+                                      transfer,
+                                      outcome.end == WriteEnd::kUnsettled ? " and may still land"
+                                                                          : "",
+                                      why.message()))};
+    }
+  }
+  if (a.in_flight == 0) {
+    if (a.listing) {
+      const Listing listing = std::move(*a.listing);
+      a.listing.reset();
+      Wave& wave = pulls_.at(t.ref.pull_key).waves.at(listing.wave);
+      --wave.outstanding;
+      if (listing.ok) {
+        AddOk(t.ref.pull_key, wave, t.ref.request);
+      } else {
+        AddErr(t.ref.pull_key, wave, t.ref.request, listing.status, listing.unsettled);
+      }
+    } else if (a.send_pending) {
+      a.send_pending = false;
+      SendRequest(t.ref.pull_key, t.ref.request, now);
+    }
   }
   DrainHoldEvents(now);
   Flush();

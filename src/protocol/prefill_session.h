@@ -95,6 +95,12 @@ struct WriteJob {
   core::RequestId d_req_id;
   std::vector<core::BlockId> dst_block_ids;
   std::vector<core::BlockWrite> writes;
+  // The KV planes to write, ascending (each below PrefillSessionOptions::num_planes); empty:
+  // every plane. A job of layers computed ahead of the prefill's end (LayersReady) names those
+  // layers' planes, and the job PrefillDone then starts names the rest.
+  std::vector<std::uint32_t> planes;
+  // A LayersReady write: the request's own write follows once the prefill ends.
+  bool ahead = false;
 };
 
 // How a write ended, as far as D's blocks are concerned.
@@ -136,6 +142,9 @@ struct PrefillSessionOptions {
   // that needs part of a block (a decoder of a larger TP size) fails with the reason instead of
   // moving the wrong bytes.
   bool head_slices = true;
+  // KV planes of this rank's region (the writer's regions, in order; at most kMaxPlanes), for
+  // LayersReady; 0: unknown, and LayersReady is refused (kInvalidArgument).
+  std::uint32_t num_planes = 0;
   // Region descriptors remembered per (d_engine_id, d_tp_rank); beyond this one is evicted (its
   // D gets ERROR kNotFound on its next descriptor-less pull and resends it).
   std::size_t max_cached_descriptors = 4096;
@@ -145,7 +154,8 @@ struct PrefillSessionOptions {
   // wait is listed in `err` with kResourceExhausted (the hold table is not touched).
   std::size_t max_parked_requests = 65536;
   // Destination block ids kept for requests not yet answered, over all pulls (4 bytes each);
-  // a pull that would exceed it gets ERROR kResourceExhausted. 16 Mi blocks = 64 MiB.
+  // a pull that would exceed it gets ERROR kResourceExhausted. 16 Mi blocks = 64 MiB. The ahead
+  // writes in flight (LayersReady) may copy as many again; beyond that no more are started.
   std::size_t max_retained_blocks = std::size_t{1} << 24;
   // Finished pulls whose (socket, id) is remembered, so that a late duplicate is dropped too:
   // answered again, it could start a second write into blocks D already settled (and freed).
@@ -156,6 +166,9 @@ struct PrefillSessionOptions {
 // Sockets remembered per held transfer for AbortNotices: one per paired D rank is what a real
 // D needs (its rank's worker); more sockets renewing one transfer are ignored.
 inline constexpr std::size_t kMaxNoticePeersPerTransfer = 64;
+
+// PrefillSessionOptions::num_planes at most (a 405B model has 126 layers × K and V = 252).
+inline constexpr std::uint32_t kMaxPlanes = 4096;
 
 // What each std::uint64_t field means: kPrefillStatFields below (one row per field, which the
 // binding and /metrics read); `hold` is the HoldTable's own view.
@@ -178,6 +191,7 @@ struct PrefillStats {
   std::uint64_t writes_started = 0;
   std::uint64_t writes_failed = 0;
   std::uint64_t writes_unsettled = 0;
+  std::uint64_t layer_writes = 0;
   std::uint64_t descriptors_replaced = 0;
   std::uint64_t descriptors_evicted = 0;
   std::uint64_t replies = 0;
@@ -252,6 +266,8 @@ inline constexpr core::StatField<PrefillStats> kPrefillStatFields[] = {
      "KV WRITE batches failed"},
     {"writes_unsettled", &PrefillStats::writes_unsettled, core::StatKind::kCounter,
      "Failed writes that could not be fenced: left unanswered so D quarantines"},
+    {"layer_writes", &PrefillStats::layer_writes, core::StatKind::kCounter,
+     "KV WRITE batches of layers computed before their prefill finished (LayersReady)"},
     {"replies", &PrefillStats::replies, core::StatKind::kCounter,
      "PullResponse and RenewalReply messages produced", "kvferry_side_channel_replies_total"},
     {"hold_events_delivered", &PrefillStats::hold_events_delivered, core::StatKind::kCounter,
@@ -323,6 +339,22 @@ class PrefillSession {
   [[nodiscard]] Status PrefillDone(const core::TransferId& id, std::vector<core::BlockId> blocks,
                                    core::TimePoint now);
   void EngineFinished(const core::TransferId& id, core::TimePoint now);
+  // Planes `planes` of the transfer's KV are final in `blocks` before its prefill finished (the
+  // step that completes the prompt computed those layers: vLLM's save_kv_layer). Every pull
+  // already parked for the transfer gets those planes written now, so that what is left to
+  // write when PrefillDone comes is the layers computed last (docs/protocol.md §8.5). A hint:
+  // with no pull parked it does nothing, and the request's outcome is still decided as without
+  // it — listed only once every write of it ended, its ahead writes included (an ahead write
+  // that failed fails the request; one that may still land makes it `unsettled`), and its
+  // blocks freed (kFreeBlocks) only after. PrefillDone must name the same blocks, or its write
+  // covers every plane again. If the request ends before PrefillDone (aborted, expired), the
+  // engine may reuse `blocks` while an ahead write still reads them: only the failed request's
+  // blocks on D can receive those bytes, and D frees them only after P's answer, which waits
+  // for the write. kInvalidArgument when num_planes is 0 or for more blocks than a request may
+  // have, kOutOfRange for a block or plane outside the region; nothing changes then.
+  [[nodiscard]] Status LayersReady(const core::TransferId& id,
+                                   std::span<const core::BlockId> blocks,
+                                   std::span<const std::uint32_t> planes, core::TimePoint now);
   // The engine refused the request without admitting it: core::HoldTable::Refuse.
   [[nodiscard]] Status Refuse(const core::TransferId& id, Status why, core::TimePoint now);
 
@@ -383,10 +415,31 @@ class PrefillSession {
   struct RequestRef {
     std::uint64_t pull_key;
     std::uint32_t request;
+    friend auto operator<=>(const RequestRef&, const RequestRef&) = default;
   };
   struct Ticket {
     RequestRef ref;
     std::uint32_t wave;
+    bool ahead = false;  // a LayersReady write (no wave: its request is not decided yet)
+  };
+  // A decision about a request that waits for its ahead writes to end: its listing in `wave`,
+  // in `ok` or else in `err` for `status` (Ok: the ahead writes' reason).
+  struct Listing {
+    std::uint32_t wave = 0;
+    bool ok = false;
+    Status status;
+    bool unsettled = false;
+  };
+  // The writes of one parked request started by LayersReady, until the request is listed.
+  struct Ahead {
+    std::shared_ptr<const std::vector<core::BlockId>> blocks;  // what they read
+    std::vector<bool> planes;                                  // written or being written
+    std::uint32_t in_flight = 0;
+    WriteOutcome outcome;  // the worst end so far: kLanded while none failed
+    // Its own write (PrefillDone came and BeginSend succeeded) or its listing waits for the
+    // writes in flight: neither may end the request while they may still read or land.
+    bool send_pending = false;
+    std::optional<Listing> listing;
   };
 
   void ReplyPullError(const PeerAddress& peer, ErrorCode code, std::string message,
@@ -402,10 +455,18 @@ class PrefillSession {
                                                               wire::Pull& pull);
   void AdmitRequest(std::uint64_t key, std::uint32_t index, core::TimePoint now);
   void Dispatch(std::uint64_t key, std::uint32_t index, core::TimePoint now);
-  // What this rank writes for `request` of `pull` (see WriteJob): the tail of the transfer's
-  // source blocks into D's, sliced to the heads the two ranks share.
+  // The request's write, once BeginSend succeeded and no ahead write of it is in flight.
+  void SendRequest(std::uint64_t key, std::uint32_t index, core::TimePoint now);
+  // What this rank writes for `request` of `pull` (see WriteJob): the tail of `source` (the
+  // transfer's blocks) into D's, sliced to the heads the two ranks share.
   Result<std::vector<core::BlockWrite>> PlanRequest(const PendingPull& pull,
-                                                    const wire::PullRequest& request) const;
+                                                    const wire::PullRequest& request,
+                                                    std::span<const core::BlockId> source) const;
+  // True when the request has ahead writes in flight: the listing is kept until they end
+  // (holding `wave` open) and made then, with their outcome.
+  bool DeferListing(std::uint64_t key, Wave& wave, std::uint32_t index, bool ok,
+                    const Status& status, bool unsettled);
+  void AheadWriteDone(const Ticket& ticket, const WriteOutcome& outcome, core::TimePoint now);
   Wave& OpenWave(PendingPull& pull, std::uint64_t key, std::uint32_t* index = nullptr);
   void AddOk(std::uint64_t key, Wave& wave, std::uint32_t index);
   void AddErr(std::uint64_t key, Wave& wave, std::uint32_t index, const Status& status,
@@ -445,6 +506,14 @@ class PrefillSession {
   std::unordered_map<core::TransferId, std::vector<core::BlockId>> sources_;
   std::unordered_map<std::string, std::shared_ptr<const std::vector<std::uint8_t>>> descriptors_;
   std::unordered_map<std::uint64_t, Ticket> writes_;
+  // Parked requests with writes from LayersReady (bounded by the parked requests).
+  std::map<RequestRef, Ahead> ahead_;
+  // Ahead writes in flight per transfer, and the kFreeBlocks of a transfer that left the table
+  // while some were (its request failed meanwhile): held until the last of them ended, since
+  // they still read the blocks.
+  std::unordered_map<core::TransferId, std::uint32_t> ahead_reads_;
+  std::unordered_map<core::TransferId, core::HoldEvent> held_frees_;
+  std::size_t ahead_retained_ = 0;  // destination block ids the ahead jobs in flight copied
   std::uint64_t next_ticket_ = 1;
   std::vector<std::uint64_t> touched_;  // pulls that may have a wave to send
   // Held transfers -> the sockets that renewed them asking for notices. An entry goes with its
