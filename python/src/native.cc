@@ -227,7 +227,9 @@ class PyPrefillWorker {
   };
 
   explicit PyPrefillWorker(const Config& c)
-      : state_(std::make_shared<State>()), num_blocks_(c.num_blocks) {
+      : state_(std::make_shared<State>()),
+        num_blocks_(c.num_blocks),
+        num_planes_(static_cast<std::uint32_t>(c.planes.size())) {
     runtime::PrefillWorkerOptions o;
     FillRank(o, c);
     o.dp_rank = c.dp_rank;
@@ -295,6 +297,37 @@ class PyPrefillWorker {
       }
       return d.PrefillDone(transfer_id, std::move(block_ids));
     }));
+  }
+
+  // Planes `planes` (indexes into the registered planes) of a request still prefilling are
+  // final in `block_ids`: the step that completes its prompt computed those layers. Pulls that
+  // already wait for the transfer get them written now, so less is left when prefill_done
+  // comes (protocol::PrefillSession::LayersReady). A hint, not waited for: returns whether it
+  // was passed on — false for a transfer not admitted for `handle` on every rank or handed off
+  // already (protocol::PrefillAdapter::LayersReady). Raises OUT_OF_RANGE for a block or plane
+  // outside what is registered.
+  bool LayersReady(const std::string& transfer_id, std::vector<core::BlockId> block_ids,
+                   std::vector<std::uint32_t> planes, std::uint64_t handle) {
+    for (core::BlockId b : block_ids) {
+      if (b >= num_blocks_) {
+        Raise(Status(ErrorCode::kOutOfRange, "block " + std::to_string(b) + " outside the " +
+                                                 std::to_string(num_blocks_) +
+                                                 " blocks registered"));
+      }
+    }
+    for (std::uint32_t p : planes) {
+      if (p >= num_planes_) {
+        Raise(Status(ErrorCode::kOutOfRange, "plane " + std::to_string(p) + " outside the " +
+                                                 std::to_string(num_planes_) +
+                                                 " planes registered"));
+      }
+    }
+    bool passed = false;
+    Check(WithDriver([&](runtime::PrefillDriver& d) {
+      passed = d.LayersReady(transfer_id, handle, block_ids, planes);
+      return Status::Ok();
+    }));
+    return passed;
   }
 
   // The engine finished or aborted the request: if nobody pulled it yet, it goes now.
@@ -419,6 +452,7 @@ class PyPrefillWorker {
   std::unique_ptr<runtime::PrefillDriver> driver_;  // over worker_; null once stopped
   std::vector<std::tuple<std::string, std::string, std::string>> events_;  // under driver_mu_
   std::uint32_t num_blocks_ = 0;
+  std::uint32_t num_planes_ = 0;
 };
 
 // ---- D ----
@@ -683,6 +717,7 @@ py::dict ParseConnectorConfig(const std::string& extra_json,
   d["bootstrap_server_address"] = none_if_empty(c.bootstrap_server_address);
   d["kv_release"] = c.release;
   d["fence_writes"] = c.fence_writes;
+  d["layer_writes"] = c.layer_writes;
   d["load_failure_port"] = c.load_failure_port;
   d["kv_staging"] = std::string(runtime::ToString(c.staging));
   d["kv_staging_blocks"] = c.staging_blocks;
@@ -747,6 +782,8 @@ PYBIND11_MODULE(_native, m) {
       .def("admit", &PyPrefillWorker::Admit, py::arg("transfer_id"), py::arg("handle"))
       .def("prefill_done", &PyPrefillWorker::PrefillDone, py::arg("transfer_id"),
            py::arg("block_ids"), py::arg("handle") = py::none())
+      .def("layers_ready", &PyPrefillWorker::LayersReady, py::arg("transfer_id"),
+           py::arg("block_ids"), py::arg("planes"), py::arg("handle"))
       .def("engine_finished", &PyPrefillWorker::EngineFinished, py::arg("transfer_id"))
       .def("refuse", &PyPrefillWorker::Refuse, py::arg("transfer_id"), py::arg("why"))
       .def("take_events", &PyPrefillWorker::TakeEvents)

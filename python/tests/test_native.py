@@ -114,6 +114,40 @@ def test_every_plane_of_p_tensors_lands_in_d_tensors_and_p_frees_after_the_pull(
         stop(d, p, bootstrap)
 
 
+def test_layers_ready_writes_those_planes_into_a_waiting_pull_before_the_prefill_ends():
+    bootstrap, p, d, p_kv, d_kv, src = make_pair()
+    try:
+        p.admit("xfer-1", 7)
+        d.on_new_request("req-1", src("xfer-1"))
+        d.start_load("req-1", src("xfer-1"), [10, 11, 12])
+        deadline = time.monotonic() + 10
+        while p.stats()["requests_parked"] == 0:  # D's pull waits on P for the prefill
+            assert time.monotonic() < deadline, p.stats()
+            time.sleep(0.01)
+        # Layer 0 (planes 0 and 1: its K and V halves) is computed.
+        assert p.layers_ready("xfer-1", [3, 4, 5], [0, 1], 7)
+        assert not p.layers_ready("xfer-1", [3, 4, 5], [2], 8)  # another request's handle
+        while not torch.equal(d_kv[0][:, 10:13], p_kv[0][:, 3:6]):
+            assert time.monotonic() < deadline, "layer 0 did not land before the prefill ended"
+            time.sleep(0.01)
+        assert not d_kv[1].any() and not d_kv[2].any(), "layers not computed yet were written"
+        assert d.wait_finished(0.2)["loaded"] == []  # the load is not done: P has not answered
+        p.prefill_done("xfer-1", [3, 4, 5])
+        request, ok, error, quarantined = receive(d, "req-1")
+        assert ok, error
+        for layer in range(LAYERS):
+            assert torch.equal(d_kv[layer][:, 10:13], p_kv[layer][:, 3:6]), f"layer {layer}"
+        stats = p.stats()
+        assert stats["layer_writes"] == 1, stats
+        assert stats["bytes_written"] == 3 * BLOCK_LEN * 2 * LAYERS  # no plane written twice
+        with pytest.raises(native.KvferryError, match="plane 6 outside"):
+            p.layers_ready("xfer-1", [3], [6], 7)
+        with pytest.raises(native.KvferryError, match="block 32 outside"):
+            p.layers_ready("xfer-1", [32], [0], 7)
+    finally:
+        stop(d, p, bootstrap)
+
+
 def test_a_decoder_that_fences_its_writers_receives_every_plane_through_write_keys():
     # fence_writes: D's descriptors carry no remote keys and D refuses unkeyed writes, so this
     # transfer lands only because the pull's write key reached P's writer and its batches.

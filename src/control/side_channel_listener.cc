@@ -61,6 +61,7 @@ class PrefillListener::Impl {
     enum class Kind : std::uint8_t {
       kAdmit,
       kPrefillDone,
+      kLayersReady,
       kEngineFinished,
       kRefuse,
       kWriteDone,
@@ -70,7 +71,8 @@ class PrefillListener::Impl {
     Kind kind = Kind::kStop;
     core::TransferId id;
     std::uint64_t handle = 0;
-    std::vector<core::BlockId> blocks;  // kPrefillDone
+    std::vector<core::BlockId> blocks;  // kPrefillDone, kLayersReady
+    std::vector<std::uint32_t> planes;  // kLayersReady
     std::optional<std::promise<Status>> done;
     std::optional<std::promise<ListenerStats>> stats;
     // kWriteDone
@@ -170,7 +172,7 @@ class PrefillListener::Impl {
   std::future<Status> PostEngineCommand(Command::Kind kind, const core::TransferId& id,
                                         std::uint64_t handle,
                                         std::vector<core::BlockId> blocks = {},
-                                        Status why = {});
+                                        Status why = {}, std::vector<std::uint32_t> planes = {});
   ListenerStats Stats(std::chrono::milliseconds wait);
   Status Stop();
 
@@ -217,6 +219,7 @@ class PrefillListener::Impl {
   // Shared with the senders: jobs not yet started.
   std::mutex job_mu_;
   std::condition_variable job_cv_;
+  bool noted_ahead_ = false;  // listener thread: the first layer write was logged
   std::deque<protocol::WriteJob> jobs_;
   bool senders_quit_ = false;
 
@@ -260,8 +263,10 @@ std::future<Status> PrefillListener::Impl::PostEngineCommand(Command::Kind kind,
                                                              const core::TransferId& id,
                                                              std::uint64_t handle,
                                                              std::vector<core::BlockId> blocks,
-                                                             Status why) {
+                                                             Status why,
+                                                             std::vector<std::uint32_t> planes) {
   Command command;
+  command.planes = std::move(planes);
   command.kind = kind;
   command.why = std::move(why);
   command.id = id;
@@ -544,6 +549,18 @@ void PrefillListener::Impl::Pump() {
     std::visit([&](const auto& message) { Send(out.peer, wire::Encode(message)); }, out.message);
   }
   std::vector<protocol::WriteJob> writes = session_.TakeWrites();
+  if (!noted_ahead_) {
+    for (const protocol::WriteJob& job : writes) {
+      if (!job.ahead) continue;
+      // Once per process: an operator (and the tests inside vLLM) can see that layers leave
+      // before their prefill ends; layer_writes in the metrics counts them.
+      noted_ahead_ = true;
+      spdlog::info("side channel {}: layers of {} leave for decoder {} before its prefill ended "
+                   "(layer writes)",
+                   endpoint_, job.transfer_id, job.context->d_engine_id);
+      break;
+    }
+  }
   if (!writes.empty()) {
     {
       std::lock_guard<std::mutex> lock(job_mu_);
@@ -581,6 +598,9 @@ bool PrefillListener::Impl::ProcessCommands() {
         break;
       case Command::Kind::kPrefillDone:
         status = session_.PrefillDone(c.id, std::move(c.blocks), now);
+        break;
+      case Command::Kind::kLayersReady:
+        status = session_.LayersReady(c.id, c.blocks, c.planes, now);
         break;
       case Command::Kind::kEngineFinished:
         session_.EngineFinished(c.id, now);
@@ -720,6 +740,12 @@ std::future<Status> PrefillListener::Admit(const core::TransferId& id, std::uint
 std::future<Status> PrefillListener::PrefillDone(const core::TransferId& id,
                                                  std::vector<core::BlockId> blocks) {
   return impl_->PostEngineCommand(Impl::Command::Kind::kPrefillDone, id, 0, std::move(blocks));
+}
+std::future<Status> PrefillListener::LayersReady(const core::TransferId& id,
+                                                 std::vector<core::BlockId> blocks,
+                                                 std::vector<std::uint32_t> planes) {
+  return impl_->PostEngineCommand(Impl::Command::Kind::kLayersReady, id, 0, std::move(blocks), {},
+                                  std::move(planes));
 }
 std::future<Status> PrefillListener::EngineFinished(const core::TransferId& id) {
   return impl_->PostEngineCommand(Impl::Command::Kind::kEngineFinished, id, 0);

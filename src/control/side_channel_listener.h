@@ -150,6 +150,11 @@ class PrefillListener {
   // `blocks`: the transfer's KV on this rank (PrefillSession::PrefillDone).
   [[nodiscard]] std::future<Status> PrefillDone(const core::TransferId& id,
                                                 std::vector<core::BlockId> blocks);
+  // Planes `planes` of the transfer's KV are final in `blocks` before its prefill ended
+  // (PrefillSession::LayersReady): pulls already waiting get them written now.
+  [[nodiscard]] std::future<Status> LayersReady(const core::TransferId& id,
+                                                std::vector<core::BlockId> blocks,
+                                                std::vector<std::uint32_t> planes);
   [[nodiscard]] std::future<Status> EngineFinished(const core::TransferId& id);
   // The engine refused the request without admitting it: core::HoldTable::Refuse (D's pull
   // of it fails at once with `why`).

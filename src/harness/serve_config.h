@@ -42,7 +42,8 @@ struct KvTransferConfig {
 // The connector's keys that `serve` checks but does not act on: it has no staging (its KV is
 // host memory), no external bootstrap service and no load-failure service.
 inline constexpr std::string_view kServeIgnoresKeys[] = {
-    "bootstrap_server_address", "load_failure_port", "kv_staging", "kv_staging_blocks"};
+    "bootstrap_server_address", "load_failure_port", "kv_staging", "kv_staging_blocks",
+    "layer_writes"};
 
 // Parses `json`. `env` supplies the environment fallbacks of runtime::ParseConnectorConfig
 // (KVFERRY_ABORT_REQUEST_TIMEOUT, ...). Errors: kInvalidArgument with the offending key in the

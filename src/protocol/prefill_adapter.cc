@@ -60,6 +60,21 @@ Status PrefillAdapter::PrefillDone(const core::TransferId& transfer,
   return Status::Ok();
 }
 
+bool PrefillAdapter::LayersReady(const core::TransferId& transfer, std::uint64_t handle,
+                                 const std::vector<core::BlockId>& blocks,
+                                 const std::vector<std::uint32_t>& planes) {
+  auto it = entries_.find(transfer);
+  if (it == entries_.end()) return false;
+  const Entry& entry = it->second;
+  if (entry.handle != handle || entry.phase != Phase::kAdmitted || entry.finished) return false;
+  for (std::uint32_t r = 0; r < options_.ranks; ++r) {
+    PrefillRankCall call{r, PrefillRankCall::Kind::kLayersReady, transfer, handle, blocks, {}};
+    call.planes = planes;
+    commands_.push_back(std::move(call));
+  }
+  return true;
+}
+
 void PrefillAdapter::Finish(const core::TransferId& transfer) {
   auto it = entries_.find(transfer);
   if (it == entries_.end() || it->second.finished) return;
@@ -207,7 +222,7 @@ void PrefillAdapter::Call(PrefillRankCall::Kind kind, const core::TransferId& tr
                           const std::vector<core::BlockId>* blocks) {
   for (std::uint32_t r = 0; r < options_.ranks; ++r) {
     if (entry.ranks[r] != only) continue;
-    PrefillRankCall call{r, kind, transfer, entry.handle, {}, {}};
+    PrefillRankCall call{r, kind, transfer, entry.handle, {}, {}, {}};
     if (blocks != nullptr) call.blocks = *blocks;
     commands_.push_back(std::move(call));
   }

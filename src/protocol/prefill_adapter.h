@@ -60,13 +60,15 @@ struct PrefillRankCall {
     kPrefillDone,     // PrefillDone(transfer, blocks); answer with OnPrefillDone
     kEngineFinished,  // EngineFinished(transfer)
     kRefuse,          // Refuse(transfer, why): tombstone a transfer nobody here will prefill
+    kLayersReady,     // LayersReady(transfer, blocks, planes): a hint, not answered
   };
   std::uint32_t rank = 0;
   Kind kind = Kind::kAdmit;
   core::TransferId transfer;
   std::uint64_t handle = 0;
-  std::vector<core::BlockId> blocks;  // kPrefillDone
+  std::vector<core::BlockId> blocks;  // kPrefillDone, kLayersReady
   Status why;                         // kRefuse
+  std::vector<std::uint32_t> planes;  // kLayersReady
 };
 
 struct Admitted {  // every rank admitted the transfer
@@ -116,6 +118,15 @@ class PrefillAdapter {
   // FreeBlocks at once). kNotFound for a transfer not admitted (the engine frees its blocks).
   [[nodiscard]] Status PrefillDone(const core::TransferId& transfer,
                                    std::vector<core::BlockId> blocks);
+  // Layers `planes` of the request's KV are final in `blocks` before its prefill ends (vLLM's
+  // save_kv_layer in the step that completes the prompt): every rank writes them to the pulls
+  // already waiting (PrefillSession::LayersReady). Passed on only while every rank admitted
+  // `transfer` for `handle` and the engine neither finished nor handed it off; otherwise
+  // (refused, being admitted, another request's transfer id) it does nothing and returns false:
+  // a hint changes no outcome, so it is never an error.
+  bool LayersReady(const core::TransferId& transfer, std::uint64_t handle,
+                   const std::vector<core::BlockId>& blocks,
+                   const std::vector<std::uint32_t>& planes);
   // The engine is done with the request (see the file comment). Idempotent.
   void Finish(const core::TransferId& transfer);
   // The engine drops a request it never admitted: every rank tombstones the transfer. A

@@ -131,6 +131,10 @@ constexpr KeyRule kKeyRules[] = {
      [](const json& v, ConnectorConfig& c) {
        return Assign(BoolValue(v, "fence_writes"), c.fence_writes);
      }},
+    {"layer_writes",
+     [](const json& v, ConnectorConfig& c) {
+       return Assign(BoolValue(v, "layer_writes"), c.layer_writes);
+     }},
     {"load_failure_port",
      [](const json& v, ConnectorConfig& c) {
        return Assign(PortValue(v, "load_failure_port"), c.load_failure_port);

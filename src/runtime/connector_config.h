@@ -59,6 +59,11 @@ struct ConnectorConfig {
   // D fences its writers (transport::UcxOptions::fence_writes). nullopt: the front end decides
   // (serve: on exactly when etcd is configured; the connector: off).
   std::optional<bool> fence_writes;
+  // P: the layers of a prompt's last step leave for a decoder already waiting as each is
+  // computed (PrefillSession::LayersReady), not after the prefill. The connector does so only
+  // for KV it registers as it is in host memory (not staged, not a GPU's: a GPU computes a
+  // layer after save_kv_layer returns); `serve`, whose engine has no layers, ignores it.
+  bool layer_writes = true;
   // D: the port of its load-failure service (0: any free one); nullopt: none.
   std::optional<int> load_failure_port;
   StagingMode staging = StagingMode::kAuto;

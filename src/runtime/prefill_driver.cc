@@ -21,6 +21,12 @@ Status PrefillDriver::PrefillDone(const core::TransferId& transfer,
   return adapter_.PrefillDone(transfer, std::move(blocks));
 }
 
+bool PrefillDriver::LayersReady(const core::TransferId& transfer, std::uint64_t handle,
+                                const std::vector<core::BlockId>& blocks,
+                                const std::vector<std::uint32_t>& planes) {
+  return adapter_.LayersReady(transfer, handle, blocks, planes);
+}
+
 void PrefillDriver::Finish(const core::TransferId& transfer) { adapter_.Finish(transfer); }
 
 void PrefillDriver::Drop(const core::TransferId& transfer, const Status& why) {
@@ -62,6 +68,11 @@ std::vector<protocol::PrefillAdapterEvent> PrefillDriver::Pump() {
         case Kind::kRefuse:
           acks.push_back(worker.Refuse(call.transfer, call.why));
           break;
+        case Kind::kLayersReady:
+          // A hint the engine gives mid-step (inside the model's forward): not waited for. The
+          // listener takes commands in call order, so the PrefillDone after it sees it.
+          acks.push_back(worker.LayersReady(call.transfer, call.blocks, call.planes));
+          break;
       }
     }
     for (std::size_t i = 0; i < calls.size(); ++i) {
@@ -80,6 +91,8 @@ std::vector<protocol::PrefillAdapterEvent> PrefillDriver::Pump() {
         case Kind::kEngineFinished:
         case Kind::kRefuse:
           (void)Ack(std::move(acks[i]), "a release");  // best effort: leases bound the rest
+          break;
+        case Kind::kLayersReady:
           break;
       }
     }

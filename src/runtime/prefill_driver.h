@@ -31,6 +31,9 @@ class PrefillDriver {
   [[nodiscard]] Status Admit(const core::TransferId& transfer, std::uint64_t handle);
   [[nodiscard]] Status PrefillDone(const core::TransferId& transfer,
                                    std::vector<core::BlockId> blocks);
+  bool LayersReady(const core::TransferId& transfer, std::uint64_t handle,
+                   const std::vector<core::BlockId>& blocks,
+                   const std::vector<std::uint32_t>& planes);
   void Finish(const core::TransferId& transfer);
   void Drop(const core::TransferId& transfer, const Status& why);
 

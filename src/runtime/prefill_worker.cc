@@ -99,11 +99,23 @@ protocol::WriteOutcome TransportKvWriter::Write(const protocol::PullContext& con
   if (job.writes.empty()) return WriteOutcome::Landed();  // the session hands out none such
   auto peer = PeerFor(*context.region_descriptor);
   if (!peer) return failed(peer.error());
-  // The same offsets in every plane: planes share block ids and block_len.
+  // The same offsets in every plane: planes share block ids and block_len. A job names the
+  // planes it writes (layers computed before the prefill ended) or none: every plane.
+  std::vector<std::uint32_t> planes = job.planes;
+  if (planes.empty()) {
+    for (std::uint32_t p = 0; p < options_.regions.size(); ++p) planes.push_back(p);
+  }
+  for (std::uint32_t plane : planes) {
+    if (plane >= options_.regions.size()) {
+      return failed(Status(ErrorCode::kOutOfRange,
+                           fmt::format("write of {}: plane {} of {}", job.transfer_id, plane,
+                                       options_.regions.size())));
+    }
+  }
   std::vector<transport::WriteOp> batch;
-  batch.reserve(job.writes.size() * options_.regions.size());
+  batch.reserve(job.writes.size() * planes.size());
   std::uint64_t bytes = 0;
-  for (std::size_t plane = 0; plane < options_.regions.size(); ++plane) {
+  for (std::uint32_t plane : planes) {
     for (const core::BlockWrite& op : job.writes) {
       batch.push_back({options_.regions[plane], peer->remote_regions[plane], op.src_offset,
                        op.dst_offset, op.length});
@@ -203,6 +215,7 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::Start(
   session.kv_heads = options.kv_heads;
   session.block_len = options.block_len;
   session.num_blocks = options.num_blocks;
+  session.num_planes = static_cast<std::uint32_t>(options.planes.size());
   session.head_slices = options.head_slices;
   listener_options.num_senders = options.num_senders;
   listener_options.cluster_secret = options.cluster_secret;

@@ -136,6 +136,13 @@ class PrefillWorker {
                                                 std::vector<core::BlockId> blocks) {
     return listener_->PrefillDone(id, std::move(blocks));
   }
+  // Layers computed before the prefill ended (control::PrefillListener::LayersReady): `planes`
+  // index this worker's KvPlanes.
+  [[nodiscard]] std::future<Status> LayersReady(const core::TransferId& id,
+                                                std::vector<core::BlockId> blocks,
+                                                std::vector<std::uint32_t> planes) {
+    return listener_->LayersReady(id, std::move(blocks), std::move(planes));
+  }
   [[nodiscard]] std::future<Status> EngineFinished(const core::TransferId& id) {
     return listener_->EngineFinished(id);
   }

@@ -61,6 +61,48 @@ TEST(PrefillAdapterTest, ATransferIsAdmittedOnlyOnceEveryRankAdmittedIt) {
   EXPECT_EQ(admitted[0].handle, 7u);
 }
 
+// Layer writes are a hint the ranks act on only for the request every rank admitted: a
+// refused or duplicate transfer id must not lend this request's blocks to another's pull.
+TEST(PrefillAdapterTest, LayersGoToEveryRankOnlyWhileTheTransferIsAdmittedForThatHandle) {
+  PrefillAdapter a = AdmittedOn(2);
+  const std::vector<core::BlockId> blocks{3, 4};
+  const std::vector<std::uint32_t> planes{0, 1};
+  EXPECT_FALSE(a.LayersReady("x", 8, blocks, planes));  // another request's handle
+  EXPECT_FALSE(a.LayersReady("y", 7, blocks, planes));  // not known
+  EXPECT_TRUE(a.TakeCommands().empty());
+  ASSERT_TRUE(a.LayersReady("x", 7, blocks, planes));
+  std::vector<PrefillRankCall> calls = a.TakeCommands();
+  ASSERT_EQ(calls.size(), 2u);
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(calls[r].rank, r);
+    EXPECT_EQ(calls[r].kind, Kind::kLayersReady);
+    EXPECT_EQ(calls[r].blocks, blocks);
+    EXPECT_EQ(calls[r].planes, planes);
+  }
+  EXPECT_TRUE(a.TakeEvents().empty());  // not answered: nothing waits for it
+  ASSERT_TRUE(a.PrefillDone("x", blocks).ok());
+  (void)a.TakeCommands();
+  EXPECT_FALSE(a.LayersReady("x", 7, blocks, planes));  // handed off already
+  EXPECT_TRUE(a.TakeCommands().empty());
+}
+
+TEST(PrefillAdapterTest, LayersOfATransferBeingAdmittedRefusedOrFinishedGoNowhere) {
+  PrefillAdapter a({.ranks = 2});
+  ASSERT_TRUE(a.Admit("x", 7).ok());
+  (void)a.TakeCommands();
+  EXPECT_FALSE(a.LayersReady("x", 7, {1}, {0}));  // one rank has not answered yet
+  a.OnAdmitted(0, "x", Status::Ok());
+  a.OnAdmitted(1, "x", Status(ErrorCode::kTombstoned, "released by D"));
+  (void)a.TakeCommands();
+  EXPECT_FALSE(a.LayersReady("x", 7, {1}, {0}));  // refused
+  PrefillAdapter b = AdmittedOn(1);
+  b.Finish("x");
+  (void)b.TakeCommands();
+  EXPECT_FALSE(b.LayersReady("x", 7, {1}, {0}));
+  EXPECT_TRUE(a.TakeCommands().empty());
+  EXPECT_TRUE(b.TakeCommands().empty());
+}
+
 TEST(PrefillAdapterTest, ARefusalOnOneRankRollsBackTheOthersAndPrefillDoneThenFreesAtOnce) {
   PrefillAdapter a({.ranks = 3});
   ASSERT_TRUE(a.Admit("x", 7).ok());

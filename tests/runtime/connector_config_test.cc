@@ -44,6 +44,8 @@ void ExpectField(const ConnectorConfig& got, const std::string& key, const json&
     EXPECT_EQ(got.release, want.get<bool>());
   } else if (key == "fence_writes") {
     EXPECT_EQ(opt(got.fence_writes), want);
+  } else if (key == "layer_writes") {
+    EXPECT_EQ(got.layer_writes, want.get<bool>());
   } else if (key == "load_failure_port") {
     EXPECT_EQ(opt(got.load_failure_port), want);
   } else if (key == "kv_staging") {

@@ -112,5 +112,61 @@ TEST_F(TransportKvWriterTest, AWriteThatTimesOutIsUnsettledAndNamesWhatItWaitedF
   EXPECT_EQ(Write().end, WriteEnd::kLanded);
 }
 
+
+// A job of layers computed before the prefill ended (PrefillSession::LayersReady) names its
+// planes: only those are written, at the planned offsets; a plane the writer does not have is
+// refused before anything is sent.
+TEST(TransportKvWriterPlanes, AJobNamingPlanesWritesOnlyThose) {
+  auto fabric = transport::MakeInProcessFabric();
+  auto p = transport::MakeInProcessEngine(fabric, {"p", false});
+  auto d = transport::MakeInProcessEngine(fabric, {"d", false});
+  ASSERT_TRUE(p && d);
+  std::vector<transport::Region> src, dst;
+  std::vector<transport::RegionId> src_ids, dst_ids;
+  for (int plane = 0; plane < 3; ++plane) {
+    auto s = (*p)->AllocateRegion(kBlocks * kBlockLen);
+    auto t = (*d)->AllocateRegion(kBlocks * kBlockLen);
+    ASSERT_TRUE(s && t);
+    std::memset(s->base, 0x10 + plane, kBlocks * kBlockLen);
+    src.push_back(*s);
+    dst.push_back(*t);
+    src_ids.push_back(s->id);
+    dst_ids.push_back(t->id);
+  }
+  auto descriptor = (*d)->ExportDescriptor(dst_ids);
+  ASSERT_TRUE(descriptor);
+  auto context = std::make_shared<protocol::PullContext>();
+  context->region_descriptor = std::make_shared<const std::vector<std::uint8_t>>(
+      reinterpret_cast<const std::uint8_t*>(descriptor->data()),
+      reinterpret_cast<const std::uint8_t*>(descriptor->data() + descriptor->size()));
+  context->block_len = kBlockLen;
+  context->num_blocks = kBlocks;
+  TransportKvWriter::Options o;
+  o.regions = src_ids;
+  o.write_timeout = 1s;
+  std::shared_ptr<transport::Engine> engine(p->get(), [](auto*) {});
+  {
+    TransportKvWriter writer(engine, o);
+    protocol::WriteJob job;
+    job.context = context;
+    job.transfer_id = "xfer";
+    job.dst_block_ids = {2};
+    job.writes = {{0, 2 * kBlockLen, kBlockLen}};
+    job.planes = {0, 2};
+    ASSERT_EQ(writer.Write(*context, job).end, WriteEnd::kLanded);
+    for (int plane = 0; plane < 3; ++plane) {
+      const std::byte want{plane == 1 ? std::uint8_t{0} : static_cast<std::uint8_t>(0x10 + plane)};
+      EXPECT_EQ(dst[plane].base[2 * kBlockLen], want) << plane;
+      EXPECT_EQ(dst[plane].base[3 * kBlockLen], std::byte{0}) << plane;  // not planned
+    }
+    EXPECT_EQ(writer.bytes_written(), 2 * kBlockLen);
+    job.planes = {3};
+    const protocol::WriteOutcome outcome = writer.Write(*context, job);
+    EXPECT_EQ(outcome.end, WriteEnd::kFailed);
+    EXPECT_EQ(outcome.status.code(), ErrorCode::kOutOfRange);
+    EXPECT_EQ(writer.bytes_written(), 2 * kBlockLen);
+  }
+}
+
 }  // namespace
 }  // namespace kvferry::runtime
