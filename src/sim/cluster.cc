@@ -80,6 +80,7 @@ enum Kind : std::uint32_t {
   kUnsent,
   kWriteGiveUp,
   kPRestart,
+  kPLayer,
 };
 
 // Pools of P and D: core::BlockPool, whose generations tell a WRITE whether its destination
@@ -292,6 +293,7 @@ class Sim {
     options.kv_heads = p_layout_.kv_heads;
     options.block_len = p_layout_.block_len;
     options.num_blocks = c_.p.blocks;
+    options.num_planes = c_.p.layer_planes;
     PRank rank;
     rank.session = std::make_unique<protocol::PrefillSession>(
         options, [this](const core::HoldConfig& hc) { return c_.variants.NewHold(hc); });
@@ -402,9 +404,29 @@ class Sim {
     const Duration cost =
         c_.p.step_overhead + std::chrono::duration_cast<Duration>(c_.p.per_token * tokens * scale);
     p_step_armed_ = true;
+    // Layer writes: the prompts this step completes have their planes computed one by one.
+    for (const auto& [id, take] : batch) {
+      const PReq& p = preqs_[id];
+      if (c_.p.layer_planes == 0 || p.probe || p.done_tokens + take < p.prompt) continue;
+      for (std::uint32_t k = 0; k + 1 < c_.p.layer_planes; ++k) {
+        loop_.After(cost * (k + 1) / c_.p.layer_planes, kPLayer, static_cast<std::uint64_t>(id),
+                    [this, id = id, k, gen = p_gen_] {
+                      if (PAlive(gen)) PLayerReady(id, k);
+                    });
+      }
+    }
     loop_.After(cost, kPStepEnd, tokens, [this, batch, gen = p_gen_] {
       if (PAlive(gen)) PStepEnd(batch);
     });
+  }
+
+  // Plane `plane` of request `id`'s KV is computed, before its prefill ends.
+  void PLayerReady(int id, std::uint32_t plane) {
+    const PReq& p = preqs_[id];
+    if (p.st != PReq::St::kRunning) return;  // aborted during the step
+    if (p_adapter_.LayersReady(p.xfer, static_cast<std::uint64_t>(id), p.blocks, {plane})) {
+      PumpP();
+    }
   }
 
   void PStepEnd(const std::vector<std::pair<int, std::uint32_t>>& batch) {
@@ -471,6 +493,12 @@ class Sim {
             break;
           case protocol::PrefillRankCall::Kind::kRefuse:
             (void)session.Refuse(call.transfer, call.why, now());
+            break;
+          case protocol::PrefillRankCall::Kind::kLayersReady:
+            if (Status s = session.LayersReady(call.transfer, call.blocks, call.planes, now());
+                !s.ok()) {
+              Violation("P's LayersReady: " + s.ToString());
+            }
             break;
         }
         if (id >= 0) SyncMirror(r, id);
@@ -884,6 +912,7 @@ class Sim {
     // The session planned the write (WriteJob::writes); the data plane only moves the bytes.
     std::uint64_t bytes = 0;
     for (const core::BlockWrite& op : job.writes) bytes += op.length;
+    if (!job.planes.empty()) bytes = bytes * job.planes.size() / c_.p.layer_planes;
     Write w{pull.req,
             r,
             d_rank,
@@ -894,6 +923,8 @@ class Sim {
             false,
             job.ticket};
     w.p_gen = p_gen_;
+    w.ahead = job.ahead;
+    if (job.ahead) ++res_.layer_writes;
     if (r == 0 && rng_.Chance(c_.faults.p0_err_after_write)) w.err_after = true;
     if (rng_.Chance(c_.faults.unsettled_write)) w.give_up = true;
     Duration delay{0};
@@ -927,6 +958,7 @@ class Sim {
   }
 
   void WriteLanded(const Write& w) {
+    if (w.ahead) return;  // the request's own write follows
     ++dreqs_[w.req].peers_written;
     if (dreqs_[w.req].peers_written == c_.p.tp) ++res_.requests_written_by_all_peers;
   }

@@ -70,6 +70,11 @@ struct PrefillConfig {
   Duration per_token = 70us;
   double jitter = 0.1;  // each step's compute time is scaled by U[1-jitter, 1+jitter]
   core::HoldConfig hold;
+  // 0: off. Otherwise the KV's planes, and layer writes are on: as the step that completes a
+  // prompt computes plane k (at (k+1)/planes of the step), P's engine says so (LayersReady),
+  // and pulls already waiting get it written before the prefill ends; PrefillDone covers the
+  // last plane.
+  std::uint32_t layer_planes = 0;
   // Each P rank's timer wakes at its session's NextDeadline, as the runtime's listener does,
   // up to this much late (U[0, timer_late_max]: a busy worker thread). Below the session's 1 s
   // stall threshold: a later wake is a freeze, which PrefillSession answers differently.
@@ -245,6 +250,7 @@ struct SimResult {
   std::uint64_t late_replies = 0;
   std::uint64_t fences = 0;
   std::uint64_t duplicate_pulls_dropped = 0;  // P's sessions
+  std::uint64_t layer_writes = 0;  // WRITEs of layers before their prefill ended (started)
   std::uint64_t messages_to_silent_engines = 0;
   std::uint64_t messages_unsent = 0;  // to a dead P: reported unsent after connect_wait
   std::uint64_t p_restarts = 0;       // new P processes started (Faults::p_restarts)

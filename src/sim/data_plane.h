@@ -43,6 +43,7 @@ struct Write {
   bool give_up = false;      // Faults::unsettled_write: the sender gives up before the end
   bool reported = false;     // P's session heard the outcome already (kUnsettled)
   std::uint32_t p_gen = 0;   // the P process whose write it is
+  bool ahead = false;        // layers written before the prefill ended (WriteJob::ahead)
 };
 
 // The event kinds the data plane schedules (folded into the run's trace hash).

@@ -146,6 +146,9 @@ SimConfig RandomConfig(std::uint64_t seed) {
       up += c.faults.p_up_for + c.faults.p_down_for;
     }
   }
+  // Layer writes (PrefillConfig::layer_planes), drawn last so that the runs without them are
+  // the runs of the seeds before they existed.
+  if (r.Chance(0.5)) c.p.layer_planes = static_cast<std::uint32_t>(r.Between(2, 8));
   c.horizon = kT0 + 2h;
   return c;
 }
@@ -172,6 +175,7 @@ std::string Describe(const SimConfig& c) {
   add(c.net.drop_renewals_from != core::kNever,
       fmt::format("renewals lost {:.2f}-{:.2f}s", At(c.net.drop_renewals_from),
                   At(c.net.drop_renewals_until)));
+  add(c.p.layer_planes > 0, fmt::format("layer writes over {} planes", c.p.layer_planes));
   add(c.faults.d_crash != core::kNever, fmt::format("D crash {:.2f}s", At(c.faults.d_crash)));
   add(c.faults.p_crash != core::kNever, fmt::format("P crash {:.2f}s", At(c.faults.p_crash)));
   add(c.faults.p_restarts > 0,
@@ -220,6 +224,7 @@ ExploreReport Explore(const ExploreOptions& options) {
     report.late_replies += run.late_replies;
     report.fences += run.fences;
     report.duplicate_pulls_dropped += run.duplicate_pulls_dropped;
+    report.layer_writes += run.layer_writes;
     report.hostile_pulls += run.hostile_pulls_sent;
     report.messages_to_silent_engines += run.messages_to_silent_engines;
     report.messages_unsent += run.messages_unsent;

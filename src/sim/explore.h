@@ -43,7 +43,7 @@ struct ExploreReport {
   std::uint64_t pull_timeouts = 0, late_replies = 0, fences = 0, duplicate_pulls_dropped = 0;
   std::uint64_t hostile_pulls = 0, messages_to_silent_engines = 0, messages_unsent = 0;
   std::uint64_t releases_delivered = 0, notices_delivered = 0, failed_by_notice = 0;
-  std::uint64_t unsettled_writes = 0, unsettled_writes_landed = 0;
+  std::uint64_t unsettled_writes = 0, unsettled_writes_landed = 0, layer_writes = 0;
   std::uint64_t p_restarts = 0, pulls_to_restarted = 0, replies_to_closed = 0;
   std::uint64_t shared_key_quarantines = 0;  // runs that reached SimResult::shared_key_quarantine
   std::vector<ExploreFailure> failures;

@@ -118,7 +118,8 @@ int RunExplore(const SimOptions& o) {
       "  reached: %llu pull timeouts, %llu late replies, %llu fences, %llu duplicate pulls "
       "dropped by P, %llu hostile pulls answered, %llu messages to silent P engines, %llu "
       "never sent (P gone), %llu releases and %llu abort notices delivered (%llu requests "
-      "failed by a notice), %llu writes unsettled (%llu of them landed later), %llu P restarts "
+      "failed by a notice), %llu writes unsettled (%llu of them landed later), %llu layer "
+      "writes before a prefill ended, %llu P restarts "
       "(%llu pulls reached a restarted P), %llu answers to a side channel D had closed; %llu "
       "runs met the shared-write-key limit (docs/simulation.md)\n",
       static_cast<unsigned long long>(report.pull_timeouts),
@@ -133,6 +134,7 @@ int RunExplore(const SimOptions& o) {
       static_cast<unsigned long long>(report.failed_by_notice),
       static_cast<unsigned long long>(report.unsettled_writes),
       static_cast<unsigned long long>(report.unsettled_writes_landed),
+      static_cast<unsigned long long>(report.layer_writes),
       static_cast<unsigned long long>(report.p_restarts),
       static_cast<unsigned long long>(report.pulls_to_restarted),
       static_cast<unsigned long long>(report.replies_to_closed),

@@ -36,6 +36,9 @@ TEST(Explore, TwoThousandSeedsKeepEveryInvariant) {
   // blocks (checked where they land; D treating `unsettled` as a plain err breaks it within
   // 2,000 seeds, checked by mutation).
   EXPECT_GT(report.unsettled_writes_landed, 0u);
+  // ... and layers written into parked pulls' blocks before their prefill ended (half the
+  // seeds turn layer writes on), faults around them included.
+  EXPECT_GT(report.layer_writes, 0u);
   // ... and P restarts (new processes on the same or new addresses) that D found again, with
   // side channels D closed under that churn while answers were on their way.
   EXPECT_GT(report.p_restarts, 0u);
