@@ -291,6 +291,8 @@ def test_pair_a_moves_its_kv_through_host_staging_and_its_tp2_p_does_not(cluster
     assert "D staging slots are short" in d_log  # loads waited for slots, and were served
     assert "staging has not moved" not in d_log + a.prefill.log.read_text(errors="replace")
     assert "stages KV" not in cluster.engines["a-prefill-tp2"].log.read_text(errors="replace")
+    # A staged P moves KV only from its staging slots, filled at the hand-off: no layer writes.
+    assert "(layer writes)" not in a.prefill.log.read_text(errors="replace")
     assert staged.format(128) in cluster.pairs["m"].prefill.log.read_text(errors="replace")
 
 
@@ -326,6 +328,26 @@ def test_over_tcp_outputs_equal_p_alone(cluster):
             assert want.status == 200 and got.status == 200, (want.body, got.body,
                                                               b.data_plane_lines())
             assert got.tokens == want.tokens, f"prompt of {len(prompt)} tokens"
+
+
+def test_layers_leave_p_before_its_prefill_ends_when_ds_pull_already_waits(cluster):
+    # D's half first: its pull reaches P and parks before P has even seen the request. P's
+    # step that computes the prompt then sends each layer as vLLM's attention layer saves it
+    # (layer_writes, on by default; B's P registers its host KV cache as it is), and only the
+    # rest after the prefill. D decodes exactly what P alone does.
+    b = cluster.pairs["b"]
+    prompt, = prompts(12, [300])
+    want = complete(b.prefill.url, b.model, prompt)
+    transfer = f"xfer-layers-{uuid.uuid4().hex}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        d_half = pool.submit(complete, b.decode.url, b.model, prompt, params=b.d_params(transfer))
+        time.sleep(2)  # D schedules it, pulls, and the pull parks on P
+        assert complete(b.prefill.url, b.model, prompt, 1, params=p_params(transfer)).status == 200
+        got = d_half.result()
+    assert want.status == 200 and got.status == 200, (want.body, got.body, b.data_plane_lines())
+    assert got.tokens == want.tokens
+    # Logged once per P process, at its first layer write (this one, or an earlier test's).
+    assert "before its prefill ended (layer writes)" in b.prefill.log.read_text(errors="replace")
 
 
 def test_a_late_pull_fails_at_once(cluster):

@@ -83,6 +83,10 @@ class FakePrefill:
     def prefill_done(self, transfer_id, block_ids):
         self.calls.append(("prefill_done", transfer_id, block_ids))
 
+    def layers_ready(self, transfer_id, block_ids, layer_name):
+        self.calls.append(("layers_ready", transfer_id, block_ids, layer_name))
+        return True
+
     def engine_finished(self, transfer_id):
         self.calls.append(("engine_finished", transfer_id))
 
@@ -111,12 +115,19 @@ def worker_connector(model_dir, role, monkeypatch, **kw):
     return connector
 
 
-def engine_step(scheduler, connector, before_results=None):
-    """One step through both halves: the scheduler's metadata goes to the worker, the worker's
-    results (after the native reported, by before_results) come back to the scheduler."""
+def engine_step(scheduler, connector, before_results=None, layers=(), start_after_forward=False):
+    """One step through both halves: the scheduler's metadata goes to the worker, the forward
+    pass saves `layers` in order (what vLLM's attention layers call; vLLM 0.32 calls
+    start_load_kv after it when no load of the step is synchronous), the worker's results
+    (after the native reported, by before_results) come back to the scheduler."""
     out = scheduler.schedule()
     connector.bind_connector_metadata(out.kv_connector_metadata)
-    connector.start_load_kv(None)
+    if not start_after_forward:
+        connector.start_load_kv(None)
+    for layer_name in layers:
+        connector.save_kv_layer(layer_name, None, None)
+    if start_after_forward:
+        connector.start_load_kv(None)
     connector.wait_for_save()
     if before_results is not None:
         before_results()
@@ -286,6 +297,36 @@ def test_p_worker_holds_until_the_runtime_frees(model_dir, monkeypatch, caplog):
     assert set(p.requests) == {"p2"}
     engine_step(p, connector, lambda: native.events.append(("free", "xfer-2", "sent")))
     assert_scheduler_empty(p)
+
+
+@pytest.mark.parametrize("start_after_forward", [False, True])
+def test_p_worker_offers_each_layer_of_the_step_that_completes_a_prompt(
+        model_dir, monkeypatch, start_after_forward):
+    p = make_scheduler(make_vllm_config(model_dir, "kv_producer"))
+    connector = worker_connector(model_dir, "kv_producer", monkeypatch)
+    native = connector.connector_worker.prefill
+    p.add_request(make_request("p1", 40, p_params("xfer-1"), max_tokens=1))
+    engine_step(p, connector, layers=["layer.0"], start_after_forward=start_after_forward)
+    (blocks,) = p.kv_cache_manager.get_block_ids("p1")
+    # Admitted first, then the layer as the forward pass computed it.
+    assert native.calls == [("admit", "xfer-1", "p1"),
+                            ("layers_ready", "xfer-1", [list(blocks)], "layer.0")]
+    native.calls.clear()
+    # The hand-off step: no prompt completes.
+    engine_step(p, connector, layers=["layer.0"], start_after_forward=start_after_forward)
+    assert native.calls == [("prefill_done", "xfer-1", [list(blocks)])]
+
+
+@pytest.mark.parametrize("extra", [{"layer_writes": False}, {"kv_staging": "host"}])
+def test_p_worker_offers_no_layers_when_off_or_staged(model_dir, monkeypatch, extra):
+    p = make_scheduler(make_vllm_config(model_dir, "kv_producer", extra_config=extra))
+    connector = worker_connector(model_dir, "kv_producer", monkeypatch, extra_config=extra)
+    native = connector.connector_worker.prefill
+    p.add_request(make_request("p1", 40, p_params("xfer-1"), max_tokens=1))
+    for _ in range(2):
+        engine_step(p, connector, layers=["layer.0"])
+    assert [c for c in native.calls if c[0] == "layers_ready"] == []
+    assert any(c[0] in ("prefill_done", "admit") for c in native.calls)
 
 
 def test_p_warns_once_per_pass_of_kv_no_decoder_took_naming_why(model_dir, monkeypatch, caplog):

@@ -25,6 +25,11 @@ Keys of ``kv_connector_extra_config``:
     D's data plane fences its writers (no one-sided puts into D; every pull carries a write key
     D can revoke), so D releases the blocks of a P that died or went silent mid-pull without
     waiting for its answer; default false (the put path stays available).
+``layer_writes``
+    P: in the step that completes a prompt, each layer's KV leaves for a decoder whose pull
+    already waits as soon as that layer is computed (vLLM's ``save_kv_layer``), so only the last
+    layers are left to move when the prefill ends; default true. Only for a KV cache registered
+    as it is in host memory: a staged or GPU cache moves after the prefill, as with false.
 ``load_failure_port``
     D: the port of its load-failure service (0: any free one; absent: none), where a router
     asks why a request's KV load failed (``GET /load_failure?transfer_id=ID``): vLLM answers
@@ -88,6 +93,7 @@ class ConnectorSettings:
     kv_release: bool
     cluster_secret_file: str | None = None
     fence_writes: bool = False
+    layer_writes: bool = True
     load_failure_port: int | None = None
     kv_staging: str = "auto"  # one of STAGING_MODES
     kv_staging_blocks: int | None = None  # None: the KV cache's number of blocks
@@ -143,6 +149,7 @@ def parse_settings(
         cluster_secret_file=parsed["cluster_secret_file"],
         # The connector has no etcd, where kvferry serve turns fencing on by default.
         fence_writes=bool(parsed["fence_writes"]),
+        layer_writes=parsed["layer_writes"],
         load_failure_port=parsed["load_failure_port"],
         kv_staging=parsed["kv_staging"],
         kv_staging_blocks=parsed["kv_staging_blocks"],

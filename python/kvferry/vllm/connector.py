@@ -149,11 +149,16 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        """P pushes a finished request's blocks after the fact; nothing is saved per layer."""
+        """P, in the step that completes a prompt: this layer's KV goes to the decoder pulls
+        already waiting (layer_writes); the rest of the request's KV follows its end."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvferryConnectorMetadata), type(meta)
+        self._worker().save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for: P's blocks stay allocated (request_finished delays their free)
-        until the runtime reports the transfer done."""
+        """Nothing to wait for: the layer writes run on while P's blocks stay allocated
+        (request_finished delays their free) until the runtime reports the transfer done."""
+        self._worker().wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker().get_transfer_results()

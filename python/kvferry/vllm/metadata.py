@@ -47,10 +47,14 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     hold: dict[str, HoldSpec] = field(default_factory=dict)
     # P: requests that finished without KV to hand over (aborted, error): request -> transfer_id.
     drop: dict[str, str] = field(default_factory=dict)
+    # P: admitted requests whose prompt this step completes, with the blocks it is computed
+    # into: each layer's KV goes to the pulls already waiting as it is computed (save_kv_layer).
+    layers: dict[str, HoldSpec] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (
             self.track or self.load or self.release or self.admit or self.hold or self.drop
+            or self.layers
         )
 
 

@@ -93,6 +93,14 @@ class PrefillWorker(Protocol):
         now (lease or abort_request_timeout). For a transfer dropped before (released, expired,
         tombstoned) the worker reports "free" at once."""
 
+    def layers_ready(
+        self, transfer_id: str, block_ids: Sequence[Sequence[int]], layer_name: str
+    ) -> bool:
+        """In the step that completes the admitted request's prompt, layer ``layer_name``'s KV
+        is computed into ``block_ids`` (the blocks prefill_done will name): pulls already
+        waiting for the transfer get it written now. A hint, never an error: False when nothing
+        was passed on (a layer this worker cannot move alone, a transfer not admitted here)."""
+
     def engine_finished(self, transfer_id: str) -> None:
         """The engine finished the request without KV to hand over (aborted, failed, preempted
         for good): nothing will be held; a pull waiting for it fails at once with that reason,

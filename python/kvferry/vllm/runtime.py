@@ -166,20 +166,44 @@ class PrefillRuntime:
                 self._bootstrap.stop()
             raise
         self._handles = itertools.count(1)
+        self._admitted: dict[str, int] = {}  # transfer id -> its admission's handle
+        # The planes of each layer, when every region is a plane of its own (dense blocks); a
+        # block holding every layer's page is one plane, which no layer can be sent alone.
+        self._layer_planes: dict[str, list[int]] = {}
+        if len(planes) == len(regions):
+            for index, region in enumerate(regions):
+                self._layer_planes.setdefault(region.layer_name, []).append(index)
 
     # The native worker runs protocol::PrefillAdapter (admission, hand-off, frees, drops: the
     # glue `kvferry serve` and the simulator run too); these calls only translate vLLM's.
 
     def admit(self, transfer_id: str, handle: str) -> None:
+        handle = next(self._handles)
         try:
-            self._worker.admit(transfer_id, next(self._handles))
+            self._worker.admit(transfer_id, handle)
+            self._admitted[transfer_id] = handle
         except self._native.KvferryError as e:
             # Released by D or expired before P admitted it (TOMBSTONED), or a duplicate id:
             # nothing is held; its prefill_done is answered "free" at once.
             logger.warning("kvferry: P did not admit transfer %s (request %s): %s",
                            transfer_id, handle, e)
 
+    def layers_ready(
+        self, transfer_id: str, block_ids: Sequence[Sequence[int]], layer_name: str
+    ) -> bool:
+        planes = self._layer_planes.get(layer_name)
+        handle = self._admitted.get(transfer_id)
+        if not planes or handle is None:
+            return False
+        try:
+            return bool(self._worker.layers_ready(transfer_id, _single_group(block_ids), planes,
+                                                  handle))
+        except (self._native.KvferryError, LayoutError) as e:  # stopped meanwhile; groups
+            logger.debug("kvferry: layers_ready(%s, %s): %s", transfer_id, layer_name, e)
+            return False
+
     def prefill_done(self, transfer_id: str, block_ids: Sequence[Sequence[int]]) -> None:
+        self._admitted.pop(transfer_id, None)
         try:
             self._worker.prefill_done(transfer_id, _single_group(block_ids))
         except self._native.KvferryError as e:
@@ -187,6 +211,7 @@ class PrefillRuntime:
             logger.error("kvferry: prefill_done(%s): %s", transfer_id, e)
 
     def engine_finished(self, transfer_id: str) -> None:
+        self._admitted.pop(transfer_id, None)
         try:
             self._worker.engine_finished(transfer_id)
         except self._native.KvferryError as e:  # stopped meanwhile

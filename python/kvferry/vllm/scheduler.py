@@ -129,6 +129,11 @@ class KvferryConnectorScheduler:
         # as a plain request: the runtime keys a transfer by its id, and two owners would let
         # D read one request's KV from blocks vLLM freed for the other.
         self._owner: dict[str, str] = {}
+        # P, with layer_writes: admitted requests still prefilling and the blocks vLLM gave them
+        # so far (from each step's scheduler output), to tell the worker, in the step that
+        # completes a prompt, which blocks its layers are computed into.
+        self._prefilling: dict[str, Request] = {}
+        self._prefill_blocks: dict[str, list[list[int]]] = {}
 
         # D: why loads failed, for a router to ask (config.py: load_failure_port), and the
         # transfer of each load in flight, to file the reasons under.
@@ -245,9 +250,49 @@ class KvferryConnectorScheduler:
                 self._admitted[request_id] = transfer_id
                 self._admit[request_id] = transfer_id
                 self._owner[transfer_id] = request_id
+                if self.settings.layer_writes:
+                    self._prefilling[request_id] = request
+
+    def _layer_writes(self, scheduler_output: SchedulerOutput) -> dict[str, HoldSpec]:
+        """P: the admitted requests whose prompt this step completes, with their blocks: the
+        worker sends each layer's KV to the pulls already waiting as it is computed."""
+        if not self._prefilling:
+            return {}
+        for data in scheduler_output.scheduled_new_reqs:
+            if data.req_id in self._prefilling:
+                self._prefill_blocks[data.req_id] = [list(b) for b in data.block_ids]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            if request_id not in self._prefilling or new is None:
+                continue
+            known = self._prefill_blocks.get(request_id)
+            if known is None or request_id in cached.resumed_req_ids:
+                self._prefill_blocks[request_id] = [list(b) for b in new]
+            else:
+                for blocks, more in zip(known, new):
+                    blocks.extend(more)
+        layers: dict[str, HoldSpec] = {}
+        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._prefilling.get(request_id)
+            blocks = self._prefill_blocks.get(request_id)
+            if request is None or blocks is None:
+                continue
+            # num_computed_tokens advances after this call (vLLM's _update_after_schedule).
+            if request.num_computed_tokens + scheduled < request.num_prompt_tokens:
+                continue
+            transfer_id = self._admitted.get(request_id)
+            if transfer_id is not None:
+                layers[request_id] = HoldSpec(transfer_id=transfer_id,
+                                              block_ids=self._transfer_blocks(blocks))
+            # One step completes a prompt: nothing more to follow for it.
+            del self._prefilling[request_id]
+            del self._prefill_blocks[request_id]
+        return layers
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryConnectorMetadata:
         meta = KvferryConnectorMetadata(
+            layers=self._layer_writes(scheduler_output),
             track=self._track,
             load=self._load,
             release=self._release,
@@ -277,6 +322,8 @@ class KvferryConnectorScheduler:
 
         if not params.get("do_remote_decode") or not self.is_producer:
             return False, None
+        self._prefilling.pop(request_id, None)
+        self._prefill_blocks.pop(request_id, None)
         transfer_id = self._admitted.pop(request_id, None)
         if transfer_id is None:
             # Never admitted: ended before its blocks were allocated, or a duplicate of a live

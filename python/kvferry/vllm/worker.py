@@ -252,6 +252,12 @@ class KvferryConnectorWorker:
         self._held: dict[str, str] = {}
         # P: transfer ids admitted but not yet held (to tell a drop from a stray event).
         self._admitted: dict[str, str] = {}
+        # P, layer writes (config.py: layer_writes): whether this worker sends layers as they
+        # are computed (its KV cache is registered as it is, in host memory), and the
+        # (transfer, blocks) of the prompts the current step completes.
+        self._layer_writes = False
+        self._layers_now: list[tuple[str, list[list[int]]]] = []
+        self._step_meta: KvferryConnectorMetadata | None = None  # _begin_prefill_step's
         # Results not yet handed to vLLM.
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -285,6 +291,10 @@ class KvferryConnectorWorker:
         regions = self._maybe_stage(regions, tensors, num_blocks)
         if self.is_producer:
             self.prefill = self._native.PrefillWorker(regions, self.options)
+            # A staged cache reaches the staging memory only at the hand-off, and a GPU
+            # computes a layer after save_kv_layer returns: both move after the prefill.
+            self._layer_writes = (self.settings.layer_writes and self._p_staging is None
+                                  and all(r.memory == "host" for r in regions))
         if self.is_consumer:
             self.decode = self._native.DecodeWorker(regions, self.options)
         logger.info(
@@ -344,9 +354,7 @@ class KvferryConnectorWorker:
                     self._d_staging.cancel(request_id)
             self._pump_decode_staging()
         if self.prefill is not None:
-            for request_id, transfer_id in meta.admit.items():
-                self.prefill.admit(transfer_id, request_id)
-                self._admitted[transfer_id] = request_id
+            self._begin_prefill_step(meta)
             for request_id, spec in meta.hold.items():
                 self._admitted.pop(spec.transfer_id, None)
                 if self._p_staging is not None:
@@ -365,6 +373,38 @@ class KvferryConnectorWorker:
                         transfer_id, f"the prefill instance dropped request {request_id} before "
                         "it was scheduled (aborted or finished while it queued)")
             self._pump_prefill_staging()
+
+    def _begin_prefill_step(self, meta: KvferryConnectorMetadata) -> None:
+        """P, once per step, at the first of save_kv_layer and start_load_kv: the admissions,
+        and the prompts the step completes. vLLM 0.32 calls start_load_kv after the forward pass
+        when no load of the step is synchronous (kv_connector_model_runner_mixin), so the
+        layers' requests must be admitted by the first save_kv_layer, or the runtime would not
+        know them yet."""
+        if self._step_meta is meta:
+            return
+        self._step_meta = meta
+        for request_id, transfer_id in meta.admit.items():
+            self.prefill.admit(transfer_id, request_id)
+            self._admitted[transfer_id] = request_id
+        self._layers_now = [
+            (spec.transfer_id, spec.block_ids) for request_id, spec in meta.layers.items()
+            if self._layer_writes and self._admitted.get(spec.transfer_id) == request_id
+        ]
+
+    def save_kv_layer(self, layer_name: str, meta: KvferryConnectorMetadata) -> None:
+        """P: layer ``layer_name`` of this step is computed: the prompts the step completes
+        send it to the pulls already waiting for them (the rest follows prefill_done)."""
+        if self.prefill is None:
+            return
+        self._begin_prefill_step(meta)
+        for transfer_id, block_ids in self._layers_now:
+            self.prefill.layers_ready(transfer_id, block_ids, layer_name)
+
+    def wait_for_save(self) -> None:
+        """The step is over (after its forward pass and start_load_kv): its layers were all
+        offered."""
+        self._layers_now = []
+        self._step_meta = None
 
     def _note_staging_wait(self, side: str, staging: PrefillStaging | DecodeStaging) -> None:
         """Logs when requests start waiting for staging slots, when such a wait stands still,
