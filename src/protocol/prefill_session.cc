@@ -755,43 +755,50 @@ Status PrefillSession::LayersReady(const core::TransferId& id,
       continue;  // other blocks than the first call's: PrefillDone's write covers every plane
     }
     if (a.outcome.end != WriteEnd::kLanded) continue;  // the request fails: nothing more
-    std::vector<std::uint32_t> fresh;
     for (std::uint32_t plane : planes) {
-      if (!a.planes[plane]) fresh.push_back(plane);
+      const bool queued = std::find(a.queued.begin(), a.queued.end(), plane) != a.queued.end();
+      if (!a.planes[plane] && !queued) a.queued.push_back(plane);
     }
-    std::sort(fresh.begin(), fresh.end());
-    fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
-    if (fresh.empty()) continue;
-    const wire::PullRequest& request = pull->second.requests[ref.request];
-    // A plan that fails or writes nothing from this rank does the same at PrefillDone, which
-    // answers the request then.
-    // Each ahead job carries its own copy of the request's destination blocks and plan: what
-    // they retain is bounded as the pulls' block ids are. Beyond it the hint is dropped, and
-    // PrefillDone's write covers those planes.
-    const std::size_t copies = request.block_ids.size();
-    if (ahead_retained_ + copies > options_.max_retained_blocks) continue;
-    auto writes = PlanRequest(pull->second, request, *a.blocks);
-    if (!writes || writes->empty()) continue;
-    ahead_retained_ += copies;
-    for (std::uint32_t plane : fresh) a.planes[plane] = true;
-    WriteJob job;
-    job.ticket = next_ticket_++;
-    job.pull_id = pull->second.id;
-    job.context = pull->second.context;
-    job.transfer_id = request.transfer_id;
-    job.d_req_id = request.d_req_id;
-    job.dst_block_ids = request.block_ids;  // the request's own write still needs them
-    job.writes = std::move(*writes);
-    job.planes = std::move(fresh);
-    job.ahead = true;
-    ++a.in_flight;
-    ++ahead_reads_[request.transfer_id];
-    ++counters_.writes_started;
-    ++counters_.layer_writes;
-    writes_.emplace(job.ticket, Ticket{ref, 0, /*ahead=*/true});
-    new_writes_.push_back(std::move(job));
+    // One ahead write in flight per request: the planes computed meanwhile go together in the
+    // next (measured: 32 concurrent ahead writes of 4 MiB over UCX 1.13 tcp stalled its progress
+    // thread for 38 s, docs/performance.md; one in flight moves the same bytes in fewer batches).
+    if (a.in_flight == 0) StartAheadWrite(ref, a);
   }
   return Status::Ok();
+}
+
+void PrefillSession::StartAheadWrite(const RequestRef& ref, Ahead& a) {
+  if (a.queued.empty()) return;
+  const PendingPull& pull = pulls_.at(ref.pull_key);
+  const wire::PullRequest& request = pull.requests[ref.request];
+  // A plan that fails or writes nothing from this rank does the same at PrefillDone, whose
+  // write covers these planes then and answers the request.
+  auto writes = PlanRequest(pull, request, *a.blocks);
+  if (!writes || writes->empty()) {
+    a.queued.clear();
+    return;
+  }
+  // The job copies the request's destination blocks (and its plan): with one job in flight per
+  // request, that is at most what the pulls retain (max_retained_blocks) once more.
+  std::vector<std::uint32_t> planes = std::exchange(a.queued, {});
+  std::sort(planes.begin(), planes.end());
+  for (std::uint32_t plane : planes) a.planes[plane] = true;
+  WriteJob job;
+  job.ticket = next_ticket_++;
+  job.pull_id = pull.id;
+  job.context = pull.context;
+  job.transfer_id = request.transfer_id;
+  job.d_req_id = request.d_req_id;
+  job.dst_block_ids = request.block_ids;  // the request's own write still needs them
+  job.writes = std::move(*writes);
+  job.planes = std::move(planes);
+  job.ahead = true;
+  ++a.in_flight;
+  ++ahead_reads_[request.transfer_id];
+  ++counters_.writes_started;
+  ++counters_.layer_writes;
+  writes_.emplace(job.ticket, Ticket{ref, 0, /*ahead=*/true});
+  new_writes_.push_back(std::move(job));
 }
 
 Status PrefillSession::Refuse(const core::TransferId& id, Status why, TimePoint now) {
@@ -856,7 +863,6 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
 void PrefillSession::AheadWriteDone(const Ticket& t, const WriteOutcome& outcome, TimePoint now) {
   const wire::PullRequest& request = pulls_.at(t.ref.pull_key).requests[t.ref.request];
   const core::TransferId transfer = request.transfer_id;
-  ahead_retained_ -= request.block_ids.size();  // still there: the request is not listed yet
   auto reads = ahead_reads_.find(transfer);
   if (reads != ahead_reads_.end() && --reads->second == 0) {
     ahead_reads_.erase(reads);
@@ -901,7 +907,9 @@ void PrefillSession::AheadWriteDone(const Ticket& t, const WriteOutcome& outcome
       }
     } else if (a.send_pending) {
       a.send_pending = false;
-      SendRequest(t.ref.pull_key, t.ref.request, now);
+      SendRequest(t.ref.pull_key, t.ref.request, now);  // its write covers the queued planes
+    } else if (a.outcome.end == WriteEnd::kLanded) {
+      StartAheadWrite(t.ref, a);  // the layers computed while this one was written
     }
   }
   DrainHoldEvents(now);

@@ -155,7 +155,7 @@ struct PrefillSessionOptions {
   std::size_t max_parked_requests = 65536;
   // Destination block ids kept for requests not yet answered, over all pulls (4 bytes each);
   // a pull that would exceed it gets ERROR kResourceExhausted. 16 Mi blocks = 64 MiB. The ahead
-  // writes in flight (LayersReady) may copy as many again; beyond that no more are started.
+  // writes in flight (LayersReady: one per request) copy at most as many again.
   std::size_t max_retained_blocks = std::size_t{1} << 24;
   // Finished pulls whose (socket, id) is remembered, so that a late duplicate is dropped too:
   // answered again, it could start a second write into blocks D already settled (and freed).
@@ -342,7 +342,9 @@ class PrefillSession {
   // Planes `planes` of the transfer's KV are final in `blocks` before its prefill finished (the
   // step that completes the prompt computed those layers: vLLM's save_kv_layer). Every pull
   // already parked for the transfer gets those planes written now, so that what is left to
-  // write when PrefillDone comes is the layers computed last (docs/protocol.md §8.5). A hint:
+  // write when PrefillDone comes is the layers computed last (docs/protocol.md §8.5); a request
+  // has one such write in flight at a time, and the planes computed meanwhile go in its next.
+  // A hint:
   // with no pull parked it does nothing, and the request's outcome is still decided as without
   // it — listed only once every write of it ended, its ahead writes included (an ahead write
   // that failed fails the request; one that may still land makes it `unsettled`), and its
@@ -434,7 +436,8 @@ class PrefillSession {
   struct Ahead {
     std::shared_ptr<const std::vector<core::BlockId>> blocks;  // what they read
     std::vector<bool> planes;                                  // written or being written
-    std::uint32_t in_flight = 0;
+    std::vector<std::uint32_t> queued;  // computed while a write of it was in flight: next
+    std::uint32_t in_flight = 0;        // 0 or 1
     WriteOutcome outcome;  // the worst end so far: kLanded while none failed
     // Its own write (PrefillDone came and BeginSend succeeded) or its listing waits for the
     // writes in flight: neither may end the request while they may still read or land.
@@ -467,6 +470,9 @@ class PrefillSession {
   bool DeferListing(std::uint64_t key, Wave& wave, std::uint32_t index, bool ok,
                     const Status& status, bool unsettled);
   void AheadWriteDone(const Ticket& ticket, const WriteOutcome& outcome, core::TimePoint now);
+  // Starts the write of `a.queued`, unless the bound on what ahead jobs retain or the plan
+  // says no (the planes are then left to the request's own write).
+  void StartAheadWrite(const RequestRef& ref, Ahead& a);
   Wave& OpenWave(PendingPull& pull, std::uint64_t key, std::uint32_t* index = nullptr);
   void AddOk(std::uint64_t key, Wave& wave, std::uint32_t index);
   void AddErr(std::uint64_t key, Wave& wave, std::uint32_t index, const Status& status,
@@ -513,7 +519,6 @@ class PrefillSession {
   // they still read the blocks.
   std::unordered_map<core::TransferId, std::uint32_t> ahead_reads_;
   std::unordered_map<core::TransferId, core::HoldEvent> held_frees_;
-  std::size_t ahead_retained_ = 0;  // destination block ids the ahead jobs in flight copied
   std::uint64_t next_ticket_ = 1;
   std::vector<std::uint64_t> touched_;  // pulls that may have a wave to send
   // Held transfers -> the sockets that renewed them asking for notices. An entry goes with its

@@ -101,10 +101,13 @@ TEST_F(LayerWritesTest, EveryPlaneWrittenAheadIsAnsweredAtPrefillDoneWithoutAnot
   Parked();
   ASSERT_TRUE(s().LayersReady("x1", kBlocks, std::vector<std::uint32_t>{0, 1}, kT0).ok());
   WriteJob first = OneWrite();
-  ASSERT_TRUE(s().LayersReady("x1", kBlocks, std::vector<std::uint32_t>{1, 2, 3}, kT0).ok());
+  // Computed while the first is written: they wait for it, and go together.
+  ASSERT_TRUE(s().LayersReady("x1", kBlocks, std::vector<std::uint32_t>{1, 2}, kT0).ok());
+  ASSERT_TRUE(s().LayersReady("x1", kBlocks, std::vector<std::uint32_t>{3}, kT0).ok());
+  EXPECT_TRUE(s().TakeWrites().empty());
+  s().OnWriteDone(first.ticket, WriteOutcome::Landed(), kT0 + 1ms);
   WriteJob second = OneWrite();
   EXPECT_EQ(second.planes, (std::vector<std::uint32_t>{2, 3}));  // plane 1 is not written twice
-  s().OnWriteDone(first.ticket, WriteOutcome::Landed(), kT0 + 1ms);
   s().OnWriteDone(second.ticket, WriteOutcome::Landed(), kT0 + 1ms);
   ASSERT_TRUE(s().PrefillDone("x1", kBlocks, kT0 + 2ms).ok());
   EXPECT_TRUE(s().TakeWrites().empty());
@@ -239,30 +242,6 @@ TEST_F(LayerWritesTest, APrefillDoneNamingOtherBlocksRewritesEveryPlane) {
   WriteJob rest = OneWrite();
   EXPECT_TRUE(rest.planes.empty());  // every plane
   EXPECT_EQ(rest.writes, (std::vector<core::BlockWrite>{{4 * 4096, 10 * 4096, 8192}}));
-}
-
-// What the ahead jobs in flight copy of D's block ids is bounded as the pulls' ids are
-// (max_retained_blocks); beyond it a hint is dropped and PrefillDone writes those planes.
-TEST_F(LayerWritesTest, AheadWritesBeyondTheRetainedBlocksBoundAreLeftToPrefillDone) {
-  PrefillSessionOptions options;
-  options.block_len = 4096;
-  options.num_blocks = 1024;
-  options.num_planes = 4;
-  options.max_retained_blocks = 3;  // the pull's 2 blocks, and 1 more
-  session_.emplace(options);
-  Parked();
-  ASSERT_TRUE(s().LayersReady("x1", kBlocks, std::vector<std::uint32_t>{0}, kT0).ok());
-  WriteJob first = OneWrite();
-  ASSERT_TRUE(s().LayersReady("x1", kBlocks, std::vector<std::uint32_t>{1}, kT0).ok());
-  EXPECT_TRUE(s().TakeWrites().empty());  // a second copy of 2 ids would pass the bound
-  s().OnWriteDone(first.ticket, WriteOutcome::Landed(), kT0 + 1ms);
-  ASSERT_TRUE(s().LayersReady("x1", kBlocks, std::vector<std::uint32_t>{2}, kT0 + 1ms).ok());
-  WriteJob third = OneWrite();
-  EXPECT_EQ(third.planes, (std::vector<std::uint32_t>{2}));
-  s().OnWriteDone(third.ticket, WriteOutcome::Landed(), kT0 + 2ms);
-  ASSERT_TRUE(s().PrefillDone("x1", kBlocks, kT0 + 3ms).ok());
-  EXPECT_EQ(OneWrite().planes, (std::vector<std::uint32_t>{1, 3}));
-  EXPECT_EQ(s().stats().layer_writes, 2u);
 }
 
 TEST_F(LayerWritesTest, LayersOfATransferNoPullWaitsForWriteNothing) {
