@@ -115,8 +115,11 @@ def test_p_keeps_blocks_until_finished_sending(model_dir):
     assert not p.connector.connector_scheduler.holding_requests
 
 
+LAYER_WRITES = {"layer_writes": True}
+
+
 def test_the_step_that_completes_a_p_prompt_names_its_blocks_for_layer_writes(model_dir):
-    p = scheduler_for(model_dir, "kv_producer", engine_id="prefill-0")
+    p = scheduler_for(model_dir, "kv_producer", engine_id="prefill-0", extra_config=LAYER_WRITES)
     p.add_request(make_request("p1", PROMPT, p_params("xfer-1"), max_tokens=1))
     out, _ = step(p)
     (blocks,) = p.kv_cache_manager.get_block_ids("p1")
@@ -133,7 +136,7 @@ def test_the_step_that_completes_a_p_prompt_names_its_blocks_for_layer_writes(mo
 def test_a_chunked_p_prompt_names_its_blocks_only_in_its_last_chunk(model_dir):
     # 480 tokens at 256 a step: chunks of 256 and 224; only the last computes every layer of
     # the whole prompt (the first chunk's layers are final, but the last tokens' are not yet).
-    p = scheduler_for(model_dir, "kv_producer", engine_id="prefill-0")
+    p = scheduler_for(model_dir, "kv_producer", engine_id="prefill-0", extra_config=LAYER_WRITES)
     p.add_request(make_request("p1", 480, p_params("xfer-1"), max_tokens=1))
     seen = []
     for _ in range(2):
@@ -146,9 +149,8 @@ def test_a_chunked_p_prompt_names_its_blocks_only_in_its_last_chunk(model_dir):
     assert meta_of(out).hold == {"p1": HoldSpec("xfer-1", [list(blocks)])}
 
 
-def test_layer_writes_off_names_no_layers(model_dir):
-    p = scheduler_for(model_dir, "kv_producer", engine_id="prefill-0",
-                      extra_config={"layer_writes": False})
+def test_layer_writes_off_by_default_names_no_layers(model_dir):
+    p = scheduler_for(model_dir, "kv_producer", engine_id="prefill-0")
     p.add_request(make_request("p1", PROMPT, p_params("xfer-1"), max_tokens=1))
     out, _ = step(p)
     assert meta_of(out).admit == {"p1": "xfer-1"}

@@ -107,8 +107,10 @@ def cluster(tmp_path_factory):
     c.tp2_bootstrap = free_port()
     c.engine("a-prefill-tp2", llama, args=["--block-size", "32", "--num-gpu-blocks-override", "64",
                                            "--tensor-parallel-size", "2"],
+             # layer_writes: each rank sends each layer as it is computed (off by default:
+             # docs/vllm.md); over shared memory, and into pair A's staged D.
              transfer_config=kvferry_transfer_config(
-                 "prefill", {"bootstrap_port": c.tp2_bootstrap}))
+                 "prefill", {"bootstrap_port": c.tp2_bootstrap, "layer_writes": True}))
     # fence_writes: D fences a P gone mid-pull, so its blocks come back (over tcp it costs
     # nothing: docs/performance.md).
     c.pair("b", llama8, extra={"kv_lease_duration": LEASE_S, "abort_request_timeout": ABORT_S,
@@ -254,6 +256,28 @@ def test_p_at_tp2_hands_its_kv_to_d_at_tp1(cluster):
     wait_for("P at TP 2 idle", lambda: idle(cluster.engines["a-prefill-tp2"]), 10)
 
 
+def test_layers_leave_p_before_its_prefill_ends_when_ds_pull_already_waits(cluster):
+    # D's half first: its pull reaches each rank of P at TP 2 and parks before P has even seen
+    # the request. P's step that computes the prompt then has each rank send its head slice of
+    # each layer as vLLM's attention layer saves it (layer_writes; P registers its host KV cache
+    # as it is), and only the rest after the prefill. D decodes exactly what P alone does.
+    single, a = cluster.engines["single"], cluster.pairs["a"]
+    p2, port = cluster.engines["a-prefill-tp2"], cluster.tp2_bootstrap
+    prompt, = prompts(12, [300])
+    transfer = f"xfer-layers-{uuid.uuid4().hex}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        d_half = pool.submit(complete, a.decode.url, a.model, prompt,
+                             params=d_params(transfer, engine_id_of(port), port))
+        time.sleep(2)  # D schedules it, pulls, and the pulls park on P's ranks
+        assert complete(p2.url, a.model, prompt, 1, params=p_params(transfer)).status == 200
+        got = d_half.result()
+    assert got.status == 200, got.body
+    assert got.tokens == complete(single.url, a.model, prompt).tokens
+    # Logged once per P rank's process, at its first layer write (this one or an earlier test's).
+    assert "before its prefill ended (layer writes)" in p2.log.read_text(errors="replace")
+    wait_for("P at TP 2 idle", lambda: idle(p2), 10)
+
+
 def test_one_post_register_cannot_take_ps_traffic_over(cluster):
     # Hole 1 of the engine-adapter issue, as first found against a real vllm serve: P's
     # bootstrap answered 200 new_incarnation, and /query then named the intruder.
@@ -328,26 +352,6 @@ def test_over_tcp_outputs_equal_p_alone(cluster):
             assert want.status == 200 and got.status == 200, (want.body, got.body,
                                                               b.data_plane_lines())
             assert got.tokens == want.tokens, f"prompt of {len(prompt)} tokens"
-
-
-def test_layers_leave_p_before_its_prefill_ends_when_ds_pull_already_waits(cluster):
-    # D's half first: its pull reaches P and parks before P has even seen the request. P's
-    # step that computes the prompt then sends each layer as vLLM's attention layer saves it
-    # (layer_writes, on by default; B's P registers its host KV cache as it is), and only the
-    # rest after the prefill. D decodes exactly what P alone does.
-    b = cluster.pairs["b"]
-    prompt, = prompts(12, [300])
-    want = complete(b.prefill.url, b.model, prompt)
-    transfer = f"xfer-layers-{uuid.uuid4().hex}"
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        d_half = pool.submit(complete, b.decode.url, b.model, prompt, params=b.d_params(transfer))
-        time.sleep(2)  # D schedules it, pulls, and the pull parks on P
-        assert complete(b.prefill.url, b.model, prompt, 1, params=p_params(transfer)).status == 200
-        got = d_half.result()
-    assert want.status == 200 and got.status == 200, (want.body, got.body, b.data_plane_lines())
-    assert got.tokens == want.tokens
-    # Logged once per P process, at its first layer write (this one, or an earlier test's).
-    assert "before its prefill ended (layer writes)" in b.prefill.log.read_text(errors="replace")
 
 
 def test_a_late_pull_fails_at_once(cluster):

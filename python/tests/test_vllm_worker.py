@@ -302,8 +302,9 @@ def test_p_worker_holds_until_the_runtime_frees(model_dir, monkeypatch, caplog):
 @pytest.mark.parametrize("start_after_forward", [False, True])
 def test_p_worker_offers_each_layer_of_the_step_that_completes_a_prompt(
         model_dir, monkeypatch, start_after_forward):
-    p = make_scheduler(make_vllm_config(model_dir, "kv_producer"))
-    connector = worker_connector(model_dir, "kv_producer", monkeypatch)
+    extra = {"layer_writes": True}
+    p = make_scheduler(make_vllm_config(model_dir, "kv_producer", extra_config=extra))
+    connector = worker_connector(model_dir, "kv_producer", monkeypatch, extra_config=extra)
     native = connector.connector_worker.prefill
     p.add_request(make_request("p1", 40, p_params("xfer-1"), max_tokens=1))
     engine_step(p, connector, layers=["layer.0"], start_after_forward=start_after_forward)
@@ -317,7 +318,7 @@ def test_p_worker_offers_each_layer_of_the_step_that_completes_a_prompt(
     assert native.calls == [("prefill_done", "xfer-1", [list(blocks)])]
 
 
-@pytest.mark.parametrize("extra", [{"layer_writes": False}, {"kv_staging": "host"}])
+@pytest.mark.parametrize("extra", [{}, {"layer_writes": True, "kv_staging": "host"}])
 def test_p_worker_offers_no_layers_when_off_or_staged(model_dir, monkeypatch, extra):
     p = make_scheduler(make_vllm_config(model_dir, "kv_producer", extra_config=extra))
     connector = worker_connector(model_dir, "kv_producer", monkeypatch, extra_config=extra)

@@ -62,8 +62,11 @@ struct ConnectorConfig {
   // P: the layers of a prompt's last step leave for a decoder already waiting as each is
   // computed (PrefillSession::LayersReady), not after the prefill. The connector does so only
   // for KV it registers as it is in host memory (not staged, not a GPU's: a GPU computes a
-  // layer after save_kv_layer returns); `serve`, whose engine has no layers, ignores it.
-  bool layer_writes = true;
+  // layer after save_kv_layer returns); `serve`, whose engine has no layers, ignores it. Off by
+  // default: host KV means a CPU engine, whose forward pass then competes with the writes for
+  // the cores, and through real vLLM on 2 cores time-to-first-token got worse (median 1,255 ms
+  // against 525 ms, two of eight requests stalled 15-18 s; docs/performance.md).
+  bool layer_writes = false;
   // D: the port of its load-failure service (0: any free one); nullopt: none.
   std::optional<int> load_failure_port;
   StagingMode staging = StagingMode::kAuto;

@@ -28,8 +28,10 @@ Keys of ``kv_connector_extra_config``:
 ``layer_writes``
     P: in the step that completes a prompt, each layer's KV leaves for a decoder whose pull
     already waits as soon as that layer is computed (vLLM's ``save_kv_layer``), so only the last
-    layers are left to move when the prefill ends; default true. Only for a KV cache registered
-    as it is in host memory: a staged or GPU cache moves after the prefill, as with false.
+    layers are left to move when the prefill ends; default false. Only for a KV cache registered
+    as it is in host memory: a staged or GPU cache moves after the prefill, as with false. Host
+    KV means a CPU engine, whose forward pass the writes then compete with for the cores: on 2
+    cores it made time-to-first-token worse (docs/performance.md), hence off by default.
 ``load_failure_port``
     D: the port of its load-failure service (0: any free one; absent: none), where a router
     asks why a request's KV load failed (``GET /load_failure?transfer_id=ID``): vLLM answers
@@ -93,7 +95,7 @@ class ConnectorSettings:
     kv_release: bool
     cluster_secret_file: str | None = None
     fence_writes: bool = False
-    layer_writes: bool = True
+    layer_writes: bool = False
     load_failure_port: int | None = None
     kv_staging: str = "auto"  # one of STAGING_MODES
     kv_staging_blocks: int | None = None  # None: the KV cache's number of blocks
