@@ -26,7 +26,7 @@ import os
 import random
 from pathlib import Path
 
-SHAPES = ("llama", "llama8", "mla")
+SHAPES = ("llama", "llama8", "mla", "deep")
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<s>' + m['role'] + ': ' + m['content'] + ' </s> ' }}{% endfor %}"
@@ -83,6 +83,14 @@ def _config(shape: str, vocab: int, tok) -> dict:
                     # llama8 takes requests of thousands of tokens (test_vllm_serve.py's fillers);
                     # RoPE without scaling: the same outputs below 1,024 tokens.
                     max_position_embeddings=8192 if shape == "llama8" else 1024)
+    if shape == "deep":
+        # Many layers and a wide KV over little compute (128 KiB of KV a token in 32 layers):
+        # what layer writes overlap with the prefill is a share of the layers, and the benchmark
+        # (python/bench/bench_layer_writes.py) wants the transfer to weigh against a CPU's prefill.
+        return dict(common, model_type="llama", architectures=["LlamaForCausalLM"],
+                    num_hidden_layers=32, hidden_size=64, intermediate_size=128,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=128,
+                    rope_theta=10000.0, hidden_act="silu", max_position_embeddings=4096)
     if shape == "mla":
         return dict(common, model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
                     hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
