@@ -394,8 +394,8 @@ class KvferryConnectorWorker:
     def save_kv_layer(self, layer_name: str, meta: KvferryConnectorMetadata) -> None:
         """P: layer ``layer_name`` of this step is computed: the prompts the step completes
         send it to the pulls already waiting for them (the rest follows prefill_done)."""
-        if self.prefill is None:
-            return
+        if self.prefill is None or not self._layer_writes:
+            return  # the step's admissions wait for start_load_kv, as without layer writes
         self._begin_prefill_step(meta)
         for transfer_id, block_ids in self._layers_now:
             self.prefill.layers_ready(transfer_id, block_ids, layer_name)
