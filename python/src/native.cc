@@ -279,13 +279,7 @@ class PyPrefillWorker {
   // "free" event at once.
   void PrefillDone(const std::string& transfer_id, std::vector<core::BlockId> block_ids,
                    std::optional<std::uint64_t> expected_handle) {
-    for (core::BlockId b : block_ids) {
-      if (b >= num_blocks_) {
-        Raise(Status(ErrorCode::kOutOfRange, "block " + std::to_string(b) + " outside the " +
-                                                 std::to_string(num_blocks_) +
-                                                 " blocks registered"));
-      }
-    }
+    CheckBlocks(block_ids);
     Check(WithDriver([&](runtime::PrefillDriver& d) -> Status {
       const std::optional<std::uint64_t> handle = d.handle_of(transfer_id);
       if (!handle) {
@@ -308,13 +302,7 @@ class PyPrefillWorker {
   // outside what is registered.
   bool LayersReady(const std::string& transfer_id, std::vector<core::BlockId> block_ids,
                    std::vector<std::uint32_t> planes, std::uint64_t handle) {
-    for (core::BlockId b : block_ids) {
-      if (b >= num_blocks_) {
-        Raise(Status(ErrorCode::kOutOfRange, "block " + std::to_string(b) + " outside the " +
-                                                 std::to_string(num_blocks_) +
-                                                 " blocks registered"));
-      }
-    }
+    CheckBlocks(block_ids);
     for (std::uint32_t p : planes) {
       if (p >= num_planes_) {
         Raise(Status(ErrorCode::kOutOfRange, "plane " + std::to_string(p) + " outside the " +
@@ -451,6 +439,17 @@ class PyPrefillWorker {
   std::mutex driver_mu_;
   std::unique_ptr<runtime::PrefillDriver> driver_;  // over worker_; null once stopped
   std::vector<std::tuple<std::string, std::string, std::string>> events_;  // under driver_mu_
+  // Raises OUT_OF_RANGE for a block id outside the registered blocks.
+  void CheckBlocks(const std::vector<core::BlockId>& block_ids) const {
+    for (core::BlockId b : block_ids) {
+      if (b >= num_blocks_) {
+        Raise(Status(ErrorCode::kOutOfRange, "block " + std::to_string(b) + " outside the " +
+                                                 std::to_string(num_blocks_) +
+                                                 " blocks registered"));
+      }
+    }
+  }
+
   std::uint32_t num_blocks_ = 0;
   std::uint32_t num_planes_ = 0;
 };

@@ -686,8 +686,8 @@ Status PrefillSession::Admit(const core::TransferId& id, std::uint64_t handle, T
   return status;
 }
 
-Status PrefillSession::PrefillDone(const core::TransferId& id, std::vector<core::BlockId> blocks,
-                                   TimePoint now) {
+Status PrefillSession::CheckSourceBlocks(const core::TransferId& id,
+                                         std::span<const core::BlockId> blocks) const {
   if (blocks.size() > wire::kMaxBlocksPerRequest) {
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("transfer {}: {} blocks, at most {}", id, blocks.size(),
@@ -700,6 +700,12 @@ Status PrefillSession::PrefillDone(const core::TransferId& id, std::vector<core:
                                 id, block, options_.num_blocks));
     }
   }
+  return Status::Ok();
+}
+
+Status PrefillSession::PrefillDone(const core::TransferId& id, std::vector<core::BlockId> blocks,
+                                   TimePoint now) {
+  if (Status bad = CheckSourceBlocks(id, blocks); !bad.ok()) return bad;
   const auto num_blocks = static_cast<std::uint32_t>(blocks.size());
   // Kept first: the table may make the transfer ready now, and the parked pulls it wakes are
   // planned from these blocks in this call.
@@ -719,18 +725,7 @@ Status PrefillSession::LayersReady(const core::TransferId& id,
     return Status(ErrorCode::kInvalidArgument,
                   "layer writes need the number of KV planes (num_planes)");
   }
-  if (blocks.size() > wire::kMaxBlocksPerRequest) {
-    return Status(ErrorCode::kInvalidArgument,
-                  fmt::format("transfer {}: {} blocks, at most {}", id, blocks.size(),
-                              wire::kMaxBlocksPerRequest));
-  }
-  for (core::BlockId block : blocks) {
-    if (block >= options_.num_blocks) {
-      return Status(ErrorCode::kOutOfRange,
-                    fmt::format("transfer {}: source block {} is outside this rank's {} blocks",
-                                id, block, options_.num_blocks));
-    }
-  }
+  if (Status bad = CheckSourceBlocks(id, blocks); !bad.ok()) return bad;
   for (std::uint32_t plane : planes) {
     if (plane >= options_.num_planes) {
       return Status(ErrorCode::kOutOfRange,

@@ -457,6 +457,10 @@ class PrefillSession {
   std::shared_ptr<const std::vector<std::uint8_t>> Descriptor(const PeerAddress& peer,
                                                               wire::Pull& pull);
   void AdmitRequest(std::uint64_t key, std::uint32_t index, core::TimePoint now);
+  // Source blocks the engine names (PrefillDone, LayersReady): at most a request's, each in
+  // the region.
+  Status CheckSourceBlocks(const core::TransferId& id,
+                           std::span<const core::BlockId> blocks) const;
   void Dispatch(std::uint64_t key, std::uint32_t index, core::TimePoint now);
   // The request's write, once BeginSend succeeded and no ahead write of it is in flight.
   void SendRequest(std::uint64_t key, std::uint32_t index, core::TimePoint now);
