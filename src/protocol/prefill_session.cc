@@ -51,7 +51,8 @@ PrefillSession::PrefillSession(PrefillSessionOptions options, const HoldFactory&
     : options_(std::move(options)),
       p_lease_ms_(static_cast<std::uint64_t>(
           std::chrono::duration_cast<std::chrono::milliseconds>(options_.hold.lease).count())),
-      table_(make_hold ? make_hold(options_.hold) : std::make_unique<CoreHold>(options_.hold)) {}
+      table_(make_hold ? make_hold(options_.hold) : std::make_unique<CoreHold>(options_.hold)),
+      ahead_(options_.num_planes) {}
 
 // OnTimeout: how late a pass may find itself before it takes the lateness for a stall of this
 // process, and how long it then waits for what D sent meanwhile. The threshold is far above a
@@ -413,11 +414,10 @@ void PrefillSession::Dispatch(std::uint64_t key, std::uint32_t index, TimePoint 
     AddErr(key, OpenWave(pull, key), index, begin);
     return;
   }
-  auto ahead = ahead_.find({key, index});
-  if (ahead != ahead_.end() && ahead->second.in_flight > 0) {
+  if (ahead_.InFlight({key, index})) {
     // Its last write must not start before the ahead ones end: EndSend may free the source
     // blocks (kFreeBlocks) while they would still read them.
-    ahead->second.send_pending = true;
+    ahead_.HoldSend({key, index});
     return;
   }
   SendRequest(key, index, now);
@@ -439,27 +439,18 @@ void PrefillSession::SendRequest(std::uint64_t key, std::uint32_t index, TimePoi
   }
   // What the ahead writes left: the planes they did not cover, all of them if they read other
   // blocks than PrefillDone named; nothing if they failed (the request fails with them).
-  std::vector<std::uint32_t> planes;
-  auto ahead = ahead_.find({key, index});
-  if (ahead != ahead_.end()) {
-    const Ahead& a = ahead->second;
-    if (a.outcome.end != WriteEnd::kLanded) {
-      (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, false, now);
-      AddErr(key, wave, index, Status::Ok(), false);  // takes the ahead writes' outcome
-      return;
-    }
-    if (a.blocks != nullptr && *a.blocks == source->second) {
-      for (std::uint32_t p = 0; p < a.planes.size(); ++p) {
-        if (!a.planes[p]) planes.push_back(p);
-      }
-      if (planes.empty()) {
-        // Every plane landed ahead of the prefill's end.
-        (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, true, now);
-        AddOk(key, wave, index);
-        return;
-      }
-      if (planes.size() == a.planes.size()) planes.clear();  // every plane: the plain job
-    }
+  if (ahead_.Failure({key, index}) != nullptr) {
+    (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, false, now);
+    AddErr(key, wave, index, Status::Ok(), false);  // takes the ahead writes' outcome
+    return;
+  }
+  std::optional<std::vector<std::uint32_t>> planes =
+      ahead_.PlanesLeft({key, index}, source->second);
+  if (!planes) {
+    // Every plane landed ahead of the prefill's end.
+    (void)table_->EndSend(request.transfer_id, pull.context->d_tp_rank, true, now);
+    AddOk(key, wave, index);
+    return;
   }
   auto writes = PlanRequest(pull, request, source->second);
   if (!writes || writes->empty()) {
@@ -484,7 +475,7 @@ void PrefillSession::SendRequest(std::uint64_t key, std::uint32_t index, TimePoi
   job.d_req_id = request.d_req_id;
   job.dst_block_ids = std::move(request.block_ids);  // not needed here any more
   job.writes = std::move(*writes);
-  job.planes = std::move(planes);
+  job.planes = std::move(*planes);
   ++wave.outstanding;
   ++counters_.writes_started;
   writes_.emplace(job.ticket, Ticket{{key, index}, wave_index});
@@ -532,21 +523,18 @@ PrefillSession::Wave& PrefillSession::OpenWave(PendingPull& pull, std::uint64_t 
 
 bool PrefillSession::DeferListing(std::uint64_t key, Wave& wave, std::uint32_t index, bool ok,
                                   const Status& status, bool unsettled) {
-  auto ahead = ahead_.find({key, index});
-  if (ahead == ahead_.end() || ahead->second.in_flight == 0) return false;
+  if (!ahead_.InFlight({key, index})) return false;
   PendingPull& pull = pulls_.at(key);
   for (auto& [number, w] : pull.waves) {
     if (&w != &wave) continue;
     ++wave.outstanding;  // the wave waits for the ahead writes, as for a write of its own
-    ahead->second.listing = Listing{number, ok, status, unsettled};
-    return true;
+    return ahead_.Defer({key, index}, AheadWrites::Listing{number, ok, status, unsettled});
   }
   return false;  // unreachable: every wave passed in is one of the pull's
 }
 
 void PrefillSession::AddOk(std::uint64_t key, Wave& wave, std::uint32_t index) {
-  auto ahead = ahead_.find({key, index});
-  if (ahead != ahead_.end() && ahead->second.outcome.end != WriteEnd::kLanded) {
+  if (ahead_.Failure({key, index}) != nullptr) {
     AddErr(key, wave, index, Status::Ok(), false);  // an ahead write failed: so does the request
     return;
   }
@@ -563,7 +551,7 @@ void PrefillSession::Listed(std::uint64_t key, std::uint32_t index) {
   retained_blocks_ -= pull.blocks[index];
   pull.blocks[index] = 0;
   std::vector<core::BlockId>().swap(pull.requests[index].block_ids);
-  ahead_.erase({key, index});  // listed only once no ahead write of it is in flight
+  ahead_.Forget({key, index});  // listed only once no ahead write of it is in flight
   touched_.push_back(key);
 }
 
@@ -573,10 +561,9 @@ void PrefillSession::AddErr(std::uint64_t key, Wave& wave, std::uint32_t index,
   // An ahead write that failed is the reason when nothing else is (the call passes Ok), and
   // one that may still land makes the request unsettled whatever its reason.
   Status status = given;
-  auto ahead = ahead_.find({key, index});
-  if (ahead != ahead_.end() && ahead->second.outcome.end != WriteEnd::kLanded) {
-    if (status.ok()) status = ahead->second.outcome.status;
-    if (ahead->second.outcome.end == WriteEnd::kUnsettled) unsettled = true;
+  if (const WriteOutcome* failed = ahead_.Failure({key, index}); failed != nullptr) {
+    if (status.ok()) status = failed->status;
+    if (failed->end == WriteEnd::kUnsettled) unsettled = true;
   }
   wire::RequestError error;
   error.d_req_id = pulls_.at(key).requests[index].d_req_id;
@@ -606,9 +593,8 @@ void PrefillSession::DrainHoldEventBatch(std::vector<core::HoldEvent>& events, T
       case core::HoldEvent::Kind::kFreeBlocks:
       case core::HoldEvent::Kind::kAbortPrefill:
         sources_.erase(event.id);
-        if (event.kind == core::HoldEvent::Kind::kFreeBlocks && ahead_reads_.count(event.id)) {
-          held_frees_.emplace(event.id, std::move(event));  // AheadWriteDone lets it go
-          break;
+        if (event.kind == core::HoldEvent::Kind::kFreeBlocks && ahead_.HoldFree(event)) {
+          break;  // an ahead write still reads the blocks: AheadWriteDone lets it go
         }
         ++counters_.hold_events_delivered;
         engine_events_.push_back(std::move(event));
@@ -735,49 +721,33 @@ Status PrefillSession::LayersReady(const core::TransferId& id,
   }
   auto parked = parked_.find(id);
   if (parked == parked_.end()) return Status::Ok();
-  std::shared_ptr<const std::vector<core::BlockId>> source;
+  std::shared_ptr<const std::vector<core::BlockId>> shared;
   for (const RequestRef& ref : parked->second) {
-    auto pull = pulls_.find(ref.pull_key);
-    if (pull == pulls_.end()) continue;
-    Ahead& a = ahead_[ref];
-    if (a.blocks == nullptr) {
-      if (source == nullptr) {
-        source = std::make_shared<const std::vector<core::BlockId>>(blocks.begin(), blocks.end());
-      }
-      a.blocks = source;
-      a.planes.assign(options_.num_planes, false);
-    } else if (!std::equal(a.blocks->begin(), a.blocks->end(), blocks.begin(), blocks.end())) {
-      continue;  // other blocks than the first call's: PrefillDone's write covers every plane
-    }
-    if (a.outcome.end != WriteEnd::kLanded) continue;  // the request fails: nothing more
-    for (std::uint32_t plane : planes) {
-      const bool queued = std::find(a.queued.begin(), a.queued.end(), plane) != a.queued.end();
-      if (!a.planes[plane] && !queued) a.queued.push_back(plane);
-    }
+    if (pulls_.count(ref.pull_key) == 0) continue;
     // One ahead write in flight per request: the planes computed meanwhile go together in the
     // next (measured: 32 concurrent ahead writes of 4 MiB over UCX 1.13 tcp stalled its progress
     // thread for 38 s, docs/performance.md; one in flight moves the same bytes in fewer batches).
-    if (a.in_flight == 0) StartAheadWrite(ref, a);
+    if (ahead_.Note(ref, blocks, planes, shared)) StartAheadWrite(ref);
   }
   return Status::Ok();
 }
 
-void PrefillSession::StartAheadWrite(const RequestRef& ref, Ahead& a) {
-  if (a.queued.empty()) return;
+void PrefillSession::StartAheadWrite(const RequestRef& ref) {
+  const std::vector<core::BlockId>* blocks = ahead_.Blocks(ref);
+  if (blocks == nullptr) return;
   const PendingPull& pull = pulls_.at(ref.pull_key);
   const wire::PullRequest& request = pull.requests[ref.request];
   // A plan that fails or writes nothing from this rank does the same at PrefillDone, whose
   // write covers these planes then and answers the request.
-  auto writes = PlanRequest(pull, request, *a.blocks);
+  auto writes = PlanRequest(pull, request, *blocks);
   if (!writes || writes->empty()) {
-    a.queued.clear();
+    ahead_.DropQueued(ref);
     return;
   }
+  std::vector<std::uint32_t> planes = ahead_.Begin(ref, request.transfer_id);
+  if (planes.empty()) return;  // none queued
   // The job copies the request's destination blocks (and its plan): with one job in flight per
   // request, that is at most what the pulls retain (max_retained_blocks) once more.
-  std::vector<std::uint32_t> planes = std::exchange(a.queued, {});
-  std::sort(planes.begin(), planes.end());
-  for (std::uint32_t plane : planes) a.planes[plane] = true;
   WriteJob job;
   job.ticket = next_ticket_++;
   job.pull_id = pull.id;
@@ -788,8 +758,6 @@ void PrefillSession::StartAheadWrite(const RequestRef& ref, Ahead& a) {
   job.writes = std::move(*writes);
   job.planes = std::move(planes);
   job.ahead = true;
-  ++a.in_flight;
-  ++ahead_reads_[request.transfer_id];
   ++counters_.writes_started;
   ++counters_.layer_writes;
   writes_.emplace(job.ticket, Ticket{ref, 0, /*ahead=*/true});
@@ -857,42 +825,19 @@ void PrefillSession::OnWriteDone(std::uint64_t ticket, const WriteOutcome& outco
 
 void PrefillSession::AheadWriteDone(const Ticket& t, const WriteOutcome& outcome, TimePoint now) {
   const wire::PullRequest& request = pulls_.at(t.ref.pull_key).requests[t.ref.request];
-  const core::TransferId transfer = request.transfer_id;
-  auto reads = ahead_reads_.find(transfer);
-  if (reads != ahead_reads_.end() && --reads->second == 0) {
-    ahead_reads_.erase(reads);
-    auto held = held_frees_.find(transfer);
-    if (held != held_frees_.end()) {
-      ++counters_.hold_events_delivered;
-      engine_events_.push_back(std::move(held->second));
-      held_frees_.erase(held);
-    }
+  AheadWrites::Ended ended = ahead_.End(t.ref, request.transfer_id, outcome);
+  if (ended.freed) {
+    ++counters_.hold_events_delivered;
+    engine_events_.push_back(std::move(*ended.freed));
   }
-  auto it = ahead_.find(t.ref);
-  if (it == ahead_.end()) return;  // unreachable: a request is listed once none is in flight
-  Ahead& a = it->second;
-  --a.in_flight;
+  if (!ended.known) return;  // unreachable: a request is listed once none is in flight
   if (outcome.end != WriteEnd::kLanded) {
     ++counters_.writes_failed;
     if (outcome.end == WriteEnd::kUnsettled) ++counters_.writes_unsettled;
-    // The reason kept is the first failure's, or the first unsettled one's: D must quarantine.
-    const bool worse = a.outcome.end == WriteEnd::kLanded ||
-                       (a.outcome.end == WriteEnd::kFailed && outcome.end == WriteEnd::kUnsettled);
-    if (worse) {
-      const Status& why = outcome.status;
-      a.outcome = {outcome.end,
-                   Status(why.ok() ? ErrorCode::kInternal : why.code(),
-                          fmt::format("write of {} (layers before the prefill's end) failed{}: {}",
-                                      transfer,
-                                      outcome.end == WriteEnd::kUnsettled ? " and may still land"
-                                                                          : "",
-                                      why.message()))};
-    }
   }
-  if (a.in_flight == 0) {
-    if (a.listing) {
-      const Listing listing = std::move(*a.listing);
-      a.listing.reset();
+  switch (ended.then) {
+    case AheadWrites::Ended::Then::kList: {
+      const AheadWrites::Listing& listing = *ended.listing;
       Wave& wave = pulls_.at(t.ref.pull_key).waves.at(listing.wave);
       --wave.outstanding;
       if (listing.ok) {
@@ -900,12 +845,16 @@ void PrefillSession::AheadWriteDone(const Ticket& t, const WriteOutcome& outcome
       } else {
         AddErr(t.ref.pull_key, wave, t.ref.request, listing.status, listing.unsettled);
       }
-    } else if (a.send_pending) {
-      a.send_pending = false;
-      SendRequest(t.ref.pull_key, t.ref.request, now);  // its write covers the queued planes
-    } else if (a.outcome.end == WriteEnd::kLanded) {
-      StartAheadWrite(t.ref, a);  // the layers computed while this one was written
+      break;
     }
+    case AheadWrites::Ended::Then::kSend:
+      SendRequest(t.ref.pull_key, t.ref.request, now);  // its write covers the queued planes
+      break;
+    case AheadWrites::Ended::Then::kWriteMore:
+      StartAheadWrite(t.ref);  // the layers computed while this one was written
+      break;
+    case AheadWrites::Ended::Then::kNothing:
+      break;
   }
   DrainHoldEvents(now);
   Flush();

@@ -56,7 +56,9 @@
 #include "kvferry/core/time.h"
 #include "kvferry/core/tp_plan.h"
 #include "kvferry/status.h"
+#include "protocol/ahead_writes.h"
 #include "protocol/hold.h"
+#include "protocol/write_outcome.h"
 #include "wire/messages.h"
 
 namespace kvferry::protocol {
@@ -101,23 +103,6 @@ struct WriteJob {
   std::vector<std::uint32_t> planes;
   // A LayersReady write: the request's own write follows once the prefill ends.
   bool ahead = false;
-};
-
-// How a write ended, as far as D's blocks are concerned.
-enum class WriteEnd : std::uint8_t {
-  kLanded,     // every byte landed: listed in `ok`
-  kFailed,     // it failed and nothing more of it can land (or it never started): `err`
-  kUnsettled,  // it failed and bytes of it may still land: listed in `err` with `unsettled`,
-               // so D fails the request now and quarantines the blocks instead of reusing them.
-};
-
-struct WriteOutcome {
-  WriteEnd end = WriteEnd::kLanded;
-  Status status;  // why, for kFailed / kUnsettled
-
-  static WriteOutcome Landed() { return {}; }
-  static WriteOutcome Failed(Status why) { return {WriteEnd::kFailed, std::move(why)}; }
-  static WriteOutcome Unsettled(Status why) { return {WriteEnd::kUnsettled, std::move(why)}; }
 };
 
 struct Outgoing {
@@ -414,37 +399,11 @@ class PrefillSession {
     std::uint64_t open_step = UINT64_MAX;  // the step in which `open_wave` accepts more
     std::uint32_t open_wave = 0;
   };
-  struct RequestRef {
-    std::uint64_t pull_key;
-    std::uint32_t request;
-    friend auto operator<=>(const RequestRef&, const RequestRef&) = default;
-  };
   struct Ticket {
     RequestRef ref;
     std::uint32_t wave;
     bool ahead = false;  // a LayersReady write (no wave: its request is not decided yet)
   };
-  // A decision about a request that waits for its ahead writes to end: its listing in `wave`,
-  // in `ok` or else in `err` for `status` (Ok: the ahead writes' reason).
-  struct Listing {
-    std::uint32_t wave = 0;
-    bool ok = false;
-    Status status;
-    bool unsettled = false;
-  };
-  // The writes of one parked request started by LayersReady, until the request is listed.
-  struct Ahead {
-    std::shared_ptr<const std::vector<core::BlockId>> blocks;  // what they read
-    std::vector<bool> planes;                                  // written or being written
-    std::vector<std::uint32_t> queued;  // computed while a write of it was in flight: next
-    std::uint32_t in_flight = 0;        // 0 or 1
-    WriteOutcome outcome;  // the worst end so far: kLanded while none failed
-    // Its own write (PrefillDone came and BeginSend succeeded) or its listing waits for the
-    // writes in flight: neither may end the request while they may still read or land.
-    bool send_pending = false;
-    std::optional<Listing> listing;
-  };
-
   void ReplyPullError(const PeerAddress& peer, ErrorCode code, std::string message,
                       std::uint64_t id);
   void Emit(const PeerAddress& peer, wire::PullResponse response);
@@ -474,9 +433,9 @@ class PrefillSession {
   bool DeferListing(std::uint64_t key, Wave& wave, std::uint32_t index, bool ok,
                     const Status& status, bool unsettled);
   void AheadWriteDone(const Ticket& ticket, const WriteOutcome& outcome, core::TimePoint now);
-  // Starts the write of `a.queued`, unless the bound on what ahead jobs retain or the plan
-  // says no (the planes are then left to the request's own write).
-  void StartAheadWrite(const RequestRef& ref, Ahead& a);
+  // Starts the write of the planes queued for `ref`, unless the plan says no (they are then
+  // left to the request's own write).
+  void StartAheadWrite(const RequestRef& ref);
   Wave& OpenWave(PendingPull& pull, std::uint64_t key, std::uint32_t* index = nullptr);
   void AddOk(std::uint64_t key, Wave& wave, std::uint32_t index);
   void AddErr(std::uint64_t key, Wave& wave, std::uint32_t index, const Status& status,
@@ -516,13 +475,8 @@ class PrefillSession {
   std::unordered_map<core::TransferId, std::vector<core::BlockId>> sources_;
   std::unordered_map<std::string, std::shared_ptr<const std::vector<std::uint8_t>>> descriptors_;
   std::unordered_map<std::uint64_t, Ticket> writes_;
-  // Parked requests with writes from LayersReady (bounded by the parked requests).
-  std::map<RequestRef, Ahead> ahead_;
-  // Ahead writes in flight per transfer, and the kFreeBlocks of a transfer that left the table
-  // while some were (its request failed meanwhile): held until the last of them ended, since
-  // they still read the blocks.
-  std::unordered_map<core::TransferId, std::uint32_t> ahead_reads_;
-  std::unordered_map<core::TransferId, core::HoldEvent> held_frees_;
+  // Parked requests with writes from LayersReady, and the frees those writes hold back.
+  AheadWrites ahead_;
   std::uint64_t next_ticket_ = 1;
   std::vector<std::uint64_t> touched_;  // pulls that may have a wave to send
   // Held transfers -> the sockets that renewed them asking for notices. An entry goes with its
