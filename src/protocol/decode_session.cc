@@ -21,13 +21,6 @@ constexpr std::size_t kMaxEnginesForRefusals = 1024;
 // they ever left (it reports an unsent one after its connection wait, 3 s, long after a reply
 // deadline of lease/12): about 20 s of passes at the shortest lease's rate.
 constexpr std::size_t kMaxUnansweredRenewals = 64;
-// Lookups in flight at once for one engine at distinct bootstrap addresses: clients may name
-// any address, and one naming a bad one must not hold up the others (found by attacking
-// `kvferry serve`: a request naming the real engine at a hanging address made proxied requests
-// wait 4.7 s and time out), while one naming a new address per request must not grow D's work.
-constexpr std::size_t kMaxLookupsPerEngine = 4;
-// How often SweepEngines runs at most.
-constexpr core::Duration kEngineSweep = std::chrono::seconds(10);
 // A fence that found writes still landing under its keys (a writer stalled mid-batch) is asked
 // again after 1 s, then 2, 4, ... up to 60 s, while pulls of that epoch wait for proof: the
 // writer may finish, or die, meanwhile (found by review: without it, such blocks stayed
@@ -118,19 +111,11 @@ DecodeSession::DecodeSession(DecodeSessionOptions options, const LedgerFactory& 
                                  : options_.lease / 12),
       ledger_(make_ledger ? make_ledger() : std::make_unique<CoreLedger>()),
       renewals_(options_.lease),
+      engines_(options_.lookup_timeout, options_.lookup_failure_ttl),
       endpoints_(options_.max_endpoints, options_.max_idle_endpoints),
       fences_(kFenceRetryFirst, kFenceRetryMax) {}
 
 // ---- engine ----
-
-DecodeSession::EngineState& DecodeSession::Engine(const core::EngineId& engine,
-                                                  const std::string& bootstrap_address) {
-  EngineState& state = engines_[engine];
-  // The latest address a request named is where the next lookup goes. It cannot settle
-  // anything by itself: a lookup only adds peers (see OnLookup).
-  if (!bootstrap_address.empty()) state.bootstrap_address = bootstrap_address;
-  return state;
-}
 
 void DecodeSession::OnNewRequest(const core::RequestId& request, const RemoteSource& source,
                                  TimePoint now) {
@@ -161,7 +146,7 @@ void DecodeSession::ReleaseTransfer(const RemoteSource& source, TimePoint now) {
   if (!SourceFits(source.transfer_id, source) || by_transfer_.count(source.transfer_id) != 0) {
     return;
   }
-  if (engines_.count(source.engine_id) == 0) {
+  if (engines_.Find(source.engine_id) == nullptr) {
     // An engine D never paired with: P prefilled its copy all the same, so it is looked up to
     // be told (found by attacking real processes: a fresh D that refused 16 requests left P
     // holding 4,000 of its 4,096 blocks). A refusal costs the client nothing, so the engines a
@@ -196,9 +181,9 @@ void DecodeSession::Untrack(const core::RequestId& request, bool release, TimePo
 void DecodeSession::QueueRelease(const core::EngineId& engine, const core::TransferId& transfer,
                                  TimePoint now) {
   if (!options_.send_releases) return;
-  EngineState& state = Engine(engine, "");
+  KnownEngine& state = Engine(engine, "");
   if (state.releases_unsupported ||
-      (state.view && (state.view->features & wire::kFeatureRelease) == 0)) {
+      (state.view() != nullptr && (state.view()->features & wire::kFeatureRelease) == 0)) {
     ++counters_.releases_dropped;  // an older P: its lease (or timeout) frees it
     return;
   }
@@ -222,7 +207,7 @@ Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSour
                     request.substr(0, 64), wire::kMaxIdBytes, kMaxBootstrapAddressBytes,
                     wire::kMaxBlocksPerRequest));
   }
-  EngineState& state = Engine(source.engine_id, source.bootstrap_address);
+  KnownEngine& state = Engine(source.engine_id, source.bootstrap_address);
   if (blocks.empty()) return Status::Ok();  // notify-only: nothing will be written
   if (loading_.count(request) != 0) {
     return Status(ErrorCode::kAlreadyExists, fmt::format("request {} is already loading", request));
@@ -243,125 +228,46 @@ Status DecodeSession::StartLoad(const core::RequestId& request, const RemoteSour
   if (tracked_.try_emplace(request, Tracked{source.transfer_id, source.engine_id}).second) {
     by_transfer_.emplace(source.transfer_id, request);  // to release it if the receive fails
   }
-  Load load{request, source, std::move(blocks)};
-  const std::string address = LoadAddress(state, load);
-  if (state.view && !state.view_stale) {
-    SendLoad(std::move(load), *state.view, now);
-  } else if (!state.view && FailureCovers(state, address, now)) {
-    FailLoad(std::move(load), state.failure, now);  // known unreachable there: fail at once
+  ParkedLoad load{request, source, std::move(blocks)};
+  const std::string address = state.AddressOf(load);
+  if (state.view() != nullptr && !state.view_stale()) {
+    SendLoad(std::move(load), *state.view(), now);
+  } else if (state.view() == nullptr && state.FailureCovers(address, now)) {
+    FailLoad(std::move(load), state.failure(), now);  // known unreachable there: fail at once
   } else {
-    state.waiting_loads.push_back(std::move(load));
+    state.parked.loads.push_back(std::move(load));
     // Unpaired: a lookup where this request says the engine is, whatever others named. A
     // stale view is refreshed where the latest request names it.
-    RequestLookup(source.engine_id, state, now, state.view ? nullptr : &address);
+    engines_.Ask(source.engine_id, state, now, state.view() != nullptr ? nullptr : &address);
   }
   return Status::Ok();
 }
 
 // ---- lookups ----
 
-void DecodeSession::RequestLookup(const core::EngineId& engine, EngineState& state, TimePoint now,
-                                  const std::string* address) {
-  const std::string& where = address != nullptr ? *address : state.bootstrap_address;
-  if (state.lookups.count(where) != 0 || state.lookups.size() >= kMaxLookupsPerEngine) return;
-  state.lookup_id = ++last_lookup_id_;
-  state.lookup_address = where;
-  state.lookups.emplace(where, InFlightLookup{state.lookup_id, now + options_.lookup_timeout});
-  ++counters_.lookups;
-  lookups_out_.push_back({engine, where, state.lookup_id});
-}
-
-std::optional<std::string> DecodeSession::TakeLookup(EngineState& state, std::uint64_t lookup_id) {
-  if (lookup_id == 0) lookup_id = state.lookup_id;
-  for (auto it = state.lookups.begin(); it != state.lookups.end(); ++it) {
-    if (it->second.id == lookup_id) {
-      std::string address = it->first;
-      state.lookups.erase(it);
-      return address;
-    }
-  }
-  return std::nullopt;
-}
-
-bool DecodeSession::FailureCovers(const EngineState& state, const std::string& address,
-                                  TimePoint now) {
-  return state.failed_until > now &&
-         (state.failure_address.empty() || state.failure_address == address);
-}
-
-const std::string& DecodeSession::LoadAddress(const EngineState& state, const Load& load) {
-  return load.source.bootstrap_address.empty() ? state.bootstrap_address
-                                               : load.source.bootstrap_address;
-}
-
-void DecodeSession::LookUpForWaiting(const core::EngineId& engine, EngineState& state,
-                                     TimePoint now) {
-  if (!state.waiting_renewals.empty() || !state.waiting_releases.empty() ||
-      (state.view && !state.waiting_loads.empty())) {
-    RequestLookup(engine, state, now);
-  }
-  if (state.view) return;
-  for (const Load& load : state.waiting_loads) {
-    const std::string& address = LoadAddress(state, load);
-    if (!FailureCovers(state, address, now)) RequestLookup(engine, state, now, &address);
-  }
-}
-
-bool DecodeSession::StaleLookup(const core::EngineId& engine, EngineState& state,
-                                std::uint64_t lookup_id, TimePoint now) {
-  if (lookup_id == 0 || lookup_id >= state.lookup_floor) return false;
-  // Asked before the engine was declared down: the answer may name the dead process (a
-  // registry read before its lease lapsed), and believing it would send loads there to wait
-  // for their pull deadline. A fresh lookup answers whoever waits.
-  ++counters_.lookups_stale;
-  (void)TakeLookup(state, lookup_id);
-  LookUpForWaiting(engine, state, now);
-  return true;
-}
-
 void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now, std::uint64_t lookup_id) {
-  EngineState& state = Engine(engine.engine_id, "");
-  if (StaleLookup(engine.engine_id, state, lookup_id, now)) return;
-  // An answer to a lookup no longer in flight (it timed out) is taken as the latest's, as
-  // before lookups per address.
-  const std::string asked = TakeLookup(state, lookup_id).value_or(state.lookup_address);
-  state.failed_until = TimePoint::min();
-  state.failure = Status();
-  state.failure_address.clear();
+  std::optional<KnownEngines::Answered> answered = engines_.OnAnswer(engine, now, lookup_id);
+  // Stale (asked before a down): KnownEngines asked again for what waits.
+  if (!answered) return;
   std::optional<std::string> replaced;  // an old process the answer says is gone
-  if (state.view && state.view->incarnation != engine.incarnation) {
+  if (answered->previous) {
     renewals_.ResetEngine(engine.engine_id);
-    state.releases_unsupported = false;  // the new process may be a newer build
-    // The service that named the old process now names another: the engine restarted (P's
-    // embedded bootstrap refuses any other incarnation while its process lives), so the old
-    // process's pulls will get no answer: they fail now, as with a registry's word
+    answered->entry->releases_unsupported = false;  // the new process may be a newer build
+    // The service that named the old process now names another: the engine restarted, so the
+    // old process's pulls will get no answer: they fail now, as with a registry's word
     // (OnProcessGone), and their blocks stay quarantined until a fence or a late answer. A
-    // service D did not learn the old process from says nothing of it: a client may name any
-    // bootstrap, and that answer only adds peers.
-    const bool same_source = state.view_address == asked;
-    if (same_source) replaced = state.view->incarnation;
+    // service D did not learn the old process from says nothing of it: that answer only adds
+    // peers.
+    if (answered->replaced) replaced = *answered->previous;
     events_out_.push_back(Warning{
         Warning::Kind::kIncarnation,
         fmt::format("prefill engine {} now reports incarnation {} (was {}){}", engine.engine_id,
-                    engine.incarnation, state.view->incarnation,
-                    same_source ? ": the old process's pulls fail now"
-                                : " at another bootstrap; pulls to the old one end by their "
-                                  "replies or a fence")});
+                    engine.incarnation, *answered->previous,
+                    answered->replaced ? ": the old process's pulls fail now"
+                                       : " at another bootstrap; pulls to the old one end by "
+                                         "their replies or a fence")});
   }
-  state.view = engine;
-  state.view_address = asked;
-  state.view_stale = false;
-  state.declared_down.reset();
-  std::vector<Load> loads = std::move(state.waiting_loads);
-  state.waiting_loads.clear();
-  std::vector<std::vector<core::Fingerprint>> batches = std::move(state.waiting_renewals);
-  state.waiting_renewals.clear();
-  for (Load& load : loads) SendLoad(std::move(load), engine, now);
-  for (const auto& ids : batches) SendRenewals(engine.engine_id, engine, ids, now);
-  if (!state.waiting_releases.empty()) {
-    std::vector<core::Fingerprint> releases = std::exchange(state.waiting_releases, {});
-    SendReleases(engine.engine_id, engine, releases, now);
-  }
+  SendParked(engine.engine_id, engine, std::move(answered->parked), now);
   if (replaced) {
     ++counters_.processes_replaced;
     GiveUpOnProcess(*replaced,
@@ -373,51 +279,27 @@ void DecodeSession::OnLookup(const PeerEngine& engine, TimePoint now, std::uint6
   }
 }
 
+void DecodeSession::SendParked(const core::EngineId& engine, const PeerEngine& view,
+                               ParkedWork parked, TimePoint now) {
+  for (ParkedLoad& load : parked.loads) SendLoad(std::move(load), view, now);
+  for (const auto& ids : parked.renewals) SendRenewals(engine, view, ids, now);
+  if (!parked.releases.empty()) SendReleases(engine, view, parked.releases, now);
+}
+
 void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& why, TimePoint now,
                                    std::uint64_t lookup_id) {
-  auto it = engines_.find(engine);
-  if (it == engines_.end()) return;
-  EngineState& state = it->second;
-  if (StaleLookup(engine, state, lookup_id, now)) return;
-  const std::optional<std::string> taken = TakeLookup(state, lookup_id);
-  ++counters_.lookup_failures;
-  // A failure of a lookup no longer in flight (its deadline already failed it) says nothing new,
-  // and must not fail loads that wait for a newer lookup at the same address.
-  if (lookup_id != 0 && !taken) return;
-  const std::string asked = taken.value_or(state.lookup_address);
-  if (state.view) {
+  std::optional<KnownEngines::Failed> failed = engines_.OnFailure(engine, why, now, lookup_id);
+  if (!failed) return;
+  KnownEngine& state = *failed->entry;
+  if (failed->refreshed) {
     // A refresh failed: pull with what is known (the pulls' own deadlines decide).
-    std::vector<Load> loads = std::move(state.waiting_loads);
-    state.waiting_loads.clear();
-    std::vector<std::vector<core::Fingerprint>> batches = std::move(state.waiting_renewals);
-    state.waiting_renewals.clear();
-    for (Load& load : loads) SendLoad(std::move(load), *state.view, now);
-    for (const auto& ids : batches) SendRenewals(engine, *state.view, ids, now);
-    if (!state.waiting_releases.empty()) {
-      std::vector<core::Fingerprint> releases = std::exchange(state.waiting_releases, {});
-      SendReleases(engine, *state.view, releases, now);
-    }
+    SendParked(engine, *state.view(), std::move(failed->parked), now);
     return;
   }
-  state.failed_until = now + options_.lookup_failure_ttl;
-  state.failure = Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
-                         fmt::format("bootstrap lookup of {}: {}", engine, why.message()));
-  state.failure_address = asked;
-  // Only the loads that named this address fail: others wait for their own lookups.
-  std::vector<Load> loads;
-  std::vector<Load> waiting;
-  for (Load& load : state.waiting_loads) {
-    (LoadAddress(state, load) == asked ? loads : waiting).push_back(std::move(load));
-  }
-  state.waiting_loads = std::move(waiting);
-  if (state.lookups.empty()) {
-    counters_.renewal_failures += state.waiting_renewals.size();
-    state.waiting_renewals.clear();
-    counters_.releases_dropped += state.waiting_releases.size();  // the lease frees them
-    state.waiting_releases.clear();
-  }
-  for (Load& load : loads) FailLoad(std::move(load), state.failure, now);
-  LookUpForWaiting(engine, state, now);  // loads that waited behind the lookup cap
+  counters_.renewal_failures += failed->parked.renewals.size();
+  counters_.releases_dropped += failed->parked.releases.size();  // the lease frees them
+  for (ParkedLoad& load : failed->parked.loads) FailLoad(std::move(load), state.failure(), now);
+  engines_.AskForParked(engine, state, now);  // loads that waited behind the lookup cap
 }
 
 // ---- pulls ----
@@ -481,7 +363,7 @@ core::PeerId DecodeSession::PeerFor(EndpointId endpoint, const std::string& inca
   return fences_.PeerFor({endpoint, incarnation, endpoints_.At(endpoint).epoch});
 }
 
-void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
+void DecodeSession::SendLoad(ParkedLoad load, const PeerEngine& view, TimePoint now) {
   if (!options_.head_slices && view.tp_size > options_.tp_size) {
     FailLoad(std::move(load),
              Status(ErrorCode::kInvalidArgument,
@@ -544,7 +426,7 @@ void DecodeSession::SendLoad(Load load, const PeerEngine& view, TimePoint now) {
   DrainLedger(now);
 }
 
-void DecodeSession::FailLoad(Load load, Status why, TimePoint now) {
+void DecodeSession::FailLoad(ParkedLoad load, Status why, TimePoint now) {
   // Nothing was sent to any peer: the receive completes at once as failed (SPEC §3 rule 4).
   Status begun = ledger_->Begin(load.request, load.blocks, {}, why);
   if (!begun.ok()) {
@@ -655,7 +537,9 @@ void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, con
     // Closed since (idle): the message was a renewal or release whose wait ended first. Its
     // address still has nobody listening (found by the simulator with max_idle_endpoints 0:
     // the view stayed stale, and the next load went to the dead process).
-    if (const std::string* closed = endpoints_.AddressOf(endpoint)) MarkViewsStale(*closed);
+    if (const std::string* closed = endpoints_.AddressOf(endpoint)) {
+      engines_.MarkViewsStale(*closed);
+    }
     return;
   }
   Endpoint& ep = *found;
@@ -665,21 +549,21 @@ void DecodeSession::OnSendFailed(EndpointId endpoint, std::uint64_t wire_id, con
   // before its next load or renewal (found by attacking real processes: without it a P
   // restarted without etcd never got a pull again, since only a pull *timing out* marked the
   // view stale, and a pull to a dead address fails unsent instead).
-  MarkViewsStale(ep.address);
+  engines_.MarkViewsStale(ep.address);
   if (auto op = ep.pulls.find(wire_id); op != ep.pulls.end()) {
     // Never left: P cannot be writing for it. A load whose only pull this was is looked up
     // again and sent once more — the engine may live on at a new side channel (a P restarted
     // without a registry: measured, every first request after such a restart failed here) —
     // and otherwise it is a plain failure, no quarantine.
     if (op->second.retry && !op->second.sent && ledger_->Forget(op->second.request).ok()) {
-      Load load = std::move(*op->second.retry);
+      ParkedLoad load = std::move(*op->second.retry);
       load.retried = true;
       ForgetPull(endpoint, op);
       ++counters_.loads_retried;
       const core::EngineId engine = load.source.engine_id;
-      EngineState& state = Engine(engine, load.source.bootstrap_address);
-      state.waiting_loads.push_back(std::move(load));
-      RequestLookup(engine, state, now);  // the view is stale now (MarkViewsStale above)
+      KnownEngine& state = Engine(engine, load.source.bootstrap_address);
+      state.parked.loads.push_back(std::move(load));
+      engines_.Ask(engine, state, now);  // the view is stale now (MarkViewsStale above)
       return;
     }
     (void)ledger_->Settle(
@@ -751,19 +635,10 @@ void DecodeSession::ExpirePulls(TimePoint now) {
     GiveUpOnPull(op->second,
                  Status(ErrorCode::kTimeout, fmt::format("no answer from prefill worker {} within {}",
                                                          ep.address, Secs(options_.pull_timeout))));
-    MarkViewsStale(ep.address);  // the engine may have restarted elsewhere: ask again
+    engines_.MarkViewsStale(ep.address);  // the engine may have restarted elsewhere: ask again
     AskFence(endpoint, &IncarnationOf(op->second.peer));
   }
   DrainLedger(now);
-}
-
-void DecodeSession::MarkViewsStale(const std::string& address) {
-  for (auto& [engine, state] : engines_) {
-    if (state.view && std::find(state.view->side_channels.begin(), state.view->side_channels.end(),
-                                address) != state.view->side_channels.end()) {
-      state.view_stale = true;
-    }
-  }
 }
 
 void DecodeSession::GiveUpOnPull(PullOp& op, const Status& why) {
@@ -866,52 +741,37 @@ void DecodeSession::OnFenceDone(std::uint64_t fence_id, const Status& result, Ti
 }
 
 void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why, TimePoint now) {
-  auto it = engines_.find(engine);
-  if (it == engines_.end()) return;
-  EngineState& state = it->second;
-  std::optional<PeerEngine> view = std::move(state.view);
-  state.view.reset();
-  state.view_stale = false;
-  // A lookup in flight may answer with the dead process: its answer will be stale, and the
-  // next lookup need not wait for it.
-  state.lookups.clear();
-  state.lookup_floor = last_lookup_id_ + 1;
-  state.failed_until = now + options_.lookup_failure_ttl;
-  state.failure_address.clear();  // down wherever a request names it
-  state.failure = Status(why.ok() ? ErrorCode::kUnavailable : why.code(),
-                         fmt::format("prefill engine {} is down: {}", engine, why.message()));
-  std::vector<Load> loads = std::move(state.waiting_loads);
-  state.waiting_loads.clear();
-  std::vector<core::Fingerprint> releases = std::move(state.waiting_releases);
-  state.waiting_releases.clear();
-  releases.insert(releases.end(), state.pending_releases.begin(), state.pending_releases.end());
-  state.pending_releases.clear();
-  for (Load& load : loads) FailLoad(std::move(load), state.failure, now);
-  if (!view) {
+  std::optional<KnownEngines::Down> down = engines_.OnEngineDown(engine, why, now);
+  if (!down) return;
+  KnownEngine& state = *down->entry;
+  std::vector<core::Fingerprint>& releases = down->parked.releases;
+  for (ParkedLoad& load : down->parked.loads) FailLoad(std::move(load), state.failure(), now);
+  if (!down->view) {
     // Down again before any lookup: the process declared down earlier may still hold the KV.
-    if (state.declared_down && !releases.empty()) {
-      SendReleases(engine, *state.declared_down, releases, now);
+    if (state.declared_down() != nullptr && !releases.empty()) {
+      SendReleases(engine, *state.declared_down(), releases, now);
     } else {
       counters_.releases_dropped += releases.size();  // nowhere to send them: the lease frees them
     }
     return;
   }
-  state.declared_down = view;
+  const PeerEngine& view = *down->view;
+  engines_.DeclareDown(state, view);
   // The word of a liveness source is advisory: a P cut off (or frozen) past its registry TTL
   // lives on and holds the KV of these transfers, so the releases still go to the process D
   // knew (found with the test hosts: without them a P thawed after a freeze kept the KV of
   // requests D had failed until its lease ran out, and its queued prefills waited for blocks).
-  if (!releases.empty()) SendReleases(engine, *view, releases, now);
+  if (!releases.empty()) SendReleases(engine, view, releases, now);
   // Its pulls in flight will get no answer: their requests fail now, not at their deadlines,
   // and their blocks stay quarantined (a P cut off by a partition may still be writing) until
   // the fence asked here, or a late answer, proves it stopped.
-  for (const std::string& address : view->side_channels) {
+  for (const std::string& address : view.side_channels) {
     const std::optional<EndpointId> ep = endpoints_.IdOf(address);
     if (!ep || endpoints_.At(*ep).pulls.empty()) continue;
     for (auto& [id, op] : endpoints_.At(*ep).pulls) {
       if (!op.timed_out && ledger_->IsPending(op.request, op.peer)) {
         ++counters_.pulls_abandoned;
-        GiveUpOnPull(op, state.failure);
+        GiveUpOnPull(op, state.failure());
       }
     }
     AskFence(*ep);
@@ -921,27 +781,10 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
 
 void DecodeSession::OnProcessGone(const core::EngineId& engine, const std::string& incarnation,
                                   const Status& why, TimePoint now) {
-  auto it = engines_.find(engine);
-  if (it == engines_.end()) return;
-  EngineState& state = it->second;
+  if (engines_.OnProcessGone(engine, incarnation, now) == nullptr) return;
   const Status failure(why.ok() ? ErrorCode::kUnavailable : why.code(),
                        fmt::format("prefill engine {} (process {}) is gone: {}", engine,
                                    incarnation, why.message()));
-  // A lookup asked before now may have read the process that is gone: its answer is stale.
-  state.lookup_floor = last_lookup_id_ + 1;
-  if (!state.lookups.empty()) {
-    state.lookups.clear();
-    LookUpForWaiting(engine, state, now);
-  }
-  if (state.view && state.view->incarnation == incarnation) {
-    // The view names the process that is gone: the next load asks again.
-    state.view.reset();
-    state.view_stale = false;
-    LookUpForWaiting(engine, state, now);
-  }
-  if (state.declared_down && state.declared_down->incarnation == incarnation) {
-    state.declared_down.reset();
-  }
   GiveUpOnProcess(incarnation, failure);
   DrainLedger(now);
 }
@@ -1016,27 +859,27 @@ void DecodeSession::SendRenewals(const core::EngineId& engine, const PeerEngine&
 void DecodeSession::RenewalPass(TimePoint now) {
   // Batches still waiting for a lookup from the last pass are superseded by this one.
   for (auto& [engine, state] : engines_) {
-    counters_.renewal_failures += state.waiting_renewals.size();
-    state.waiting_renewals.clear();
+    counters_.renewal_failures += state.parked.renewals.size();
+    state.parked.renewals.clear();
   }
   for (core::RenewalBatch& batch : renewals_.Poll(now)) {
-    EngineState& state = Engine(batch.engine, "");
-    if (state.view) {
+    KnownEngine& state = Engine(batch.engine, "");
+    if (state.view() != nullptr) {
       // Renewals never wait for a refresh: the transfers they keep are on the known process.
-      if (state.view_stale) RequestLookup(batch.engine, state, now);
-      SendRenewals(batch.engine, *state.view, batch.ids, now);
-    } else if (state.declared_down) {
+      if (state.view_stale()) engines_.Ask(batch.engine, state, now);
+      SendRenewals(batch.engine, *state.view(), batch.ids, now);
+    } else if (state.declared_down() != nullptr) {
       // Declared down, maybe wrongly (a P frozen or cut off past its registry TTL lives on):
       // keep its KV alive for as long as D wants it — unanswered renewals cost nothing — and,
       // once the failure is no longer believed, look for it again (found by review: these
       // stopped lookup_failure_ttl after the down, and a P back after its lease freed the KV).
-      if (state.failed_until <= now) RequestLookup(batch.engine, state, now);
-      SendRenewals(batch.engine, *state.declared_down, batch.ids, now);
-    } else if (FailureCovers(state, state.bootstrap_address, now)) {
+      if (!state.FailureBelieved(now)) engines_.Ask(batch.engine, state, now);
+      SendRenewals(batch.engine, *state.declared_down(), batch.ids, now);
+    } else if (state.FailureCovers(state.bootstrap_address(), now)) {
       ++counters_.renewal_failures;  // known unreachable: one lookup per ttl, not per batch
     } else {
-      state.waiting_renewals.push_back(std::move(batch.ids));
-      RequestLookup(batch.engine, state, now);
+      state.parked.renewals.push_back(std::move(batch.ids));
+      engines_.Ask(batch.engine, state, now);
     }
   }
 }
@@ -1074,7 +917,7 @@ void DecodeSession::OnRenewalReply(EndpointId endpoint, const wire::RenewalReply
     case wire::RenewalStatus::kAccepted:
       ++counters_.renewals_accepted;
       if (!reply.message.empty()) {
-        EngineState& state = engines_[engine];
+        KnownEngine& state = Engine(engine, "");
         if (!state.warned_lease) {
           state.warned_lease = true;
           events_out_.push_back(
@@ -1106,21 +949,21 @@ void DecodeSession::FlushReleases(TimePoint now) {
   for (auto& [engine, state] : engines_) {
     if (state.pending_releases.empty()) continue;
     std::vector<core::Fingerprint> ids = std::exchange(state.pending_releases, {});
-    if (state.view && !state.view_stale) {
-      SendReleases(engine, *state.view, ids, now);
-    } else if (state.view) {
+    if (state.view() != nullptr && !state.view_stale()) {
+      SendReleases(engine, *state.view(), ids, now);
+    } else if (state.view() != nullptr) {
       // The process the view names may be gone and the KV on its successor (a P restarted on
       // a new side channel prefilled the request D gave up on): they go wherever the lookup
       // finds the engine, or to the known view if it fails (OnLookupFailed).
-      state.waiting_releases.insert(state.waiting_releases.end(), ids.begin(), ids.end());
-      RequestLookup(engine, state, now);
-    } else if (state.declared_down) {
-      SendReleases(engine, *state.declared_down, ids, now);  // advisory down: see OnEngineDown
-    } else if (FailureCovers(state, state.bootstrap_address, now)) {
+      state.parked.releases.insert(state.parked.releases.end(), ids.begin(), ids.end());
+      engines_.Ask(engine, state, now);
+    } else if (state.declared_down() != nullptr) {
+      SendReleases(engine, *state.declared_down(), ids, now);  // advisory down: see OnEngineDown
+    } else if (state.FailureCovers(state.bootstrap_address(), now)) {
       counters_.releases_dropped += ids.size();  // known unreachable: the lease frees them
     } else {
-      state.waiting_releases.insert(state.waiting_releases.end(), ids.begin(), ids.end());
-      RequestLookup(engine, state, now);
+      state.parked.releases.insert(state.parked.releases.end(), ids.begin(), ids.end());
+      engines_.Ask(engine, state, now);
     }
   }
 }
@@ -1191,7 +1034,7 @@ bool DecodeSession::ReleaseRefused(EndpointId endpoint, std::uint64_t id,
   if (error.code != ErrorCode::kProtocol) return true;
   const std::string& message = error.message;
   // A P that predates releases cannot dispatch one (protocol §6): stop sending them to it.
-  EngineState& state = engines_[engine];
+  KnownEngine& state = Engine(engine, "");
   if (!state.releases_unsupported) {
     state.releases_unsupported = true;
     events_out_.push_back(Warning{
@@ -1200,9 +1043,9 @@ bool DecodeSession::ReleaseRefused(EndpointId endpoint, std::uint64_t id,
                     "is freed by its lease or timeout only",
                     engine, message)});
   }
-  counters_.releases_dropped += state.pending_releases.size() + state.waiting_releases.size();
+  counters_.releases_dropped += state.pending_releases.size() + state.parked.releases.size();
   state.pending_releases.clear();
-  state.waiting_releases.clear();
+  state.parked.releases.clear();
   return true;
 }
 
@@ -1222,12 +1065,12 @@ void DecodeSession::OnAbortNotice(EndpointId endpoint, const wire::AbortNotice& 
       const Tracked& t = tracked_.at(request);
       // Only the engine the request pulls from can abort it, through one of its own side
       // channels: nobody else can fail D's requests by naming their transfers.
-      auto state = engines_.find(t.engine);
-      const bool from_its_engine = address != nullptr && t.engine == notice.p_engine_id &&
-                                   state != engines_.end() && state->second.view &&
-                                   std::find(state->second.view->side_channels.begin(),
-                                             state->second.view->side_channels.end(),
-                                             *address) != state->second.view->side_channels.end();
+      const KnownEngine* state = engines_.Find(t.engine);
+      const PeerEngine* view = state != nullptr ? state->view() : nullptr;
+      const bool from_its_engine =
+          address != nullptr && t.engine == notice.p_engine_id && view != nullptr &&
+          std::find(view->side_channels.begin(), view->side_channels.end(), *address) !=
+              view->side_channels.end();
       if (!from_its_engine) {
         ++counters_.notices_ignored;
         continue;
@@ -1275,17 +1118,11 @@ void DecodeSession::OnMessage(EndpointId endpoint, std::span<const std::uint8_t>
 // ---- time ----
 
 void DecodeSession::OnTimeout(TimePoint now) {
-  for (auto& [engine, state] : engines_) {
-    std::vector<std::uint64_t> expired;
-    for (const auto& [address, lookup] : state.lookups) {
-      if (lookup.deadline <= now) expired.push_back(lookup.id);
-    }
-    for (std::uint64_t id : expired) {
-      OnLookupFailed(engine,
-                     Status(ErrorCode::kTimeout,
-                            fmt::format("no answer within {}", Secs(options_.lookup_timeout))),
-                     now, id);
-    }
+  for (const auto& [engine, id] : engines_.Expired(now)) {
+    OnLookupFailed(engine,
+                   Status(ErrorCode::kTimeout,
+                          fmt::format("no answer within {}", Secs(options_.lookup_timeout))),
+                   now, id);
   }
   while (!renewal_deadlines_.empty() && std::get<0>(*renewal_deadlines_.begin()) <= now) {
     const auto [deadline, endpoint, id] = *renewal_deadlines_.begin();
@@ -1321,23 +1158,10 @@ void DecodeSession::OnTimeout(TimePoint now) {
 }
 
 void DecodeSession::SweepEngines(TimePoint now) {
-  if (now < next_sweep_) return;
-  next_sweep_ = now + kEngineSweep;
+  if (!engines_.SweepDue(now)) return;
   std::unordered_set<core::EngineId> named;
   for (const auto& [request, tracked] : tracked_) named.insert(tracked.engine);
-  for (auto it = engines_.begin(); it != engines_.end();) {
-    const EngineState& s = it->second;
-    const bool unreached = !s.view && !s.declared_down && s.lookups.empty() &&
-                           s.failed_until <= now && s.waiting_loads.empty() &&
-                           s.waiting_renewals.empty() && s.waiting_releases.empty() &&
-                           s.pending_releases.empty();
-    if (unreached && named.count(it->first) == 0) {
-      it = engines_.erase(it);
-      ++counters_.engines_forgotten;
-    } else {
-      ++it;
-    }
-  }
+  engines_.Sweep(now, named);
 }
 
 TimePoint DecodeSession::NextDeadline() const {
@@ -1352,10 +1176,7 @@ TimePoint DecodeSession::NextDeadline() const {
   }
   next = std::min(next, release_due_);
   next = std::min(next, fences_.NextRetry());
-  for (const auto& [engine, state] : engines_) {
-    for (const auto& [address, lookup] : state.lookups) next = std::min(next, lookup.deadline);
-  }
-  return next;
+  return std::min(next, engines_.NextDeadline());
 }
 
 // ---- output ----
@@ -1378,7 +1199,7 @@ void DecodeSession::DrainLedger(TimePoint now) {
   }
 }
 
-std::vector<LookupRequest> DecodeSession::TakeLookups() { return std::exchange(lookups_out_, {}); }
+std::vector<LookupRequest> DecodeSession::TakeLookups() { return engines_.TakeLookups(); }
 
 std::vector<Transmit> DecodeSession::TakeMessages() { return std::exchange(messages_out_, {}); }
 
@@ -1399,6 +1220,10 @@ DecodeStats DecodeSession::stats() const {
   s.tracked = renewals_.tracked();
   s.receiving = loading_.size();
   s.engines_known = engines_.size();
+  s.lookups = engines_.stats().lookups;
+  s.lookup_failures = engines_.stats().lookup_failures;
+  s.lookups_stale = engines_.stats().lookups_stale;
+  s.engines_forgotten = engines_.stats().engines_forgotten;
   return s;
 }
 

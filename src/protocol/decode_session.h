@@ -3,8 +3,8 @@
 //
 // It owns what D decides: the receive ledger (through protocol::Ledger: who may still write
 // into which blocks), the renewal schedule (core::RenewalScheduler), what D knows of each P
-// engine (lookups, their failures, incarnations), every pull in flight with its deadline, the
-// renewal passes with theirs, and the fences it asks for. No sockets, threads or clock reads:
+// engine (KnownEngines: views, lookups, their failures, incarnations), every pull in flight with
+// its deadline, the renewal passes with theirs, and the fences it asks for (FenceBook). No sockets, threads or clock reads:
 // every call takes `now`; decisions come out of the Take*() queues —
 //   TakeLookups()   bootstrap lookups to make (at most one in flight per engine and address),
 //   TakeMessages()  Pulls and Renewals to send, each to an endpoint (a P worker's side channel),
@@ -84,6 +84,7 @@
 #include "kvferry/status.h"
 #include "protocol/endpoint_pool.h"
 #include "protocol/fence_book.h"
+#include "protocol/known_engines.h"
 #include "protocol/ledger.h"
 #include "wire/messages.h"
 
@@ -94,24 +95,6 @@ using namespace std::chrono_literals;
 // EndpointId (endpoint_pool.h): one P worker's side channel as the session names it (one socket
 // in the runtime). Never reused: an endpoint closed (TakeClosedEndpoints) and needed again for
 // the same address gets a new id.
-
-// One remote-prefill request as the router describes it (vLLM's kv_transfer_params).
-struct RemoteSource {
-  core::TransferId transfer_id;
-  core::EngineId engine_id;       // remote_engine_id
-  std::string bootstrap_address;  // remote_bootstrap_addr
-};
-
-// What a lookup found out about a P engine.
-struct PeerEngine {
-  core::EngineId engine_id;
-  std::string incarnation;  // a new value: a new process
-  std::uint32_t tp_size = 1;
-  std::vector<std::string> side_channels;  // by P rank; size() == tp_size
-  // wire::kFeature* bits its workers read (bootstrap "protocol_features"); releases go only to
-  // an engine with wire::kFeatureRelease.
-  std::uint32_t features = 0;
-};
 
 struct DecodeSessionOptions {
   core::EngineId engine_id = "decode-0";
@@ -157,13 +140,6 @@ struct DecodeSessionOptions {
   // one has something in flight fails at once (a load: unsent, kResourceExhausted); the runtime
   // sizes its socket table to this.
   std::size_t max_endpoints = 4096;
-};
-
-// A bootstrap lookup to make; answer with OnLookup (or OnLookupFailed), passing its id.
-struct LookupRequest {
-  core::EngineId engine_id;
-  std::string bootstrap_address;
-  std::uint64_t id = 0;  // unique per session, increasing; never 0
 };
 
 struct Transmit {
@@ -461,12 +437,6 @@ class DecodeSession {
   }
 
  private:
-  struct Load {
-    core::RequestId request;
-    RemoteSource source;
-    std::vector<core::BlockId> blocks;
-    bool retried = false;  // sent again once after its only pull never left (OnSendFailed)
-  };
   struct PullOp {
     core::RequestId request;
     core::PeerId peer;
@@ -474,7 +444,7 @@ class DecodeSession {
     bool timed_out = false;
     bool sent = false;  // the pump handed it to a connection (OnSent)
     // The load, while it may still be retried: its only pull, never retried before.
-    std::optional<Load> retry;
+    std::optional<ParkedLoad> retry;
   };
   // A renewal or release awaiting its reply.
   struct ReplyOp {
@@ -497,67 +467,20 @@ class DecodeSession {
     std::map<std::uint64_t, ReplyOp> releases;  // by wire id
     std::uint32_t epoch = 0;  // bumped when a fence is asked for: later pulls are a new peer
   };
-  struct InFlightLookup {
-    std::uint64_t id = 0;
-    core::TimePoint deadline = core::kNever;
-  };
-  struct EngineState {
-    std::string bootstrap_address;
-    std::optional<PeerEngine> view;
-    // Lookups in flight by bootstrap address (at most kMaxLookupsPerEngine; usually one).
-    std::map<std::string, InFlightLookup> lookups;
-    std::uint64_t lookup_id = 0;     // the latest lookup asked
-    std::string lookup_address;      // where the latest lookup asked
-    std::string view_address;        // where `view` was learned
-    std::uint64_t lookup_floor = 0;  // answers to lookups with a lower id are stale
-    core::TimePoint failed_until =
-        core::TimePoint::min();  // a failed lookup is believed until then
-    Status failure;
-    // The bootstrap address whose lookup failed (failed_until); empty: the engine at any
-    // address (declared down by a liveness source).
-    std::string failure_address;
-    std::vector<Load> waiting_loads;
-    std::vector<std::vector<core::Fingerprint>> waiting_renewals;  // this pass's batches
-    // A pull to it timed out: the next load waits for a fresh lookup (the engine may have
-    // restarted elsewhere; if the lookup fails, the known view is used).
-    bool view_stale = false;
-    bool warned_lease = false;
-    std::vector<core::Fingerprint> pending_releases;  // batched until release_due_
-    std::vector<core::Fingerprint> waiting_releases;  // waiting for a lookup
-    bool releases_unsupported = false;                // it answered a Release with ERROR
-    // The view a liveness source declared down (OnEngineDown): loads fail while failed_until,
-    // but renewals still go there — the liveness source may be wrong (a partition, a lapsed
-    // registry lease) and P keeps its KV only while renewed. Cleared by the next lookup.
-    std::optional<PeerEngine> declared_down;
-  };
   // A request D has heard of and not yet finished (or settled): what to renew and release.
   struct Tracked {
     core::TransferId transfer;
     core::EngineId engine;
   };
-  EngineState& Engine(const core::EngineId& engine, const std::string& bootstrap_address);
-  // Asks for a lookup of `engine` at `address` (default: the latest address a request named)
-  // unless one is in flight there, or kMaxLookupsPerEngine are.
-  void RequestLookup(const core::EngineId& engine, EngineState& state, core::TimePoint now,
-                     const std::string* address = nullptr);
-  // The in-flight lookup `lookup_id` answers (0: the latest asked), removed from the state;
-  // nullopt if none is in flight under that id. Its key is the address it asked.
-  std::optional<std::string> TakeLookup(EngineState& state, std::uint64_t lookup_id);
-  // Whether a cached lookup failure covers a load naming `address`.
-  static bool FailureCovers(const EngineState& state, const std::string& address,
-                            core::TimePoint now);
-  // Where a waiting load's lookup asks: the address its request named, else the engine's latest.
-  static const std::string& LoadAddress(const EngineState& state, const Load& load);
-  // Asks for the lookups that what waits for `engine` needs and that are not in flight: at the
-  // latest address, and (while unpaired) at each address a waiting load named.
-  void LookUpForWaiting(const core::EngineId& engine, EngineState& state, core::TimePoint now);
-  // True (and counted, and a fresh lookup asked if anything waits) when the answer to
-  // `lookup_id` is stale: asked before the engine was last declared down.
-  bool StaleLookup(const core::EngineId& engine, EngineState& state, std::uint64_t lookup_id,
-                   core::TimePoint now);
-  // Drops the state of engines that were never reached (no view: lookups failed or never ran)
-  // and that no tracked request names any more, at most once per kEngineSweep: clients name
-  // engines, and one naming a new engine per request must not grow D's memory.
+  // The entry of `engine` (made on first use), and where its next lookup goes.
+  KnownEngine& Engine(const core::EngineId& engine, const std::string& bootstrap_address) {
+    return engines_.Note(engine, bootstrap_address);
+  }
+  // Sends what waited for a lookup to `view`: loads, then renewals, then releases.
+  void SendParked(const core::EngineId& engine, const PeerEngine& view, ParkedWork parked,
+                  core::TimePoint now);
+  // Forgets engines never reached that no tracked request names (KnownEngines::Sweep): clients
+  // name engines, and one naming a new engine per request must not grow D's memory.
   void SweepEngines(core::TimePoint now);
   // The endpoint of `address`, opened if needed (closing the least recently idle one when
   // max_endpoints are open); nullopt when every open one has something in flight.
@@ -576,8 +499,8 @@ class DecodeSession {
   // (EndpointPool), with the ledger peers they carried.
   void CloseIdleEndpoints();
   core::PeerId PeerFor(EndpointId endpoint, const std::string& incarnation);
-  void SendLoad(Load load, const PeerEngine& view, core::TimePoint now);
-  void FailLoad(Load load, Status why, core::TimePoint now);
+  void SendLoad(ParkedLoad load, const PeerEngine& view, core::TimePoint now);
+  void FailLoad(ParkedLoad load, Status why, core::TimePoint now);
   void ForgetPull(EndpointId endpoint, std::map<std::uint64_t, PullOp>::iterator op);
   void SendRenewals(const core::EngineId& engine, const PeerEngine& view,
                     std::span<const core::Fingerprint> ids, core::TimePoint now);
@@ -609,9 +532,6 @@ class DecodeSession {
   // Gives up on every pull of the process `incarnation` (as at their deadlines) and fences the
   // epochs they belong to. The caller drains the ledger.
   void GiveUpOnProcess(const std::string& incarnation, const Status& failure);
-  // Every engine whose view names the side channel `address` is looked up again before its
-  // next load or renewal pass: something said the process there may be gone.
-  void MarkViewsStale(const std::string& address);
   // Fences every epoch of `endpoint` not yet proved stopped — of `incarnation` only, when given
   // (another process behind the same address is another writer) — and starts a new epoch.
   void AskFence(EndpointId endpoint, const std::string* incarnation = nullptr);
@@ -635,8 +555,8 @@ class DecodeSession {
   std::unique_ptr<Ledger> ledger_;
   core::RenewalScheduler renewals_;
 
-  std::unordered_map<core::EngineId, EngineState> engines_;
-  core::TimePoint next_sweep_ = core::TimePoint::min();
+  // What D knows of each P engine: views, lookups, failures, what waits for a lookup.
+  KnownEngines engines_;
   // Open side channels, the idle LRU and the addresses of recently closed ones (a message's
   // unsent report may come after its endpoint went idle and closed: a release's reply is
   // awaited 2 s, a send 3 s).
@@ -657,8 +577,6 @@ class DecodeSession {
   std::unordered_set<core::RequestId> quarantined_;  // ReceiveDone quarantined, not released
   bool warned_fence_ = false;
 
-  std::vector<LookupRequest> lookups_out_;
-  std::uint64_t last_lookup_id_ = 0;
   std::vector<Transmit> messages_out_;
   std::vector<FenceRequest> fences_out_;
   std::vector<DecodeEvent> events_out_;
