@@ -745,6 +745,10 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
   if (!down) return;
   KnownEngine& state = *down->entry;
   std::vector<core::Fingerprint>& releases = down->parked.releases;
+  // Declared down before the parked loads fail: their releases (queued as they fail, and sent
+  // at once with release_delay 0) go to the process D knew, as every later one does (found by
+  // review: with release_delay 0 they were dropped, the view gone and none declared down yet).
+  if (down->view) engines_.DeclareDown(state, *down->view);
   for (ParkedLoad& load : down->parked.loads) FailLoad(std::move(load), state.failure(), now);
   if (!down->view) {
     // Down again before any lookup: the process declared down earlier may still hold the KV.
@@ -756,7 +760,6 @@ void DecodeSession::OnEngineDown(const core::EngineId& engine, const Status& why
     return;
   }
   const PeerEngine& view = *down->view;
-  engines_.DeclareDown(state, view);
   // The word of a liveness source is advisory: a P cut off (or frozen) past its registry TTL
   // lives on and holds the KV of these transfers, so the releases still go to the process D
   // knew (found with the test hosts: without them a P thawed after a freeze kept the KV of

@@ -1244,6 +1244,32 @@ TEST_F(DecodeSessionTest, ReleaseGoesToEveryPrefillRankTheRequestPullsFrom) {
   EXPECT_EQ(s().stats().releases_sent, 2u) << "per P rank";
 }
 
+// Found by review: with release_delay 0, a load waiting for a refresh when its engine was declared
+// down failed before the view was kept as the declared-down one, so its release, sent at once,
+// found nowhere to go and was dropped; P kept the KV it had prefilled until its lease ran out.
+TEST_F(DecodeSessionTest, AWaitingLoadFailedByADownIsReleasedToTheProcessDeclaredDownAtOnce) {
+  DecodeSessionOptions o = Options();
+  o.release_delay = 0ms;
+  Make(o);
+  s().OnLookup(Engine("p"), kT0);
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1, 2}, kT0).ok());
+  std::vector<Transmit> out = s().TakeMessages();
+  ASSERT_EQ(out.size(), 1u);
+  s().OnSendFailed(out[0].endpoint, std::get<wire::Pull>(out[0].message).id,
+                   Status(ErrorCode::kUnavailable, "no connection"), kT0 + 3s);
+  ASSERT_EQ(s().TakeLookups().size(), 1u) << "the load waits for a refresh";
+  s().OnEngineDown("p", Status(ErrorCode::kUnavailable, "left etcd"), kT0 + 3s);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok);
+  std::vector<Transmit> releases = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(releases.size(), 1u) << "dropped: " << s().stats().releases_dropped;
+  EXPECT_EQ(releases[0].address, "p/0");
+  EXPECT_EQ(ReleaseOf(releases[0]).fingerprints,
+            std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+  EXPECT_EQ(s().stats().releases_dropped, 0u);
+}
+
 TEST_F(DecodeSessionTest, SeveralRequestsFinishedWithinTheDelayGoInOneRelease) {
   Make();
   s().OnLookup(Engine("p"), kT0);
