@@ -11,13 +11,10 @@
 #include <thread>
 #include <unordered_map>
 
+#include "harness/engine_ranks.h"
 #include "harness/metrics.h"
 #include "harness/trace_file.h"
 #include "kvferry/core/block_pool.h"
-#include "kvferry/transport/ucx.h"
-#include "runtime/decode_driver.h"
-#include "runtime/prefill_driver.h"
-#include "runtime/decode_worker.h"
 
 namespace kvferry::harness {
 
@@ -49,10 +46,6 @@ std::vector<StreamEvent> RequestStream::Wait(Clock::time_point deadline) {
 // ServingEngine internals
 
 namespace {
-
-// How long the engine thread waits for a hold-table command to be acknowledged. The listener
-// answers commands between messages, so this is only hit when a listener is wedged.
-constexpr auto kListenerAckTimeout = std::chrono::seconds(5);
 
 // The pool's trace lines (demo_trace.h reads them): one per allocation and free, with the
 // block's new generation. Owners are request handles; the request id is "req-<handle>".
@@ -148,18 +141,17 @@ struct ServingEngine::Impl {
 
   EngineOptions& options;
   std::uint64_t block_len = 0;
-  std::vector<std::shared_ptr<transport::Engine>> transports;
-  std::vector<std::unique_ptr<runtime::PrefillWorker>> prefill;
-  std::vector<std::unique_ptr<runtime::DecodeWorker>> decode;
-  std::vector<std::thread> collectors;
   std::unique_ptr<core::BlockPool> pool;  // engine thread only; owners are request handles
+  // kvferry's runtime under this engine: per rank a data plane and a worker, and the drivers.
+  std::unique_ptr<EngineRanks> ranks;
   // D: the glue between this engine and its ranks' workers (engine thread only): the
-  // protocol::DecodeAdapter the simulator and the vLLM connector drive too.
-  std::unique_ptr<runtime::DecodeDriver> driver;
+  // protocol::DecodeAdapter the simulator and the vLLM connector drive too. Null once stopped.
+  runtime::DecodeDriver* driver = nullptr;
   // P: its twin over protocol::PrefillAdapter, under p_driver_mu: HTTP threads admit through it
-  // (Submit answers a refusal at once), the engine thread hands off and frees through it.
+  // (Submit answers a refusal at once), the engine thread hands off and frees through it. Null
+  // once stopped (a call then changes nothing).
   std::mutex p_driver_mu;
-  std::unique_ptr<runtime::PrefillDriver> p_driver;
+  runtime::PrefillDriver* p_driver = nullptr;
 
   // Inbox and lifecycle.
   std::mutex mu;
@@ -167,7 +159,6 @@ struct ServingEngine::Impl {
   Inbox inbox;
   bool stopping = false;
   bool stopped = false;  // Shutdown finished
-  std::atomic<bool> collectors_stop{false};
   std::atomic<std::uint64_t> next_handle{1};
   std::size_t queued = 0;  // requests submitted and not yet finished (under mu)
 
@@ -185,7 +176,6 @@ struct ServingEngine::Impl {
   // ----- lifecycle
   Status StartRanks();
   void Loop();
-  void Collect(std::uint32_t rank);
 
   // ----- engine thread
   void Apply(Inbox& in);
@@ -196,8 +186,9 @@ struct ServingEngine::Impl {
   template <typename Call>
   std::vector<protocol::PrefillAdapterEvent> WithPrefillDriver(Call&& call) {
     std::lock_guard<std::mutex> lock(p_driver_mu);
-    call(*p_driver);
     std::vector<protocol::PrefillAdapterEvent> events;
+    if (p_driver == nullptr) return events;  // stopped
+    call(*p_driver);
     for (std::vector<protocol::PrefillAdapterEvent> got = p_driver->Pump(); !got.empty();
          got = p_driver->Pump()) {
       for (auto& e : got) events.push_back(std::move(e));
@@ -268,147 +259,33 @@ Result<std::unique_ptr<ServingEngine>> ServingEngine::Start(EngineOptions option
 }
 
 Status ServingEngine::Impl::StartRanks() {
-  const std::uint32_t tp = options.geometry.tp;
-  for (std::uint32_t rank = 0; rank < tp; ++rank) {
-    transport::UcxOptions ucx;
-    ucx.name = fmt::format("{}-r{}", options.ucx_name, rank);
-    ucx.fence_writes = options.role == Role::kDecode && options.fence_writes;
-    auto made = transport::MakeUcxEngine(ucx);
-    if (!made) {
-      return Status(made.error().code(),
-                    fmt::format("rank {}: UCX: {}", rank, made.error().message()));
+  EngineRanks::Callbacks callbacks;
+  // On kvferry's threads: hand the work to the engine thread, never block.
+  callbacks.on_hold = [this](std::uint32_t rank, const core::HoldEvent& event) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      inbox.holds.push_back({rank, event});
     }
-    transports.push_back(std::shared_ptr<transport::Engine>(std::move(*made)));
-  }
-  if (options.role == Role::kPrefill) {
-    for (std::uint32_t rank = 0; rank < tp; ++rank) {
-      runtime::PrefillWorkerOptions o;
-      o.engine_id = options.engine_id;
-      o.tp_size = tp;
-      o.tp_rank = rank;
-      o.kv_heads = options.geometry.kv_heads;
-      o.block_len = block_len;
-      o.num_blocks = options.num_blocks;
-      o.hold = options.hold;
-      o.num_senders = options.num_senders;
-      o.bootstrap_address = options.bootstrap_address;
-      o.incarnation = options.incarnation;
-      o.cluster_secret = options.cluster_secret;
-      o.side_channel_endpoint = fmt::format("tcp://{}:0", options.side_channel_host);
-      auto listed = [rank](const std::vector<std::uint32_t>& ranks) {
-        return std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
-      };
-      WriteFaults faults;
-      faults.seed = options.faults.seed + rank;
-      if (listed(options.fault_err_ranks)) {
-        faults.err_after_write_fraction = options.faults.err_after_write_fraction;
-      }
-      if (listed(options.fault_delay_ranks))
-        faults.max_write_delay = options.faults.max_write_delay;
-      if (faults.any()) {
-        o.decorate_writer = [faults](std::shared_ptr<control::KvWriter> writer) {
-          return std::make_shared<FaultInjectingWriter>(std::move(writer), faults);
-        };
-      }
-      TraceFile* trace = options.trace.get();
-      o.trace = [this, trace, rank](runtime::WritePhase phase, const protocol::PullContext& ctx,
-                                    const protocol::WriteJob& job, core::TimePoint t,
-                                    const Status& status) {
-        // Start and end of one write run on the same sender thread (Write is synchronous).
-        thread_local core::TimePoint started{};
-        if (phase == runtime::WritePhase::kStart) {
-          started = t;
-        } else {
-          std::lock_guard<std::mutex> lock(stats_mu);
-          stats.write_latency.Observe(std::chrono::duration<double>(t - started).count());
-        }
-        if (trace == nullptr) return;
-        // Ids come from the network: nlohmann escapes them.
-        nlohmann::json line = {
-            {"t_ns",
-             std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count()},
-            {"role", "prefill"},
-            {"event", phase == runtime::WritePhase::kStart ? "write_start" : "write_end"},
-            {"transfer_id", job.transfer_id},
-            {"d_req_id", job.d_req_id},
-            {"d_engine_id", ctx.d_engine_id},
-            {"d_rank", ctx.d_tp_rank},
-            {"p_rank", rank},
-            {"dst_blocks", job.dst_block_ids},
-        };
-        if (phase == runtime::WritePhase::kEnd) line["status"] = status.ToString();
-        trace->Line(line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
-      };
-      auto on_hold = [this, rank](const core::HoldEvent& event) {
-        // Listener thread: must not block. The engine thread acts on it.
-        if (event.kind != core::HoldEvent::Kind::kFreeBlocks &&
-            event.kind != core::HoldEvent::Kind::kAbortPrefill) {
-          return;
-        }
-        {
-          std::lock_guard<std::mutex> lock(mu);
-          inbox.holds.push_back({rank, event});
-        }
-        cv.notify_all();
-      };
-      auto worker = runtime::PrefillWorker::Start(o, transports[rank], on_hold);
-      if (!worker) {
-        return Status(worker.error().code(),
-                      fmt::format("prefill rank {}: {}", rank, worker.error().message()));
-      }
-      prefill.push_back(std::move(*worker));
-    }
-    std::vector<runtime::PrefillWorker*> ranks;
-    for (auto& worker : prefill) ranks.push_back(worker.get());
-    p_driver = std::make_unique<runtime::PrefillDriver>(std::move(ranks), kListenerAckTimeout);
-  } else {
-    for (std::uint32_t rank = 0; rank < tp; ++rank) {
-      runtime::DecodeWorkerOptions o;
-      o.engine_id = options.engine_id;
-      o.tp_size = tp;
-      o.tp_rank = rank;
-      o.block_len = block_len;
-      o.num_blocks = options.num_blocks;
-      o.lease = options.lease;
-      o.abort_request_timeout =
-          std::chrono::ceil<std::chrono::milliseconds>(options.hold.abort_request_timeout);
-      o.write_bound = options.write_bound;
-      o.pull_timeout = options.pull_timeout;
-      o.send_releases = options.send_releases;
-      o.cluster_secret = options.cluster_secret;
-      o.registry_lookup = options.registry_lookup;
-      auto warn = [this, rank](std::string_view message) {
-        spdlog::warn("[{} r{}] {}", options.engine_id, rank, message);
-      };
-      auto worker = runtime::DecodeWorker::Start(o, transports[rank], warn);
-      if (!worker) {
-        return Status(worker.error().code(),
-                      fmt::format("decode rank {}: {}", rank, worker.error().message()));
-      }
-      decode.push_back(std::move(*worker));
-    }
-    std::vector<runtime::DecodeWorker*> ranks;
-    for (auto& worker : decode) ranks.push_back(worker.get());
-    driver = std::make_unique<runtime::DecodeDriver>(std::move(ranks));
-    for (std::uint32_t rank = 0; rank < tp; ++rank) {
-      collectors.emplace_back([this, rank] { Collect(rank); });
-    }
-  }
-  return Status::Ok();
-}
-
-void ServingEngine::Impl::Collect(std::uint32_t rank) {
-  // One owner per rank's finished queue: this thread moves it into the engine's inbox.
-  while (!collectors_stop.load()) {
-    runtime::DecodeFinished finished =
-        decode[rank]->WaitFinished(Clock::now() + std::chrono::milliseconds(100));
-    if (finished.empty()) continue;
+    cv.notify_all();
+  };
+  callbacks.on_write = [this](double seconds) {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    stats.write_latency.Observe(seconds);
+  };
+  callbacks.on_finished = [this](std::uint32_t rank, runtime::DecodeFinished finished) {
     {
       std::lock_guard<std::mutex> lock(mu);
       inbox.recvs.push_back({rank, std::move(finished)});
     }
     cv.notify_all();
-  }
+  };
+  Result<std::unique_ptr<EngineRanks>> started = EngineRanks::Start(options, std::move(callbacks));
+  if (!started) return started.error();
+  ranks = std::move(*started);
+  driver = ranks->decode_driver();
+  std::lock_guard<std::mutex> lock(p_driver_mu);
+  p_driver = ranks->prefill_driver();
+  return Status::Ok();
 }
 
 ServingEngine::~ServingEngine() { Shutdown(); }
@@ -423,18 +300,15 @@ void ServingEngine::Shutdown() {
   }
   impl.cv.notify_all();
   if (impl.thread.joinable()) impl.thread.join();
-  impl.collectors_stop = true;
-  for (std::thread& t : impl.collectors) t.join();
-  impl.collectors.clear();
-  // P: Stop drains in-flight writes before each region is deregistered.
-  for (auto& worker : impl.prefill) {
-    Status stopped = worker->Stop();
-    if (!stopped.ok()) spdlog::warn("prefill worker stop: {}", stopped.ToString());
+  if (impl.ranks) {
+    {
+      // HTTP threads still admitting find no driver from now on: nothing reaches a stopped rank.
+      std::lock_guard<std::mutex> lock(impl.p_driver_mu);
+      impl.p_driver = nullptr;
+    }
+    impl.driver = nullptr;
+    impl.ranks->Stop();  // P's writes in flight drained, D's pullers joined
   }
-  impl.prefill.clear();
-  // D: the destructor joins pullers (a pull in flight ends at its deadline at the latest).
-  impl.decode.clear();
-  impl.transports.clear();
   std::lock_guard<std::mutex> lock(impl.mu);
   impl.stopped = true;
 }
@@ -543,7 +417,7 @@ Result<std::shared_ptr<RequestStream>> ServingEngine::Enqueue(const CompletionSp
       {
         // Refused: this request will not be prefilled; the adapter forgets the transfer.
         std::lock_guard<std::mutex> lock(impl.p_driver_mu);
-        if (impl.p_driver->handle_of(spec.transfer_id) == r->handle) {
+        if (impl.p_driver != nullptr && impl.p_driver->handle_of(spec.transfer_id) == r->handle) {
           impl.p_driver->Finish(spec.transfer_id);
         }
       }
@@ -563,17 +437,19 @@ Result<std::shared_ptr<RequestStream>> ServingEngine::Enqueue(const CompletionSp
 }
 
 void ServingEngine::EngineDown(const std::string& engine_id, const Status& why) {
-  for (auto& worker : impl_->decode) worker->EngineDown(engine_id, why);
+  for (auto& worker : impl_->ranks->decode_workers()) worker->EngineDown(engine_id, why);
 }
 
 void ServingEngine::ProcessGone(const std::string& engine_id, const std::string& incarnation,
                                 const Status& why) {
-  for (auto& worker : impl_->decode) worker->ProcessGone(engine_id, incarnation, why);
+  for (auto& worker : impl_->ranks->decode_workers()) {
+    worker->ProcessGone(engine_id, incarnation, why);
+  }
 }
 
 std::vector<control::WorkerRegistration> ServingEngine::Registrations() const {
   std::vector<control::WorkerRegistration> out;
-  for (const auto& worker : impl_->prefill) out.push_back(worker->registration());
+  for (const auto& worker : impl_->ranks->prefill_workers()) out.push_back(worker->registration());
   return out;
 }
 
@@ -769,7 +645,7 @@ void ServingEngine::Impl::OnReceiveDone(Request& r) {
     std::lock_guard<std::mutex> lock(stats_mu);
     stats.transfer_latency.Observe(
         std::chrono::duration<double>(Clock::now() - r.load_start).count());
-    if (ok) stats.received_bytes += std::uint64_t{kv_blocks} * block_len * decode.size();
+    if (ok) stats.received_bytes += std::uint64_t{kv_blocks} * block_len * ranks->size();
   }
   if (r.answered) {  // aborted while receiving: only the blocks are left to settle
     MaybeRelease(r);
@@ -789,8 +665,8 @@ void ServingEngine::Impl::OnReceiveDone(Request& r) {
   std::uint32_t corrupt = 0;
   for (std::uint32_t i = 0; i < kv_blocks; ++i) {
     bool good = true;
-    for (std::uint32_t rank = 0; rank < decode.size() && good; ++rank) {
-      good = VerifyBlock(decode[rank]->kv() + std::uint64_t{r.blocks[i]} * block_len,
+    for (std::uint32_t rank = 0; rank < ranks->size() && good; ++rank) {
+      good = VerifyBlock(ranks->kv(rank) + std::uint64_t{r.blocks[i]} * block_len,
                          options.geometry, rank, r.seed, i);
     }
     if (!good) ++corrupt;
@@ -927,7 +803,7 @@ void ServingEngine::Impl::FinishPrefill(Request& r) {
   // The KV of the prompt, as every rank holds it.
   const std::uint32_t kv_blocks = BlocksFor(r.spec.prompt_tokens, options.geometry.block_tokens);
   for (std::uint32_t rank = 0; rank < options.geometry.tp; ++rank) {
-    std::byte* kv = options.role == Role::kPrefill ? prefill[rank]->kv() : decode[rank]->kv();
+    std::byte* kv = ranks->kv(rank);
     for (std::uint32_t i = 0; i < kv_blocks; ++i) {
       FillBlock(kv + std::uint64_t{r.blocks[i]} * block_len, options.geometry, rank, r.seed, i);
     }
@@ -1219,7 +1095,7 @@ std::string ServingEngine::RenderMetrics() {
   if (o.role == Role::kPrefill) {
     control::ListenerStats ls;  // summed over ranks
     std::uint64_t bytes = 0;
-    for (auto& worker : impl.prefill) {
+    for (auto& worker : impl.ranks->prefill_workers()) {
       const control::ListenerStats x = worker->listener().Stats(std::chrono::milliseconds(200));
       core::AddStats<protocol::PrefillStats>(ls, x, protocol::kPrefillStatFields);
       core::AddStats<control::ListenerStats>(ls, x, control::kListenerStatFields);
@@ -1229,7 +1105,7 @@ std::string ServingEngine::RenderMetrics() {
     RenderPrefillMetrics(w, o, s, ls, bytes, impl.block_len * o.geometry.tp);
   } else {
     runtime::DecodeWorkerStats d;  // summed over ranks
-    for (auto& worker : impl.decode) {
+    for (auto& worker : impl.ranks->decode_workers()) {
       core::AddStats<protocol::DecodeStats>(d, worker->Stats(), protocol::kDecodeStatFields);
     }
     RenderDecodeMetrics(w, s, d);
