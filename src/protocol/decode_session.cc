@@ -292,8 +292,14 @@ void DecodeSession::OnLookupFailed(const core::EngineId& engine, const Status& w
   if (!failed) return;
   KnownEngine& state = *failed->entry;
   if (failed->refreshed) {
-    // A refresh failed: pull with what is known (the pulls' own deadlines decide).
+    // A refresh failed: pull with what is known (the pulls' own deadlines decide). The releases
+    // go last, together with any that sending the loads parked (a load that failed at once,
+    // with release_delay 0, is released while the view is still doubted).
+    std::vector<core::Fingerprint> releases = std::exchange(failed->parked.releases, {});
     SendParked(engine, *state.view(), std::move(failed->parked), now);
+    releases.insert(releases.end(), state.parked.releases.begin(), state.parked.releases.end());
+    state.parked.releases.clear();
+    if (!releases.empty()) SendReleases(engine, *state.view(), releases, now);
     return;
   }
   counters_.renewal_failures += failed->parked.renewals.size();

@@ -19,8 +19,8 @@
 //  - A new incarnation found at the very bootstrap the old one was learned from means the
 //    engine restarted (`Answered::replaced`); found elsewhere, it settles nothing.
 //  - Engines never reached, with nothing waiting and named by no tracked request, are forgotten
-//    (Sweep, at most once per 10 s): clients name engines, and one naming a new engine per
-//    request must not grow D's memory.
+//    (Sweep, when SweepDue says: at most once per 10 s): clients name engines, and one naming a
+//    new engine per request must not grow D's memory.
 //
 // Not thread-safe: one owner calls everything.
 #pragma once

@@ -80,9 +80,13 @@ TEST(AheadWrites, LayersOfOtherBlocksThanTheFirstCallsAreNotWrittenAhead) {
 
 TEST(AheadWrites, TheOwnWriteAndTheListingWaitForTheWriteInFlightAndAreHandedBackOnce) {
   AheadWrites ahead(2);
+  ASSERT_TRUE(Note(ahead, kA, {0}));
   ahead.HoldSend(kA);  // nothing in flight: nothing to wait for, nothing kept
   EXPECT_FALSE(ahead.Defer(kA, {}));
-  ASSERT_TRUE(Note(ahead, kA, {0}));
+  ASSERT_FALSE(ahead.Begin(kA, "t").empty());
+  EXPECT_EQ(ahead.End(kA, "t", WriteOutcome::Landed()).then, Then::kNothing)
+      << "a HoldSend with no write in flight was kept";
+  ASSERT_TRUE(Note(ahead, kA, {1}));
   ASSERT_FALSE(ahead.Begin(kA, "t").empty());
   ahead.HoldSend(kA);
   EXPECT_EQ(ahead.End(kA, "t", WriteOutcome::Landed()).then, Then::kSend);

@@ -171,7 +171,7 @@ TEST(KnownEngines, AnAnswerAskedBeforeADownIsStaleAndWhatWaitsIsAskedForAgain) {
   EXPECT_TRUE(engines.OnAnswer(View("alive"), kT0 + seconds(1), fresh).has_value());
 }
 
-TEST(KnownEngines, ADownKeepsTheViewWhereRenewalsGoUntilTheNextAnswer) {
+TEST(KnownEngines, ADownKeepsTheViewAsDeclaredDownUntilTheNextAnswer) {
   KnownEngines engines(kTimeout, kTtl);
   KnownEngine& p = engines.Note("p", "http://a");
   engines.Ask("p", p, kT0);
@@ -241,24 +241,31 @@ TEST(KnownEngines, EnginesNeverReachedAndNoLongerNamedAreForgotten) {
 }
 
 // Whatever the order of asks, answers, failures, deadlines, downs and processes gone: lookup ids
-// increase; an engine has at most one lookup in flight per address and four in all; every load
-// parked is handed back at most once, and is either handed back or still parked.
-RC_GTEST_PROP(KnownEngines, LookupsStayBoundedAndParkedLoadsAreHandedBackExactlyOnce, ()) {
+// increase; an engine has at most one lookup in flight per address and four in all; every load,
+// renewal batch and release parked is handed back at most once, and is either handed back or
+// still parked.
+RC_GTEST_PROP(KnownEngines, LookupsStayBoundedAndParkedWorkIsHandedBackExactlyOnce, ()) {
   KnownEngines engines(kTimeout, kTtl);
   const std::vector<std::string> names = {"p", "q"};
   const std::vector<std::string> addresses = {"",         "http://a", "http://b",
                                               "http://c", "http://d", "http://e"};
   std::map<std::uint64_t, LookupRequest> asked;  // every lookup ever asked, by id
-  std::set<std::string> parked;                  // requests parked, not yet handed back
+  // What was parked and not yet handed back, and what was: loads by request, renewal batches
+  // and releases by fingerprint (each made once).
+  std::set<std::string> parked;
   std::set<std::string> handed_back;
   std::uint64_t last_id = 0;
   int next_request = 0;
+  core::Fingerprint next_fingerprint = 1;
   core::TimePoint now = kT0;
+  auto hand_back = [&](const std::string& what) {
+    RC_ASSERT(parked.erase(what) == 1u);
+    RC_ASSERT(handed_back.insert(what).second);
+  };
   auto take = [&](const ParkedWork& work) {
-    for (const ParkedLoad& load : work.loads) {
-      RC_ASSERT(parked.erase(load.request) == 1u);
-      RC_ASSERT(handed_back.insert(load.request).second);
-    }
+    for (const ParkedLoad& load : work.loads) hand_back("load " + load.request);
+    for (const auto& batch : work.renewals) hand_back("renewal " + std::to_string(batch.at(0)));
+    for (core::Fingerprint f : work.releases) hand_back("release " + std::to_string(f));
   };
   const int steps = *rc::gen::inRange(1, 80);
   for (int step = 0; step < steps; ++step) {
@@ -269,12 +276,25 @@ RC_GTEST_PROP(KnownEngines, LookupsStayBoundedAndParkedLoadsAreHandedBackExactly
     const std::uint64_t some_id =
         ids.empty() ? 0 : ids[*rc::gen::inRange<std::size_t>(0, ids.size())];
     switch (*rc::gen::inRange(0, 8)) {
-      case 0: {  // a load parks and asks
+      case 0: {  // a load, a renewal batch or a release parks and asks
         KnownEngine& e = engines.Note(engine, address);
-        const std::string request = "r" + std::to_string(next_request++);
-        e.parked.loads.push_back(
-            ParkedLoad{request, RemoteSource{"x" + request, engine, address}, {1}});
-        parked.insert(request);
+        switch (*rc::gen::inRange(0, 3)) {
+          case 0: {
+            const std::string request = "r" + std::to_string(next_request++);
+            e.parked.loads.push_back(
+                ParkedLoad{request, RemoteSource{"x" + request, engine, address}, {1}});
+            parked.insert("load " + request);
+            break;
+          }
+          case 1:
+            e.parked.renewals.push_back({next_fingerprint});
+            parked.insert("renewal " + std::to_string(next_fingerprint++));
+            break;
+          default:
+            e.parked.releases.push_back(next_fingerprint);
+            parked.insert("release " + std::to_string(next_fingerprint++));
+            break;
+        }
         engines.AskForParked(engine, e, now);
         break;
       }
@@ -336,7 +356,15 @@ RC_GTEST_PROP(KnownEngines, LookupsStayBoundedAndParkedLoadsAreHandedBackExactly
   std::set<std::string> still;
   for (const std::string& name : names) {
     if (const KnownEngine* e = engines.Find(name)) {
-      for (const ParkedLoad& load : e->parked.loads) RC_ASSERT(still.insert(load.request).second);
+      for (const ParkedLoad& load : e->parked.loads) {
+        RC_ASSERT(still.insert("load " + load.request).second);
+      }
+      for (const auto& batch : e->parked.renewals) {
+        RC_ASSERT(still.insert("renewal " + std::to_string(batch.at(0))).second);
+      }
+      for (core::Fingerprint f : e->parked.releases) {
+        RC_ASSERT(still.insert("release " + std::to_string(f)).second);
+      }
     }
   }
   RC_ASSERT(still == parked);
