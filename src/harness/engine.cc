@@ -182,7 +182,8 @@ struct ServingEngine::Impl {
   void AddRequest(std::unique_ptr<Request> r);
   void ApplyAbort(std::uint64_t handle);
   void ApplyHold(const HoldNote& note);
-  // Runs `call` on P's driver and pumps it (under p_driver_mu); returns the events.
+  // Runs `call` on P's driver and pumps it (under p_driver_mu); returns the events. Once the
+  // ranks stopped, runs nothing and returns none.
   template <typename Call>
   std::vector<protocol::PrefillAdapterEvent> WithPrefillDriver(Call&& call) {
     std::lock_guard<std::mutex> lock(p_driver_mu);
@@ -400,7 +401,8 @@ Result<std::shared_ptr<RequestStream>> ServingEngine::Enqueue(const CompletionSp
     // Admit with every rank before the request can run, so a pull that arrives first finds the
     // entry, and a decoder that dies while the request queues aborts it (SPEC §4). The adapter
     // rolls back the ranks that admitted when another refused.
-    Status first;
+    // Stays so when the ranks stopped since the check above (a shutdown racing this request).
+    Status first(ErrorCode::kUnavailable, "shutting down");
     std::vector<protocol::PrefillAdapterEvent> events =
         impl.WithPrefillDriver([&](runtime::PrefillDriver& d) {
           first = d.Admit(spec.transfer_id, r->handle);

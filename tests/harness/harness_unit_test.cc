@@ -1,6 +1,6 @@
 // Unit tests of the serving engine's pieces: the --kv-transfer-config parser, the KV byte
 // pattern (and that TP slices composed through core/tp_plan verify on D), the fault-injecting
-// writer, and the /v1/completions body parser.
+// writer, the /v1/completions body parser, and the runtime under the engine (EngineRanks).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "control/side_channel_listener.h"
+#include "harness/engine_ranks.h"
 #include "harness/fault_writer.h"
 #include "harness/http_front.h"
 #include "harness/kv_pattern.h"
@@ -99,6 +100,50 @@ TEST(KvTransferConfig, RejectsBadInput) {
   EXPECT_FALSE(ParseKvTransferConfig("{}", [](std::string_view) {
                  return std::optional<std::string>("abc");
                }).has_value());
+}
+
+EngineOptions RanksOptions(Role role, std::uint32_t tp) {
+  EngineOptions o;
+  o.role = role;
+  o.engine_id = role == Role::kPrefill ? "ranks-p" : "ranks-d";
+  o.geometry.tp = tp;
+  o.num_blocks = 8;
+  o.ucx_name = "ranks-test";
+  return o;
+}
+
+TEST(EngineRanks, EveryRankOfTheRoleStartsWithItsDriverAndAStopMayBeRepeated) {
+  for (const Role role : {Role::kPrefill, Role::kDecode}) {
+    SCOPED_TRACE(role == Role::kPrefill ? "P" : "D");
+    const EngineOptions o = RanksOptions(role, 2);
+    Result<std::unique_ptr<EngineRanks>> started = EngineRanks::Start(o, {});
+    ASSERT_TRUE(started) << started.error().ToString();
+    EngineRanks& ranks = **started;
+    ASSERT_EQ(ranks.size(), 2u);
+    ASSERT_NE(ranks.kv(0), nullptr);
+    ASSERT_NE(ranks.kv(1), nullptr);
+    EXPECT_NE(ranks.kv(0), ranks.kv(1)) << "each rank has a region of its own";
+    EXPECT_EQ(ranks.prefill_driver() != nullptr, role == Role::kPrefill);
+    EXPECT_EQ(ranks.decode_driver() != nullptr, role == Role::kDecode);
+    EXPECT_EQ(ranks.prefill_workers().size(), role == Role::kPrefill ? 2u : 0u);
+    EXPECT_EQ(ranks.decode_workers().size(), role == Role::kDecode ? 2u : 0u);
+    ranks.Stop();
+    EXPECT_EQ(ranks.size(), 0u);
+    EXPECT_EQ(ranks.prefill_driver(), nullptr);
+    EXPECT_EQ(ranks.decode_driver(), nullptr);
+    EXPECT_TRUE(ranks.prefill_workers().empty());
+    EXPECT_TRUE(ranks.decode_workers().empty());
+    ranks.Stop();  // nothing left to stop; the destructor stops once more
+  }
+}
+
+TEST(EngineRanks, ARankThatCannotStartFailsTheWholeStartNamingIt) {
+  EngineOptions o = RanksOptions(Role::kPrefill, 2);
+  o.side_channel_host = "256.0.0.1";  // no such address: rank 0's side channel cannot bind
+  Result<std::unique_ptr<EngineRanks>> started = EngineRanks::Start(o, {});
+  ASSERT_FALSE(started);
+  EXPECT_NE(started.error().message().find("prefill rank 0"), std::string::npos)
+      << started.error().ToString();
 }
 
 TEST(KvPattern, VerifiesOnlyTheRightTransferAndHeads) {
