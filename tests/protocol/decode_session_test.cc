@@ -1270,6 +1270,38 @@ TEST_F(DecodeSessionTest, AWaitingLoadFailedByADownIsReleasedToTheProcessDeclare
   EXPECT_EQ(s().stats().releases_dropped, 0u);
 }
 
+// Found by review of the KnownEngines split: after a failed refresh, the loads that waited go to
+// the known view; one that fails there at once (this rank cannot take head slices of a larger
+// TP) is released while the view is still doubted, and that release must go with the others to
+// the known view, not wait for yet another lookup.
+TEST_F(DecodeSessionTest, AReleaseQueuedWhileAFailedRefreshSendsItsLoadsGoesToTheKnownViewAtOnce) {
+  DecodeSessionOptions o = Options();
+  o.release_delay = 0ms;
+  o.head_slices = false;
+  Make(o);
+  s().OnLookup(Engine("p", 2), kT0);
+  s().OnNewRequest("r0", Source("x0"), kT0);
+  s().RequestFinished("r0", kT0);  // its release goes to both P ranks
+  std::vector<Transmit> out = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(out.size(), 2u);
+  s().OnSendFailed(out[0].endpoint, ReleaseOf(out[0]).id,
+                   Status(ErrorCode::kUnavailable, "no connection"), kT0 + 1s);  // view doubted
+  ASSERT_TRUE(s().StartLoad("r1", Source("x1"), {1}, kT0 + 1s).ok());
+  EXPECT_TRUE(s().TakeMessages().empty()) << "the load waits for the refresh";
+  std::vector<LookupRequest> lookups = s().TakeLookups();
+  ASSERT_EQ(lookups.size(), 1u);
+  s().OnLookupFailed("p", Status(ErrorCode::kUnavailable, "bootstrap down"), kT0 + 2s,
+                     lookups[0].id);
+  std::vector<ReceiveDone> done = Done();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_FALSE(done[0].ok) << "TP 2 to this rank needs head slices";
+  std::vector<Transmit> releases = ReleasesIn(s().TakeMessages());
+  ASSERT_EQ(releases.size(), 2u) << "x1's release waited for another lookup";
+  for (const Transmit& t : releases) {
+    EXPECT_EQ(ReleaseOf(t).fingerprints, std::vector<core::Fingerprint>{core::FingerprintOf("x1")});
+  }
+}
+
 TEST_F(DecodeSessionTest, SeveralRequestsFinishedWithinTheDelayGoInOneRelease) {
   Make();
   s().OnLookup(Engine("p"), kT0);
